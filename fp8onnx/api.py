@@ -1,0 +1,132 @@
+"""The smaller commands of the Python API: calibrate, convert_fp16, inspect."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import pathlib
+
+import numpy as np
+import onnx_ir as ir
+
+from .calibration import Stats, collect_amax
+from .data import as_data, input_specs
+from .errors import Fp8OnnxError
+from .model_io import check_output_path, load_model, save_model
+from .passes import ConvertFloat16Pass
+from .quantize import candidate_activations, prepare_model
+from .runtime import resolve_provider
+
+__all__ = ["calibrate", "convert_fp16", "inspect"]
+
+logger = logging.getLogger(__name__)
+_FP8_TYPES = {
+    ir.DataType.FLOAT8E4M3FN: "e4m3fn",
+    ir.DataType.FLOAT8E5M2: "e5m2",
+    ir.DataType.FLOAT8E4M3FNUZ: "e4m3fnuz",
+    ir.DataType.FLOAT8E5M2FNUZ: "e5m2fnuz",
+}
+
+
+def calibrate(
+    model: str | os.PathLike,
+    calib,
+    output: str | os.PathLike | None = None,
+    *,
+    batch_size: int = 16,
+    provider: str = "auto",
+    progress: bool = False,
+) -> Stats:
+    """Absolute maxima of every float activation input of every MatMul/Gemm, saved to ``output``."""
+    if output is not None:
+        check_output_path(output, model)
+    provider = resolve_provider(provider)
+    ir_model, _, _ = prepare_model(model)
+    names = candidate_activations(ir_model)
+    if not names:
+        raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")
+    data = as_data(calib, input_specs(ir_model))
+    n = getattr(data, "num_samples", None)
+    stats = collect_amax(
+        ir_model, names, data.batches(batch_size), provider=provider,
+        total=None if n is None else -(-n // batch_size), progress=progress,
+    )
+    if output is not None:
+        stats.save(output)
+    return stats
+
+
+def convert_fp16(model: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
+    """Write the FP16 baseline of ``model`` (inputs and outputs stay as they were)."""
+    out = check_output_path(output, model)
+    converted = ConvertFloat16Pass()(load_model(model)).model
+    return save_model(converted, out, what="FP16 model")
+
+
+def inspect(model: str | os.PathLike) -> dict:
+    """What is quantized in ``model``: float8 tensors with their scales, node counts and sizes."""
+    m = load_model(model)
+    graph = m.graph
+    tensors = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
+            continue
+        src = node.inputs[0]
+        fmt = _FP8_TYPES.get(src.dtype)
+        if fmt is None:
+            continue
+        scale = node.inputs[1].const_value.numpy() if node.inputs[1] is not None and node.inputs[1].const_value is not None else None
+        kind = "weight" if src.const_value is not None else "activation"
+        tensors.append(
+            {
+                "name": node.outputs[0].name,
+                "kind": kind,
+                "format": fmt,
+                "scale": None if scale is None else (float(scale) if scale.size == 1 else scale.tolist()),
+                "shape": None if src.shape is None else [d if isinstance(d, int) else str(d) for d in src.shape],
+                "consumers": sorted({u.node.op_type for u in node.outputs[0].uses()}),
+            }
+        )
+    ops = collections.Counter(n.op_type for n in ir.traversal.RecursiveGraphIterator(graph))
+    matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")]
+    fed = sum(
+        1 for n in matmuls
+        if any(v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear" for v in n.inputs[:2])
+    )
+    by_type: dict[str, int] = collections.defaultdict(int)
+    for v in graph.initializers.values():
+        if v.const_value is not None:
+            by_type[str(v.const_value.dtype)] += v.const_value.nbytes
+    meta = m.metadata_props.get("fp8onnx")
+    return {
+        "model": str(model),
+        "opset": m.opset_imports.get(""),
+        "matmul_gemm_nodes": len(matmuls),
+        "quantized_nodes": fed,
+        "float8_tensors": tensors,
+        "weight_bytes_by_type": dict(by_type),
+        "op_counts": dict(ops),
+        "fp8onnx": json.loads(meta) if meta else None,
+    }
+
+
+def inspect_summary(info: dict) -> str:
+    lines = [f"{info['model']}: opset {info['opset']}, {info['quantized_nodes']} of {info['matmul_gemm_nodes']} "
+             "MatMul/Gemm nodes read float8 inputs"]
+    if info["fp8onnx"]:
+        cfg = info["fp8onnx"]
+        lines.append(f"  written by fp8onnx {cfg.get('version')}: {cfg.get('format')}, {cfg.get('scaling')} scaling")
+    weights = [t for t in info["float8_tensors"] if t["kind"] == "weight"]
+    acts = [t for t in info["float8_tensors"] if t["kind"] == "activation"]
+    for label, group in (("weights", weights), ("activations", acts)):
+        if not group:
+            continue
+        scales = np.array([t["scale"] for t in group if isinstance(t["scale"], float)])
+        fmts = ", ".join(sorted({t["format"] for t in group}))
+        rng = f", scales {scales.min():.3g} .. {scales.max():.3g}" if scales.size else ""
+        lines.append(f"  {len(group)} float8 {label} ({fmts}){rng}")
+    sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(info["weight_bytes_by_type"].items()))
+    lines.append(f"  initializers: {sizes}")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Streaming calibration: each tensor's absolute maximum, computed inside the graph, batch by batch.
+
+The model is instrumented with ``AddAmaxOutputsPass`` so that onnxruntime returns one scalar per
+tensor per batch; only a running maximum per tensor is kept. Memory therefore does not depend on
+the number of calibration samples. Statistics can be saved as JSON (``fp8onnx calibrate``) and
+reused by ``fp8onnx quantize --stats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from .errors import Fp8OnnxError
+from .passes import AMAX_SUFFIX, AddAmaxOutputsPass
+from .progress import progress_bar
+from .runtime import session_for_model
+
+__all__ = ["Stats", "collect_amax", "weight_amax"]
+
+logger = logging.getLogger(__name__)
+STATS_VERSION = 1
+
+
+@dataclasses.dataclass
+class Stats:
+    """Per-tensor statistics of activations over a calibration set."""
+
+    amax: dict[str, float]
+    num_batches: int = 0
+    num_samples: int = 0
+    nonfinite: dict[str, int] = dataclasses.field(default_factory=dict)  # batches whose amax was NaN/Inf
+
+    def to_json(self) -> dict:
+        return {
+            "fp8onnx_stats_version": STATS_VERSION,
+            "num_batches": self.num_batches,
+            "num_samples": self.num_samples,
+            "amax": self.amax,
+            "nonfinite_batches": self.nonfinite,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        from .model_io import write_text_atomic
+
+        write_text_atomic(path, json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Stats:
+        path = pathlib.Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise Fp8OnnxError(f"Statistics file {str(path)!r} does not exist.") from None
+        except (OSError, ValueError) as exc:
+            raise Fp8OnnxError(f"Statistics file {str(path)!r} is not readable JSON ({exc}).") from None
+        if not isinstance(doc, dict) or doc.get("fp8onnx_stats_version") != STATS_VERSION:
+            raise Fp8OnnxError(f"Statistics file {str(path)!r} was not written by `fp8onnx calibrate`.")
+        amax = doc.get("amax")
+        if not isinstance(amax, dict) or not all(isinstance(v, (int, float)) for v in amax.values()):
+            raise Fp8OnnxError(f"Statistics file {str(path)!r} has no valid 'amax' table.")
+        return cls(
+            amax={str(k): float(v) for k, v in amax.items()},
+            num_batches=int(doc.get("num_batches", 0)),
+            num_samples=int(doc.get("num_samples", 0)),
+            nonfinite={str(k): int(v) for k, v in doc.get("nonfinite_batches", {}).items()},
+        )
+
+
+def weight_amax(value: ir.Value) -> float:
+    """Absolute maximum of a constant tensor (NaN-aware: NaN entries are ignored)."""
+    arr = value.const_value.numpy()
+    if arr.size == 0:
+        return 0.0
+    return float(np.nanmax(np.abs(arr.astype(np.float32))))
+
+
+def collect_amax(
+    model: ir.Model,
+    tensor_names: Iterable[str],
+    batches: Iterable,
+    *,
+    provider: str = "auto",
+    total: int | None = None,
+    progress: bool = False,
+) -> Stats:
+    """Run ``model`` over ``batches`` (``data.Batch`` objects) and return the running amax per tensor."""
+    names = list(dict.fromkeys(tensor_names))
+    stats = Stats(amax={n: 0.0 for n in names})
+    if not names:
+        return stats
+    instrumented = model.clone()
+    AddAmaxOutputsPass(names)(instrumented)
+    session = session_for_model(instrumented, provider, "The calibration model")
+    outputs = [n + AMAX_SUFFIX for n in names]
+    running = np.zeros(len(names), dtype=np.float64)
+    for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
+        try:
+            values = session.run(outputs, batch.feed)
+        except Exception as exc:  # noqa: BLE001 - ORT raises several types
+            msg = str(exc).strip().splitlines()[0]
+            raise Fp8OnnxError(f"Calibration batch {stats.num_batches} failed in onnxruntime: {msg}") from None
+        current = np.array([float(v) for v in values], dtype=np.float64)
+        bad = ~np.isfinite(current)
+        for i in np.flatnonzero(bad):
+            stats.nonfinite[names[i]] = stats.nonfinite.get(names[i], 0) + 1
+        running = np.fmax(running, np.where(bad, 0.0, current))
+        stats.num_batches += 1
+        stats.num_samples += batch.size
+    if stats.num_batches == 0:
+        raise Fp8OnnxError("The calibration data gave no batches.")
+    stats.amax = {n: float(a) for n, a in zip(names, running)}
+    for name, count in stats.nonfinite.items():
+        logger.warning("tensor %r had NaN/Inf values in %d calibration batches; they were ignored", name, count)
+    zero = [n for n, a in stats.amax.items() if a == 0.0 or not math.isfinite(a)]
+    if zero:
+        logger.info("%d tensors were all zero during calibration; they get a safe default scale", len(zero))
+    return stats

@@ -1,0 +1,229 @@
+"""The ``fp8onnx`` command line: a thin layer over the Python API that prints and sets exit codes.
+
+Exit codes: 0 success; 2 bad usage or bad input (one sentence naming the file, tensor or node);
+1 an internal error (a bug: run with --debug for the traceback, and report it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pathlib
+import sys
+import tempfile
+import time
+
+import click
+
+from . import __version__
+from .api import calibrate as api_calibrate
+from .api import convert_fp16, inspect as api_inspect, inspect_summary
+from .compare import compare as api_compare
+from .errors import Fp8OnnxError
+from .formats import Fp8Format
+from .model_io import write_text_atomic
+from .quantize import SUPPORTED_OP_TYPES, QuantizeConfig, quantize as api_quantize
+from .runtime import PROVIDERS
+from .scaling import Scaling
+
+_FORMATS = [f.value for f in Fp8Format]
+_SCALINGS = [s.value for s in Scaling]
+
+
+def _run(fn):
+    """Turn Fp8OnnxError into one line on stderr and exit code 2; keep tracebacks for --debug."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        ctx = click.get_current_context()
+        debug = ctx.find_root().params.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except Fp8OnnxError as exc:
+            click.echo(f"fp8onnx: error: {exc}", err=True)
+            ctx.exit(2)
+        except KeyboardInterrupt:
+            click.echo("fp8onnx: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # noqa: BLE001 - last line of defence for the user
+            if debug:
+                raise
+            click.echo(f"fp8onnx: internal error: {type(exc).__name__}: {exc} (rerun with --debug and report it)", err=True)
+            ctx.exit(1)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="fp8onnx")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")
+def main(verbose: int, debug: bool) -> None:
+    """FP8 quantization of ONNX models for ONNX Runtime.
+
+    \b
+    Examples:
+      fp8onnx demo
+      fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
+      fp8onnx compare model.onnx model.fp8.onnx --data eval.npz
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _csv(ctx, param, value):
+    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else SUPPORTED_OP_TYPES
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the FP8 model.")
+@click.option("--calib", type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
+@click.option("--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib.")
+@click.option("--format", "fmt", type=click.Choice(_FORMATS, case_sensitive=False), default="e4m3fn", show_default=True,
+              help="Float8 format of weights and activations.")
+@click.option("--scaling", type=click.Choice(_SCALINGS, case_sensitive=False), default="amax", show_default=True,
+              help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; constant: --scale for all.")
+@click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")
+@click.option("--scale", type=float, help="constant only: the scale used for every tensor.")
+@click.option("--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types.")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
+@click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Calibration batch size.")
+@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON.")
+@click.option("--check", "check_data", type=click.Path(), help="Evaluation data: print the compare table after quantizing.")
+@_run
+def quantize(model, output, calib, stats, fmt, scaling, margin, scale, op_types, exclude, activation_matmuls,
+             batch_size, provider, report, check_data):
+    """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
+
+    \b
+    Examples:
+      fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
+      fp8onnx quantize model.onnx --stats stats.json --scaling pow2 --margin 1 -o model.fp8.onnx
+      fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx
+      fp8onnx quantize model.onnx --scaling constant --scale 0.05 -o model.cscale.onnx
+    """
+    if calib and stats:
+        raise Fp8OnnxError("Give either --calib or --stats, not both.")
+    config = QuantizeConfig(format=fmt, scaling=scaling, margin=margin, scale=scale, op_types=op_types,
+                            exclude=exclude, activation_matmuls=activation_matmuls)
+    t0 = time.perf_counter()
+    result = api_quantize(model, output, calib, config=config, stats=stats, batch_size=batch_size,
+                          provider=provider, report=report, progress=True)
+    click.echo(result.summary())
+    click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
+    if check_data:
+        click.echo(api_compare(model, [output], check_data, batch_size=batch_size, provider=provider, progress=True).table())
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--calib", required=True, type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_run
+def calibrate(model, calib, output, batch_size, provider):
+    """Record activation statistics of MODEL once, for later `quantize --stats`.
+
+    \b
+    Example:
+      fp8onnx calibrate model.onnx --calib calib.npz -o stats.json
+      fp8onnx quantize model.onnx --stats stats.json -o model.fp8.onnx
+    """
+    stats = api_calibrate(model, calib, output, batch_size=batch_size, provider=provider, progress=True)
+    click.echo(f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "
+               f"({stats.num_batches} batches); wrote {output}")
+
+
+@main.command()
+@click.argument("reference", type=click.Path(dir_okay=False))
+@click.argument("candidates", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy.")
+@click.option("--no-fp16", is_flag=True, help="Do not build and run the FP16 baseline.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
+@_run
+def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out):
+    """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline.
+
+    \b
+    Example:
+      fp8onnx compare model.onnx model.fp8.onnx model.pow2.onnx --data eval.npz --json cmp.json
+    """
+    result = api_compare(reference, candidates, data, fp16=not no_fp16, batch_size=batch_size,
+                         provider=provider, progress=True)
+    click.echo(result.table())
+    if json_out:
+        write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the summary.")
+@_run
+def inspect(model, as_json):
+    """Show what is quantized in MODEL: float8 tensors, formats, scales, sizes.
+
+    \b
+    Example:
+      fp8onnx inspect model.fp8.onnx
+      fp8onnx inspect model.fp8.onnx --json > info.json
+    """
+    info = api_inspect(model)
+    click.echo(json.dumps(info, indent=1) if as_json else inspect_summary(info))
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@_run
+def fp16(model, output):
+    """Write the FP16 baseline of MODEL (float32 inputs and outputs kept: a drop-in).
+
+    \b
+    Example:
+      fp8onnx fp16 model.onnx -o model.fp16.onnx
+    """
+    out = convert_fp16(model, output)
+    click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option("--out-dir", type=click.Path(file_okay=False), help="Keep the models here (default: a temporary folder).")
+@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_run
+def demo(out_dir, provider):
+    """Quantize the bundled sample decoder and compare FP32, FP16 and FP8 on held-out text.
+
+    \b
+    Example:
+      fp8onnx demo
+    """
+    from importlib import resources
+
+    sample = pathlib.Path(str(resources.files("fp8onnx.models") / "decoder"))
+    model, calib, data = sample / "decoder.onnx", sample / "calib.npz", sample / "eval.npz"
+    if not model.exists():
+        raise Fp8OnnxError(f"The sample model {str(model)!r} is missing from this install.")
+    with tempfile.TemporaryDirectory(prefix="fp8onnx-demo-") as tmp:
+        folder = pathlib.Path(out_dir) if out_dir else pathlib.Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        out = folder / "decoder.fp8.onnx"
+        click.echo("Sample: a 4-layer Llama-style decoder (RMSNorm, rotary, SwiGLU) trained on the Python docs;")
+        click.echo("task: next-byte prediction on held-out documentation topics.\n")
+        t0 = time.perf_counter()
+        result = api_quantize(model, out, calib, provider=provider, progress=True)
+        click.echo(result.summary())
+        cmp = api_compare(model, [out], data, provider=provider, progress=True)
+        click.echo("\n" + cmp.table())
+        fp8 = cmp.rows[-1]
+        verdict = "within" if fp8.passes_llm else "NOT within"
+        click.echo(f"\nFP8 next-byte accuracy {fp8.accuracy:.4f} is {fp8.ratio_to_fp16:.2%} of FP16's: {verdict} "
+                   f"the 99.5% criterion. ({time.perf_counter() - t0:.1f}s)")
+        if out_dir:
+            click.echo(f"models kept in {folder}")

@@ -1,0 +1,266 @@
+"""Accuracy of candidate models against a reference (FP32) and its FP16 baseline, on the same data.
+
+Per output, streamed batch by batch (nothing but running sums is kept):
+  cosine similarity of each row (vectors along the last axis): mean and min;
+  relative L2 error ||c - r|| / ||r||; maximum absolute error;
+  top-1 agreement (argmax over the last axis) when the output looks like logits;
+  task accuracy when the data has ``labels`` (argmax of the output whose leading shape they match).
+
+Each candidate's headline metric (task accuracy, else top-1 agreement, else mean cosine) is put
+against the FP16 model's: the FP8 LLM paper's criterion is >= 99.5% of FP16, the PTQ paper's a
+relative loss within 1%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from .data import as_data, input_specs
+from .errors import Fp8OnnxError
+from .model_io import load_model
+from .passes import ConvertFloat16Pass
+from .progress import progress_bar
+from .runtime import make_session, resolve_provider, session_for_model
+
+__all__ = ["compare", "CompareResult", "RowResult", "LLM_RATIO", "PTQ_REL_LOSS"]
+
+logger = logging.getLogger(__name__)
+LLM_RATIO = 0.995  # FP8 within 99.5% of FP16 (FP8 LLM paper)
+PTQ_REL_LOSS = 0.01  # within 1% relative loss (PTQ paper)
+_LOGITS_NAME = re.compile(r"logit|score|prob|class", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class _OutputStats:
+    rows: int = 0
+    cos_sum: float = 0.0
+    cos_min: float = 1.0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    max_abs: float = 0.0
+    top1_hits: int = 0
+    top1_rows: int = 0
+
+    def update(self, ref: np.ndarray, out: np.ndarray, logits: bool) -> None:
+        if ref.shape != out.shape:
+            raise Fp8OnnxError(f"Output shapes differ: reference {ref.shape}, candidate {out.shape}.")
+        r = ref.astype(np.float64).reshape(-1, ref.shape[-1] if ref.ndim else 1)
+        c = out.astype(np.float64).reshape(r.shape)
+        nr, nc = np.linalg.norm(r, axis=1), np.linalg.norm(c, axis=1)
+        dot = (r * c).sum(axis=1)
+        both_zero = (nr == 0) & (nc == 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cos = np.where(both_zero, 1.0, dot / (nr * nc))
+        cos = np.nan_to_num(cos, nan=0.0)
+        self.rows += len(cos)
+        self.cos_sum += float(cos.sum())
+        self.cos_min = min(self.cos_min, float(cos.min())) if len(cos) else self.cos_min
+        diff = c - r
+        self.err_sq += float(np.nansum(diff * diff))
+        self.ref_sq += float((r * r).sum())
+        self.max_abs = max(self.max_abs, float(np.nanmax(np.abs(diff))) if diff.size else 0.0)
+        if logits:
+            self.top1_hits += int((r.argmax(axis=1) == c.argmax(axis=1)).sum())
+            self.top1_rows += r.shape[0]
+
+    def to_json(self) -> dict:
+        return {
+            "cosine_mean": self.cos_sum / self.rows if self.rows else None,
+            "cosine_min": self.cos_min if self.rows else None,
+            "rel_l2": float(np.sqrt(self.err_sq / self.ref_sq)) if self.ref_sq else None,
+            "max_abs_err": self.max_abs,
+            "top1_agreement": self.top1_hits / self.top1_rows if self.top1_rows else None,
+        }
+
+
+@dataclasses.dataclass
+class RowResult:
+    name: str
+    path: str | None
+    outputs: dict[str, dict]
+    accuracy: float | None = None  # task accuracy against labels
+    headline: str = ""  # which metric is compared with FP16
+    value: float | None = None
+    ratio_to_fp16: float | None = None
+    rel_loss_vs_fp16: float | None = None
+
+    @property
+    def passes_llm(self) -> bool | None:
+        return None if self.ratio_to_fp16 is None else self.ratio_to_fp16 >= LLM_RATIO
+
+    @property
+    def passes_ptq(self) -> bool | None:
+        return None if self.rel_loss_vs_fp16 is None else self.rel_loss_vs_fp16 <= PTQ_REL_LOSS
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["passes_llm_99_5pct_of_fp16"] = self.passes_llm
+        d["passes_ptq_1pct_rel_loss"] = self.passes_ptq
+        return d
+
+
+@dataclasses.dataclass
+class CompareResult:
+    reference: str
+    data: str
+    samples: int
+    batches: int
+    provider: str
+    rows: list[RowResult]
+
+    def to_json(self) -> dict:
+        return {
+            "reference": self.reference,
+            "data": self.data,
+            "samples": self.samples,
+            "batches": self.batches,
+            "provider": self.provider,
+            "criteria": {"llm_ratio_to_fp16": LLM_RATIO, "ptq_rel_loss_vs_fp16": PTQ_REL_LOSS},
+            "rows": [r.to_json() for r in self.rows],
+        }
+
+    def table(self) -> str:
+        first = next(iter(self.rows[0].outputs)) if self.rows and self.rows[0].outputs else None
+        head = ["model", "cos mean", "cos min", "rel L2", "max abs", "top-1 agr", "accuracy", "vs FP16", "99.5%", "1% rel"]
+        lines = []
+        for r in self.rows:
+            o = r.outputs.get(first, {})
+            lines.append(
+                [
+                    r.name,
+                    _fmt(o.get("cosine_mean"), ".5f"),
+                    _fmt(o.get("cosine_min"), ".4f"),
+                    _fmt(o.get("rel_l2"), ".4f"),
+                    _fmt(o.get("max_abs_err"), ".3g"),
+                    _fmt(o.get("top1_agreement"), ".4f"),
+                    _fmt(r.accuracy, ".4f"),
+                    _fmt(r.ratio_to_fp16, ".2%"),
+                    _yes(r.passes_llm),
+                    _yes(r.passes_ptq),
+                ]
+            )
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+        out = [f"{self.samples} samples from {self.data}, metrics of output {first!r} vs the FP32 reference ({self.provider})"]
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        out.append("  ".join("-" * w for w in widths))
+        out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+        headline = next((r.headline for r in self.rows if r.headline), "")
+        if headline:
+            out.append(f"vs FP16: {headline} relative to the FP16 model's; pass at >= 99.5% (FP8 LLM paper) "
+                       "and within 1% relative loss (PTQ paper)")
+        return "\n".join(out)
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _yes(v: bool | None) -> str:
+    return "-" if v is None else ("pass" if v else "FAIL")
+
+
+def _looks_like_logits(name: str, shape: tuple, labels: np.ndarray | None) -> bool:
+    if len(shape) < 2 or shape[-1] < 2:
+        return False
+    if labels is not None and tuple(labels.shape) == tuple(shape[:-1]):
+        return True
+    return bool(_LOGITS_NAME.search(name))
+
+
+def compare(
+    reference: str | os.PathLike,
+    candidates: Sequence[str | os.PathLike],
+    data,
+    *,
+    fp16: bool = True,
+    batch_size: int = 16,
+    provider: str = "auto",
+    progress: bool = False,
+) -> CompareResult:
+    """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``."""
+    provider = resolve_provider(provider)
+    ref_model = load_model(reference)
+    specs = input_specs(ref_model)
+    source = as_data(data, specs)
+    sessions = {"FP32 (reference)": make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}")}
+    paths: dict[str, str | None] = {"FP32 (reference)": str(reference)}
+    if fp16:
+        fp16_model = ConvertFloat16Pass()(ref_model).model
+        sessions["FP16"] = session_for_model(fp16_model, provider, "The FP16 baseline")
+        paths["FP16"] = None
+    for cand in candidates:
+        load_model(cand)  # a clear error for a missing or unreadable file
+        name = pathlib.Path(cand).name
+        while name in sessions:
+            name += "'"
+        sessions[name] = make_session(pathlib.Path(cand), provider, f"Candidate model {str(cand)!r}")
+        paths[name] = str(cand)
+    out_names = [o.name for o in sessions["FP32 (reference)"].get_outputs()]
+    for name, sess in sessions.items():
+        theirs = [o.name for o in sess.get_outputs()]
+        if theirs != out_names:
+            raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
+
+    stats = {name: {o: _OutputStats() for o in out_names} for name in sessions}
+    correct = {name: 0 for name in sessions}
+    labelled = 0
+    samples = batches = 0
+    total = getattr(source, "num_samples", None)
+    total = None if total is None else -(-total // batch_size)
+    for batch in progress_bar(source.batches(batch_size), total=total, desc="evaluating", unit="batch", enable=progress):
+        outputs = {}
+        for name, sess in sessions.items():
+            try:
+                outputs[name] = sess.run(None, batch.feed)
+            except Exception as exc:  # noqa: BLE001
+                msg = str(exc).strip().splitlines()[0]
+                raise Fp8OnnxError(f"Model {name!r} failed on batch {batches} in onnxruntime: {msg}") from None
+        ref = outputs["FP32 (reference)"]
+        label_out = None
+        if batch.labels is not None:
+            label_out = next((i for i, r in enumerate(ref) if r.ndim >= 2 and r.shape[:-1] == batch.labels.shape), None)
+            if label_out is None:
+                raise Fp8OnnxError(
+                    f"Data 'labels' of shape {batch.labels.shape} match no output's leading shape "
+                    f"({', '.join(f'{n} {r.shape}' for n, r in zip(out_names, ref))})."
+                )
+            labelled += batch.labels.size
+        for name, outs in outputs.items():
+            for o, r, c in zip(out_names, ref, outs):
+                stats[name][o].update(r, c, _looks_like_logits(o, r.shape, batch.labels))
+            if label_out is not None:
+                correct[name] += int((outs[label_out].argmax(axis=-1) == batch.labels).sum())
+        samples += batch.size
+        batches += 1
+    if batches == 0:
+        raise Fp8OnnxError("The evaluation data gave no batches.")
+
+    rows = []
+    for name in sessions:
+        outs = {o: s.to_json() for o, s in stats[name].items()}
+        acc = correct[name] / labelled if labelled else None
+        rows.append(RowResult(name, paths[name], outs, acc))
+    _headline(rows, out_names[0], fp16)
+    return CompareResult(str(reference), str(data) if isinstance(data, (str, os.PathLike)) else "feeds", samples, batches, provider, rows)
+
+
+def _headline(rows: list[RowResult], first: str, fp16: bool) -> None:
+    if rows[0].accuracy is not None:
+        key, label = (lambda r: r.accuracy), "task accuracy"
+    elif rows[0].outputs[first]["top1_agreement"] is not None:
+        key, label = (lambda r: r.outputs[first]["top1_agreement"]), "top-1 agreement with FP32"
+    else:
+        key, label = (lambda r: r.outputs[first]["cosine_mean"]), "mean cosine to FP32"
+    base = next((key(r) for r in rows if r.name == "FP16"), None) if fp16 else None
+    for r in rows:
+        r.headline, r.value = label, key(r)
+        if base and r.value is not None and r.name not in ("FP32 (reference)", "FP16"):
+            r.ratio_to_fp16 = r.value / base
+            r.rel_loss_vs_fp16 = (base - r.value) / base

@@ -1,0 +1,250 @@
+"""Calibration and evaluation data: ``.npz`` files (or folders of them) keyed by model input names.
+
+Two layouts, told apart by each array's rank against the model input's declared rank (SPEC §4):
+
+* **batch layout** - the array has the input's rank, samples on axis 0; batches of ``batch_size``
+  are cut from it, the last one may be short;
+* **feed layout** - the array has one extra leading axis; each slice along it is one complete feed.
+  Where every input's first axis is dynamic, ``batch_size`` feeds are concatenated along it
+  for speed; otherwise feeds run one by one.
+
+``labels`` travels with the batches (for task accuracy in compare); keys starting with ``_`` are
+free metadata; any other key that is not a model input is ignored with a log note.
+Files are opened with ``allow_pickle=False``: object arrays are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from .errors import Fp8OnnxError
+
+__all__ = ["InputSpec", "Batch", "input_specs", "NpzData", "FeedData", "as_data", "LABELS"]
+
+logger = logging.getLogger(__name__)
+LABELS = "labels"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | None, ...]  # None for a dynamic (named or unknown) dimension
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def describe(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.dtype} [{dims}]"
+
+
+@dataclasses.dataclass
+class Batch:
+    feed: dict[str, np.ndarray]
+    labels: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        first = next(iter(self.feed.values()))
+        return int(first.shape[0]) if first.ndim else 1
+
+
+def input_specs(model: ir.Model) -> list[InputSpec]:
+    """The model's real inputs (graph inputs that are not initializers) with NumPy dtypes."""
+    specs = []
+    for value in model.graph.inputs:
+        if value.const_value is not None:
+            continue
+        if value.dtype is None or value.shape is None:
+            raise Fp8OnnxError(f"Model input {value.name!r} has no declared type or shape.")
+        dims = tuple(d if isinstance(d, int) else None for d in value.shape)
+        specs.append(InputSpec(value.name, np.dtype(value.dtype.numpy()), dims))
+    return specs
+
+
+class FeedData:
+    """Data given as any iterable of feed dicts (the Python API); each dict is run as is."""
+
+    def __init__(self, feeds: Iterable[Mapping[str, np.ndarray]], specs: list[InputSpec]):
+        self._feeds = feeds
+        self._specs = specs
+        self.num_samples: int | None = None
+
+    def batches(self, batch_size: int) -> Iterator[Batch]:
+        for i, feed in enumerate(self._feeds):
+            feed = dict(feed)
+            labels = feed.pop(LABELS, None)
+            yield Batch(_check_feed(feed, self._specs, f"feed #{i}"), labels)
+
+
+class NpzData:
+    """One ``.npz`` file or a folder of them, validated against the model's inputs on opening."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[InputSpec]):
+        self.path = pathlib.Path(path)
+        self._specs = specs
+        if self.path.is_dir():
+            self.files = sorted(p for p in self.path.iterdir() if p.suffix == ".npz" and p.is_file())
+            if not self.files:
+                raise Fp8OnnxError(f"Data folder {str(self.path)!r} contains no .npz file.")
+        elif self.path.exists():
+            self.files = [self.path]
+        else:
+            raise Fp8OnnxError(f"Data file {str(self.path)!r} does not exist.")
+        # Validate every file's keys, ranks and counts up front (reads headers, not the data).
+        self.num_samples = sum(self._layout(f)[1] for f in self.files)
+
+    def _open(self, file: pathlib.Path):
+        try:
+            return np.load(file, allow_pickle=False)
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            raise Fp8OnnxError(f"Data file {str(file)!r} is not a readable .npz archive ({exc}).") from None
+
+    def _layout(self, file: pathlib.Path) -> tuple[str, int]:
+        """Returns ('batch'|'feed', number of samples or feeds) after checking keys and ranks."""
+        with self._open(file) as npz:
+            keys = set(npz.files)
+            missing = [s.name for s in self._specs if s.name not in keys]
+            if missing:
+                expected = ", ".join(f"{s.name} {s.describe()}" for s in self._specs)
+                raise Fp8OnnxError(
+                    f"Data file {str(file)!r} has no array for input {missing[0]!r}; the model expects {expected}."
+                )
+            for key in sorted(keys - {s.name for s in self._specs} - {LABELS}):
+                if not key.startswith("_"):
+                    logger.info("%s: key %r is not a model input; ignored", file, key)
+            layouts, counts = set(), {}
+            for spec in self._specs:
+                shape = _npz_shape(npz, spec.name, file)
+                if len(shape) == spec.rank:
+                    layouts.add("batch")
+                elif len(shape) == spec.rank + 1:
+                    layouts.add("feed")
+                else:
+                    raise Fp8OnnxError(
+                        f"Data key {spec.name!r} in {str(file)!r} has rank {len(shape)}; the model input is "
+                        f"{spec.describe()} (rank {spec.rank}, or {spec.rank + 1} for one feed per slice)."
+                    )
+                if spec.rank == 0 and len(shape) == 0:
+                    raise Fp8OnnxError(
+                        f"Data key {spec.name!r} in {str(file)!r} is a scalar; give one value per feed (rank 1)."
+                    )
+                if shape[0] == 0:
+                    raise Fp8OnnxError(f"Data key {spec.name!r} in {str(file)!r} is empty.")
+                counts[spec.name] = shape[0]
+            if len(layouts) > 1:
+                raise Fp8OnnxError(
+                    f"Data file {str(file)!r} mixes layouts: some keys have the input's rank, others one more."
+                )
+            if LABELS in keys:
+                counts[LABELS] = _npz_shape(npz, LABELS, file)[0]
+            if len(set(counts.values())) > 1:
+                detail = ", ".join(f"{k}: {v}" for k, v in counts.items())
+                raise Fp8OnnxError(f"Data file {str(file)!r} has arrays with different sample counts ({detail}).")
+            return layouts.pop(), next(iter(counts.values()))
+
+    def batches(self, batch_size: int) -> Iterator[Batch]:
+        if batch_size < 1:
+            raise Fp8OnnxError(f"--batch-size must be at least 1, got {batch_size}.")
+        for file in self.files:
+            layout, count = self._layout(file)
+            with self._open(file) as npz:
+                arrays = {s.name: _checked_array(npz, s, file, layout) for s in self._specs}
+                labels = npz[LABELS] if LABELS in npz.files else None
+            if layout == "batch":
+                step = batch_size
+            elif all(s.rank > 0 and s.shape[0] is None for s in self._specs):
+                step = batch_size
+            else:
+                step = 1
+            for start in range(0, count, step):
+                sl = slice(start, start + step)
+                if layout == "batch":
+                    feed = {k: v[sl] for k, v in arrays.items()}
+                    lab = labels[sl] if labels is not None else None
+                elif step == 1:
+                    feed = {k: v[start] for k, v in arrays.items()}
+                    lab = labels[start] if labels is not None else None
+                else:  # concatenate whole feeds along their (dynamic) batch axis
+                    feed = {k: v[sl].reshape((-1,) + v.shape[2:]) for k, v in arrays.items()}
+                    lab = None if labels is None else labels[sl].reshape((-1,) + labels.shape[2:])
+                yield Batch(feed, lab)
+
+
+def _npz_shape(npz, key: str, file: pathlib.Path) -> tuple[int, ...]:
+    # Read only the .npy header of the member, not its data.
+    try:
+        with npz.zip.open(key + ".npy") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(fh, max_header_size=1 << 20)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(fh, max_header_size=1 << 20)
+    except Exception as exc:  # noqa: BLE001 - any corruption is the file's fault
+        raise Fp8OnnxError(f"Data key {key!r} in {str(file)!r} cannot be read ({exc}).") from None
+    if dtype.hasobject:
+        raise Fp8OnnxError(f"Data key {key!r} in {str(file)!r} holds Python objects; refused (no unpickling).")
+    return tuple(shape)
+
+
+def _checked_array(npz, spec: InputSpec, file: pathlib.Path, layout: str) -> np.ndarray:
+    try:
+        arr = npz[spec.name]
+    except ValueError as exc:
+        raise Fp8OnnxError(f"Data key {spec.name!r} in {str(file)!r} cannot be read ({exc}).") from None
+    return _conform(arr, spec, f"Data key {spec.name!r} in {str(file)!r}", leading=1 if layout == "feed" else -1)
+
+
+def _conform(arr: np.ndarray, spec: InputSpec, where: str, leading: int) -> np.ndarray:
+    """Cast to the input's dtype when that is lossless in kind; check fixed dims and finiteness.
+
+    ``leading`` is the number of axes in front of one feed: 0 for a whole feed, 1 for the feed
+    layout. In batch layout (``leading=-1``) axis 0 is the sample axis and is not checked.
+    """
+    if arr.dtype != spec.dtype:
+        if not np.can_cast(arr.dtype, spec.dtype, casting="same_kind"):
+            raise Fp8OnnxError(f"{where} has dtype {arr.dtype}; the model input expects {spec.describe()}.")
+        arr = arr.astype(spec.dtype)
+    offset = max(leading, 0)
+    for axis in range(1 if leading < 0 else 0, spec.rank):
+        want = spec.shape[axis]
+        if want is not None and arr.shape[offset + axis] != want:
+            raise Fp8OnnxError(
+                f"{where} has shape {tuple(arr.shape)}, which contradicts the model input {spec.describe()} "
+                f"at axis {axis}."
+            )
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise Fp8OnnxError(f"{where} contains NaN or Inf values.")
+    return arr
+
+
+def _check_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: str) -> dict[str, np.ndarray]:
+    out = {}
+    for spec in specs:
+        if spec.name not in feed:
+            expected = ", ".join(s.name for s in specs)
+            raise Fp8OnnxError(f"{where} has no array for input {spec.name!r}; the model expects {expected}.")
+        arr = np.asarray(feed[spec.name])
+        if arr.ndim != spec.rank:
+            raise Fp8OnnxError(f"{where}: input {spec.name!r} has rank {arr.ndim}; expected {spec.describe()}.")
+        out[spec.name] = _conform(arr, spec, f"{where}: input {spec.name!r}", leading=0)
+    return out
+
+
+def as_data(data, specs: list[InputSpec]):
+    """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``."""
+    if isinstance(data, (str, os.PathLike)):
+        return NpzData(data, specs)
+    if isinstance(data, (NpzData, FeedData)):
+        return data
+    return FeedData(data, specs)

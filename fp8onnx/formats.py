@@ -1,0 +1,88 @@
+"""The float8 formats fp8onnx can emit, and the numerics of rounding to them.
+
+Each :class:`Fp8Format` carries its largest finite value, its ONNX and NumPy (ml_dtypes) types.
+:func:`quantize` / :func:`dequantize` mirror ONNX QuantizeLinear / DequantizeLinear with
+``saturate=1`` exactly: divide by the scale, clamp to +-fmax (so +-Inf saturates and NaN stays NaN),
+round to nearest even on the format's grid.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from .errors import Fp8OnnxError
+
+__all__ = ["Fp8Format", "parse_format", "quantize", "dequantize"]
+
+
+class Fp8Format(enum.Enum):
+    """A float8 format: value is the CLI name."""
+
+    E4M3FN = "e4m3fn"
+    E5M2 = "e5m2"
+    E4M3FNUZ = "e4m3fnuz"
+    E5M2FNUZ = "e5m2fnuz"
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(_NP[self])
+
+    @property
+    def fmax(self) -> float:
+        """Largest finite value of the format."""
+        return float(ml_dtypes.finfo(_NP[self]).max)
+
+    @property
+    def onnx_type(self) -> int:
+        return _ONNX[self]
+
+    @property
+    def ir_type(self) -> ir.DataType:
+        return ir.DataType(_ONNX[self])
+
+    @property
+    def cuda_ok(self) -> bool:
+        """ORT's CUDA EP has Q/DQ kernels for the non-FNUZ formats only."""
+        return self in (Fp8Format.E4M3FN, Fp8Format.E5M2)
+
+
+_NP = {
+    Fp8Format.E4M3FN: ml_dtypes.float8_e4m3fn,
+    Fp8Format.E5M2: ml_dtypes.float8_e5m2,
+    Fp8Format.E4M3FNUZ: ml_dtypes.float8_e4m3fnuz,
+    Fp8Format.E5M2FNUZ: ml_dtypes.float8_e5m2fnuz,
+}
+_ONNX = {
+    Fp8Format.E4M3FN: onnx.TensorProto.FLOAT8E4M3FN,
+    Fp8Format.E5M2: onnx.TensorProto.FLOAT8E5M2,
+    Fp8Format.E4M3FNUZ: onnx.TensorProto.FLOAT8E4M3FNUZ,
+    Fp8Format.E5M2FNUZ: onnx.TensorProto.FLOAT8E5M2FNUZ,
+}
+
+
+def parse_format(name: str | Fp8Format) -> Fp8Format:
+    if isinstance(name, Fp8Format):
+        return name
+    try:
+        return Fp8Format(str(name).lower())
+    except ValueError:
+        choices = ", ".join(f.value for f in Fp8Format)
+        raise Fp8OnnxError(f"Unknown float8 format {name!r}; choose one of {choices}.") from None
+
+
+def quantize(x: np.ndarray, scale: float | np.ndarray, fmt: Fp8Format) -> np.ndarray:
+    """``QuantizeLinear(x, scale)`` with ``saturate=1``: returns an array of ``fmt.np_dtype``."""
+    y = np.asarray(x, dtype=np.float32) / np.asarray(scale, dtype=np.float32)
+    # Clamp before the cast: ml_dtypes maps overflow to NaN for the FN/FNUZ types, ONNX saturates.
+    y = np.clip(y, -fmt.fmax, fmt.fmax)
+    return y.astype(fmt.np_dtype)
+
+
+def dequantize(q: np.ndarray, scale: float | np.ndarray, dtype=np.float32) -> np.ndarray:
+    """``DequantizeLinear(q, scale)``."""
+    return (q.astype(np.float32) * np.asarray(scale, dtype=np.float32)).astype(dtype)

@@ -1,0 +1,123 @@
+"""Reading models and writing them safely.
+
+Reading goes through onnx_ir, whose external tensors are memory-mapped on first use, so a large
+model is never loaded whole. Writing checks the model (``onnx.checker``, then an onnxruntime
+session) *before* anything reaches the output path, writes to a temporary file in the same folder
+and renames it into place: a failure leaves the previous file at that path untouched and no partial
+file behind. The input model is never overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import tempfile
+
+import onnx
+import onnx_ir as ir
+
+from .errors import Fp8OnnxError
+from .runtime import make_session
+
+__all__ = ["load_model", "save_model", "check_output_path", "write_bytes_atomic", "write_text_atomic"]
+
+logger = logging.getLogger(__name__)
+# Protobuf cannot serialize a message over 2 GiB; larger models keep weights in a side file.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+def load_model(path: str | os.PathLike) -> ir.Model:
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
+    if not path.is_file():
+        raise Fp8OnnxError(f"Model path {str(path)!r} is not a file.")
+    try:
+        return ir.load(path)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise Fp8OnnxError(f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {exc}).") from None
+
+
+def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> pathlib.Path:
+    """Refuse an output path that is an input, or whose folder is missing or not writable."""
+    out = pathlib.Path(out)
+    for src in inputs:
+        src = pathlib.Path(src)
+        if out.resolve() == src.resolve() or (out.exists() and src.exists() and os.path.samefile(out, src)):
+            raise Fp8OnnxError(f"Output path {str(out)!r} is the input model; choose another path.")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise Fp8OnnxError(f"Output folder {str(parent)!r} does not exist.")
+    if not os.access(parent, os.W_OK):
+        raise Fp8OnnxError(f"Output folder {str(parent)!r} is not writable.")
+    if out.is_dir():
+        raise Fp8OnnxError(f"Output path {str(out)!r} is a folder; give a file name.")
+    return out
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def save_model(model: ir.Model, out: str | os.PathLike, *, provider: str = "cpu", what: str = "output model") -> pathlib.Path:
+    """Check ``model`` with onnx.checker and onnxruntime, then write it atomically to ``out``."""
+    out = pathlib.Path(out)
+    parent = out.resolve().parent
+    if _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+        proto = ir.to_proto(model)
+        try:
+            onnx.checker.check_model(proto)
+        except onnx.checker.ValidationError as exc:
+            raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        data = proto.SerializeToString()
+        make_session(data, provider, f"The {what}")
+        write_bytes_atomic(out, data)
+        logger.info("wrote %s (%d bytes)", out, len(data))
+        return out
+    return _save_external(model, out, parent, provider, what)
+
+
+def _save_external(model: ir.Model, out: pathlib.Path, parent: pathlib.Path, provider: str, what: str) -> pathlib.Path:
+    data_name = out.name + ".data"
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=parent) as tmp:
+        tmp_model = pathlib.Path(tmp) / out.name
+        ir.save(model, tmp_model, external_data=data_name)
+        try:
+            onnx.checker.check_model(str(tmp_model))
+        except onnx.checker.ValidationError as exc:
+            raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        make_session(tmp_model, provider, f"The {what}")
+        # Data first: the model file that appears last always finds its weights beside it.
+        os.replace(pathlib.Path(tmp) / data_name, parent / data_name)
+        os.replace(tmp_model, out)
+    logger.info("wrote %s with external data %s", out, data_name)
+    return out
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temporary file in the target folder, fsync, rename: all or nothing."""
+    path = pathlib.Path(path)
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise Fp8OnnxError(f"Output folder {str(parent)!r} does not exist.")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror or exc}; the previous file, if any, is untouched.") from None
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))

@@ -1,0 +1,81 @@
+"""What a quantization did, for people (``summary()``) and for machines (``to_json()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["TensorReport", "NodeReport", "QuantizeReport"]
+
+
+@dataclasses.dataclass
+class TensorReport:
+    name: str
+    kind: str  # "weight" | "activation"
+    format: str
+    scale: float
+    amax: float
+
+
+@dataclasses.dataclass
+class NodeReport:
+    name: str
+    op_type: str
+    quantized: bool
+    reason: str | None = None  # why it was left alone
+    tensors: list[TensorReport] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    model: str
+    output: str
+    config: dict
+    opset_from: int | None
+    opset_to: int | None
+    nodes: list[NodeReport]
+    calibration: dict | None
+    input_bytes: int
+    output_bytes: int
+    modified: bool
+
+    @property
+    def quantized(self) -> list[NodeReport]:
+        return [n for n in self.nodes if n.quantized]
+
+    @property
+    def skipped(self) -> list[NodeReport]:
+        return [n for n in self.nodes if not n.quantized]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        cfg = self.config
+        lines = [f"{self.model} -> {self.output}"]
+        if self.opset_from != self.opset_to:
+            lines.append(f"  opset upgraded {self.opset_from} -> {self.opset_to} (float8 Q/DQ without zero points)")
+        how = f"{cfg['format']}, {cfg['scaling']} scaling"
+        if cfg["scaling"] == "constant":
+            how += f" (scale {cfg['scale']:g})"
+        if cfg["scaling"] == "pow2" and cfg["margin"]:
+            how += f" (margin {cfg['margin']})"
+        lines.append(f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {how}")
+        if self.calibration:
+            c = self.calibration
+            lines.append(f"  calibrated on {c['samples']} samples in {c['batches']} batches ({c['source']})")
+        weights = sum(1 for n in self.quantized for t in n.tensors if t.kind == "weight")
+        acts = len({t.name for n in self.quantized for t in n.tensors if t.kind == "activation"})
+        lines.append(f"  {weights} weights stored as float8, {acts} activation tensors with Q/DQ")
+        ratio = self.output_bytes / self.input_bytes if self.input_bytes else 0.0
+        lines.append(
+            f"  size {self.input_bytes / 1e6:.2f} MB -> {self.output_bytes / 1e6:.2f} MB ({ratio:.2f}x)"
+        )
+        reasons: dict[str, list[str]] = {}
+        for n in self.skipped:
+            reasons.setdefault(n.reason or "", []).append(n.name)
+        for reason, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
+            lines.append(f"  left alone: {shown}: {reason}")
+        if not self.modified and not self.quantized:
+            lines.append("  nothing to quantize: the output is the input graph (after any opset upgrade)")
+        return "\n".join(lines)

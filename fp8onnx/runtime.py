@@ -1,0 +1,73 @@
+"""onnxruntime sessions: provider choice and the session options FP8 graphs need.
+
+On the CPU EP, ``session.disable_quant_qdq`` is set: its QDQ fusion turns a float8
+DequantizeLinear -> Gemm into QGemm, which has no float8 kernel (onnxruntime issue 22269).
+Everything else stays at ORT's defaults, because that is how users run the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import tempfile
+
+import onnx_ir as ir
+import onnxruntime as ort
+
+from .errors import Fp8OnnxError
+
+__all__ = ["PROVIDERS", "resolve_provider", "make_session", "session_for_model"]
+
+logger = logging.getLogger(__name__)
+PROVIDERS = ("auto", "cuda", "cpu")
+_CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+# Above this many bytes of weights a model is handed to ORT through a file with external data.
+_INLINE_LIMIT = 1 << 30
+
+
+def resolve_provider(provider: str) -> str:
+    """'auto' -> 'cuda' when onnxruntime-gpu sees a device, else 'cpu'."""
+    provider = provider.lower()
+    if provider not in PROVIDERS:
+        raise Fp8OnnxError(f"Unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}.")
+    available = ort.get_available_providers()
+    if provider == "auto":
+        return "cuda" if _CUDA in available else "cpu"
+    if provider == "cuda" and _CUDA not in available:
+        raise Fp8OnnxError(
+            "Provider 'cuda' was asked for but this onnxruntime has no CUDA EP; install onnxruntime-gpu "
+            "(see README, GPU)."
+        )
+    return provider
+
+
+def _options(provider: str) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if provider == "cpu":
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
+    return so
+
+
+def make_session(model: bytes | str | os.PathLike, provider: str = "auto", what: str = "model") -> ort.InferenceSession:
+    """An InferenceSession for serialized bytes or a path; failures name ``what``."""
+    provider = resolve_provider(provider)
+    providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
+    src = model if isinstance(model, bytes) else str(model)
+    try:
+        return ort.InferenceSession(src, _options(provider), providers=providers)
+    except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first}") from None
+
+
+def session_for_model(model: ir.Model, provider: str = "auto", what: str = "model") -> ort.InferenceSession:
+    """A session for an in-memory model; large models go through a temporary file."""
+    size = sum(t.const_value.nbytes for t in model.graph.initializers.values() if t.const_value is not None)
+    if size < _INLINE_LIMIT:
+        return make_session(ir.to_proto(model).SerializeToString(), provider, what)
+    with tempfile.TemporaryDirectory(prefix="fp8onnx-") as tmp:
+        path = pathlib.Path(tmp) / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data")
+        return make_session(path, provider, what)

@@ -1,0 +1,82 @@
+"""From a tensor's absolute maximum to the ONNX QuantizeLinear scale (FP8-AMAX and friends).
+
+ONNX *divides* by its scale: ``q = x / scale``. Training libraries (TransformerEngine, torchao)
+usually keep the inverse, ``fmax / amax``, and multiply. :func:`amax_to_scale` is the only place
+in fp8onnx that turns an amax into a scale, so that convention lives here and nowhere else.
+
+Methods:
+  ``amax``     scale = amax / fmax: the tensor's largest value lands on the format's largest.
+  ``pow2``     the FP8 LLM paper's exponent bias b = floor(log2(fmax / amax)) - margin, scale = 2**-b:
+               the scale is an exact power of two, so scaling only shifts the exponent.
+  ``constant`` one user-given scale for every tensor (the paper's FP8-CSCALE baseline).
+
+An amax of 0 (a tensor that never left zero), NaN or Inf never yields a zero, NaN or Inf scale.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+
+from .errors import Fp8OnnxError
+from .formats import Fp8Format
+
+__all__ = ["Scaling", "parse_scaling", "amax_to_scale", "SAFE_AMAX"]
+
+logger = logging.getLogger(__name__)
+
+# Used in place of an amax of zero, NaN or Inf: any positive finite value gives a valid scale
+# for a tensor that is all zeros, and a NaN/Inf amax means calibration saw no usable range.
+SAFE_AMAX = 1.0
+# float32 range limits for a scale: keep scale and 1/scale finite and normal.
+_MIN_SCALE, _MAX_SCALE = 2.0**-100, 2.0**100
+
+
+class Scaling(enum.Enum):
+    AMAX = "amax"
+    POW2 = "pow2"
+    CONSTANT = "constant"
+
+
+def parse_scaling(name: str | Scaling) -> Scaling:
+    if isinstance(name, Scaling):
+        return name
+    try:
+        return Scaling(str(name).lower())
+    except ValueError:
+        choices = ", ".join(s.value for s in Scaling)
+        raise Fp8OnnxError(f"Unknown scaling method {name!r}; choose one of {choices}.") from None
+
+
+def _usable(amax: float) -> bool:
+    return math.isfinite(amax) and amax > 0.0
+
+
+def amax_to_scale(
+    amax: float,
+    fmt: Fp8Format,
+    method: Scaling = Scaling.AMAX,
+    *,
+    margin: int = 0,
+    constant: float | None = None,
+) -> float:
+    """Return the QuantizeLinear scale (divisor) for a tensor whose absolute maximum is ``amax``.
+
+    The result is always a finite, strictly positive float32-representable number.
+    """
+    if method is Scaling.CONSTANT:
+        if constant is None or not math.isfinite(constant) or constant <= 0:
+            raise Fp8OnnxError(f"Constant scaling needs a positive finite --scale, got {constant!r}.")
+        return float(constant)
+    amax = float(amax)
+    if not _usable(amax):
+        amax = SAFE_AMAX
+    if method is Scaling.AMAX:
+        scale = amax / fmt.fmax
+    elif method is Scaling.POW2:
+        bias = math.floor(math.log2(fmt.fmax / amax)) - int(margin)
+        scale = 2.0 ** (-bias)
+    else:  # pragma: no cover - the enum is closed
+        raise Fp8OnnxError(f"Unknown scaling method {method!r}.")
+    return float(min(max(scale, _MIN_SCALE), _MAX_SCALE))

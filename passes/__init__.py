@@ -1,0 +1,22 @@
+"""Graph passes of fp8onnx, one job per module, all on onnx_ir (imported as ``fp8onnx.passes``).
+
+Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``PassResult`` whose
+``modified`` says whether the model changed; running a pass twice changes nothing the second time.
+"""
+
+from .add_amax_outputs import AMAX_SUFFIX, AddAmaxOutputsPass
+from .convert_fp16 import ConvertFloat16Pass
+from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant
+from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
+
+__all__ = [
+    "AMAX_SUFFIX",
+    "AddAmaxOutputsPass",
+    "ConvertFloat16Pass",
+    "InsertQDQPass",
+    "NODE_PREFIX",
+    "TARGET_OPSET",
+    "TensorQuant",
+    "UpgradeOpsetPass",
+    "default_opset",
+]
