@@ -17,6 +17,7 @@ import pathlib
 from collections.abc import Iterable
 
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 from . import __version__
 from .calibration import Stats, collect_amax, weight_amax
@@ -161,6 +162,8 @@ def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, bool]:
     model = load_model(path)
     upgrade = UpgradeOpsetPass()
     result = upgrade(model)
+    # Types of intermediate tensors decide what can be quantized and the scales' dtype.
+    ir.passes.common.ShapeInferencePass()(model)
     return result.model, upgrade.from_version, result.modified
 
 

@@ -1,11 +1,11 @@
 """Make a model report the absolute maximum of chosen tensors, for streaming calibration.
 
-For each tensor ``t`` this adds ``ReduceMax(Abs(t), keepdims=0)`` and exposes the scalar as a new
-graph output ``t + AMAX_SUFFIX``. Calibration then fetches only these scalars from each batch:
+For each tensor ``t`` this adds ``Cast<float>(ReduceMax(Abs(t), keepdims=0))`` and exposes the scalar as
+a new graph output ``t + AMAX_SUFFIX``. Calibration then fetches only these scalars from each batch:
 no activation leaves the session, so memory does not grow with the number of samples.
 
 Rewrite cases:
-  tensor of the main graph, no amax output yet  -> Abs + ReduceMax + graph output added
+  tensor of the main graph, no amax output yet  -> Abs + ReduceMax + Cast + graph output added
   amax output already present                   -> unchanged (idempotent)
   name not in the main graph                    -> ValueError naming it
 """
@@ -48,12 +48,13 @@ class AddAmaxOutputsPass(ir.passes.InPlacePass):
                 raise ValueError(f"tensor {name!r} is not produced in the main graph")
             abs_node = ir.node("Abs", [value], name=name + "__fp8onnx_abs")
             red = ir.node("ReduceMax", [abs_node.outputs[0]], {"keepdims": 0}, name=name + "__fp8onnx_reducemax")
-            out = red.outputs[0]
+            # float32 whatever the tensor's type, which may not even be known here
+            cast = ir.node("Cast", [red.outputs[0]], {"to": ir.DataType.FLOAT}, name=name + "__fp8onnx_cast")
+            out = cast.outputs[0]
             out.name = name + AMAX_SUFFIX
-            out.dtype = value.dtype
+            out.dtype = ir.DataType.FLOAT
             out.shape = ir.Shape([])
-            graph.append(abs_node)
-            graph.append(red)
+            graph.extend([abs_node, red, cast])
             graph.outputs.append(out)
             added += 1
         if added:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
+import onnx_ir.passes.common
 from onnxruntime.transformers.float16 import convert_float_to_float16
 
 __all__ = ["ConvertFloat16Pass"]
@@ -41,4 +42,7 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
             return ir.passes.PassResult(model.clone(), modified=False)
         proto = convert_float_to_float16(ir.to_proto(model), keep_io_types=True, disable_shape_infer=False)
         logger.info("converted the model to float16 (inputs and outputs kept as they were)")
-        return ir.passes.PassResult(ir.from_proto(proto), modified=True)
+        converted = ir.from_proto(proto)
+        # The converter appends its input Casts at the end of the node list.
+        ir.passes.common.TopologicalSortPass()(converted)
+        return ir.passes.PassResult(converted, modified=True)

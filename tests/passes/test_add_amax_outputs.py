@@ -1,0 +1,38 @@
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from fp8onnx.passes import AMAX_SUFFIX, AddAmaxOutputsPass
+from helpers import mlp_model, run_ort, run_reference
+
+
+def test_adds_scalar_amax_outputs_that_match_numpy(tmp_path):
+    model = ir.load(mlp_model(tmp_path / "m.onnx", opset=21))
+    result = AddAmaxOutputsPass(["x", "h", "r"])(model)
+    assert result.modified
+    names = [o.name for o in model.graph.outputs]
+    assert names[-3:] == ["x" + AMAX_SUFFIX, "h" + AMAX_SUFFIX, "r" + AMAX_SUFFIX]
+    proto = ir.to_proto(model)
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    w1 = model.graph.initializers["w1"].const_value.numpy()
+    h = x @ w1
+    for outs in (run_ort(proto, {"x": x}), run_reference(proto, {"x": x})):
+        amax = dict(zip(names, outs))
+        assert amax["x" + AMAX_SUFFIX].shape == ()
+        np.testing.assert_allclose(amax["x" + AMAX_SUFFIX], np.abs(x).max())
+        np.testing.assert_allclose(amax["h" + AMAX_SUFFIX], np.abs(h).max(), rtol=1e-5)
+        np.testing.assert_allclose(amax["r" + AMAX_SUFFIX], np.maximum(h, 0).max(), rtol=1e-5)
+
+
+def test_idempotent(tmp_path):
+    model = ir.load(mlp_model(tmp_path / "m.onnx", opset=21))
+    AddAmaxOutputsPass(["h"])(model)
+    count = len(model.graph)
+    assert not AddAmaxOutputsPass(["h"])(model).modified
+    assert len(model.graph) == count
+
+
+def test_unknown_tensor_is_named(tmp_path):
+    model = ir.load(mlp_model(tmp_path / "m.onnx", opset=21))
+    with pytest.raises(ValueError, match="'nope'"):
+        AddAmaxOutputsPass(["nope"])(model)

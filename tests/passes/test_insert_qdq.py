@@ -1,0 +1,104 @@
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common
+import pytest
+
+from fp8onnx.formats import Fp8Format
+from fp8onnx.passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass
+from fp8onnx.scaling import amax_to_scale
+from helpers import mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
+
+
+
+def _setup(tmp_path, fmt, **kw):
+    path = mlp_model(tmp_path / "m.onnx", **kw)
+    model = ir.load(path)
+    UpgradeOpsetPass()(model)
+    ir.passes.common.ShapeInferencePass()(model)
+    x = np.random.default_rng(3).standard_normal((32, 16)).astype(kw.get("dtype", np.float32))
+    ref = run_ort(onnx.load(path), {"x": x})
+    w1, w2 = (model.graph.initializers[n].const_value.numpy() for n in ("w1", "w2"))
+    h = x @ w1
+    amax = {"x": np.abs(x).max(), "w1": np.abs(w1).max(), "w2": np.abs(w2).max(), "r": np.maximum(h, 0).max()}
+    amax = {k: float(v) for k, v in amax.items()}
+    quant = {k: TensorQuant(fmt, amax_to_scale(float(v), fmt)) for k, v in amax.items()}
+    targets = [("fc1", 0), ("fc1", 1), ("fc2", 0), ("fc2", 1)]
+    return path, model, x, ref, quant, targets
+
+
+@pytest.mark.parametrize("fmt", list(Fp8Format), ids=lambda f: f.value)
+def test_structure_and_numbers(tmp_path, fmt):
+    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    assert InsertQDQPass(targets, quant)(model).modified
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    ops = op_types(proto)
+    # weights: float8 initializer + DQ only; activations x and r: one Q and one DQ each
+    assert ops.count("QuantizeLinear") == 2 and ops.count("DequantizeLinear") == 4
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert "w1" not in inits and "w2" not in inits  # float weights are gone
+    assert inits["fp8onnx/w1/fp8"].data_type == fmt.onnx_type
+    assert inits["fp8onnx/w2/fp8"].data_type == fmt.onnx_type
+    for node in proto.graph.node:
+        if node.op_type == "QuantizeLinear":
+            assert len(node.input) == 2  # no zero point: immune to ORT's ReluQuantRewrite
+            assert onnx.helper.get_attribute_value(node.attribute[0]) == fmt.onnx_type
+    fc2 = next(n for n in proto.graph.node if n.name == "fc2")
+    assert list(fc2.input) == ["fp8onnx/r/dequantized", "fp8onnx/w2/dequantized", "b2"]
+    for run in (run_ort, run_reference):
+        out = run(proto, {"x": x})
+        assert sqnr_db(ref[0], out[0]) > sqnr_floor_db(fmt, quantized_tensors=4)
+
+
+def test_relu_survives_ort_default_optimisations(tmp_path):
+    # With a zero point, ORT's ReluQuantRewrite would delete the Relu and negative values would leak.
+    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
+    InsertQDQPass(targets, quant)(model)
+    proto = ir.to_proto(model)
+    default, basic = run_ort(proto, {"x": x})[0], run_ort(proto, {"x": x}, level="basic")[0]
+    np.testing.assert_array_equal(default, basic)
+
+
+def test_idempotent(tmp_path):
+    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
+    InsertQDQPass(targets, quant)(model)
+    before = ir.to_proto(model).SerializeToString()
+    assert not InsertQDQPass(targets, quant)(model).modified
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_shared_activation_gets_one_pair(tmp_path):
+    # gram = y^T y: both inputs derive from y; quantizing 'y' for two consumers yields one Q/DQ pair
+    path, model, x, ref, quant, _ = _setup(tmp_path, Fp8Format.E4M3FN)
+    y = np.abs(ref[0]).max()
+    quant["y"] = quant["yt"] = TensorQuant(Fp8Format.E4M3FN, amax_to_scale(float(y), Fp8Format.E4M3FN))
+    InsertQDQPass([("gram", 0), ("gram", 1), ("yt", 0)], quant)(model)
+    proto = ir.to_proto(model)
+    qs = [n for n in proto.graph.node if n.op_type == "QuantizeLinear"]
+    assert sorted(n.input[0] for n in qs) == ["y", "yt"]
+    out = run_ort(proto, {"x": x})
+    assert sqnr_db(ref[1], out[1]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=6)
+
+
+def test_weight_with_other_readers_is_kept(tmp_path):
+    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN, gemm=False)
+    # w2 is read through a Transpose, which is not a quantization target: only fc1's weight is quantized
+    InsertQDQPass([("fc1", 0), ("fc1", 1)], quant)(model)
+    proto = ir.to_proto(model)
+    names = {i.name for i in proto.graph.initializer}
+    assert "w2" in names and "w1" not in names
+    assert sqnr_db(ref[0], run_ort(proto, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=2)
+
+
+def test_float16_model_keeps_float16_scales(tmp_path):
+    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN, dtype=np.float16)
+    InsertQDQPass(targets, quant)(model)
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    scales = [i for i in proto.graph.initializer if i.name.endswith("/scale")]
+    assert scales and all(s.data_type == onnx.TensorProto.FLOAT16 for s in scales)
+    out = run_ort(proto, {"x": x})
+    assert out[0].dtype == np.float16
+    # float16 arithmetic adds its own rounding on top of the four quantizations
+    assert sqnr_db(ref[0], out[0]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=4, slack_db=3)

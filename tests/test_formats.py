@@ -1,0 +1,71 @@
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format, dequantize, parse_format, quantize
+from helpers import run_ort, run_reference
+
+FORMATS = list(Fp8Format)
+
+
+def qdq_model(fmt: Fp8Format, scale: float):
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s"], ["q"], output_dtype=fmt.onnx_type),
+        helper.make_node("DequantizeLinear", ["q", "s"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "qdq",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+        [numpy_helper.from_array(np.array(scale, np.float32), "s")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def probe_values(fmt: Fp8Format) -> np.ndarray:
+    grid = np.arange(256, dtype=np.uint8).view(fmt.np_dtype).astype(np.float32)
+    grid = grid[np.isfinite(grid)]
+    grid.sort()
+    uniq = np.unique(grid)
+    mids = (uniq[:-1] + uniq[1:]) / 2  # exact ties: round-to-nearest-even decides
+    rng = np.random.default_rng(0)
+    noise = rng.standard_normal(2000).astype(np.float32) * fmt.fmax / 4
+    edges = np.array([fmt.fmax * 1.5, -fmt.fmax * 3, 1e30, -1e30, np.inf, -np.inf, 0.0, -0.0, 1e-30], np.float32)
+    return np.concatenate([uniq, mids, np.nextafter(mids, np.inf), noise, edges]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("scale", [1.0, 0.037, 2.0**-9])
+def test_quantize_matches_onnx_reference_and_ort(fmt, scale):
+    x = probe_values(fmt) * np.float32(scale)
+    ours = dequantize(quantize(x, scale, fmt), scale)
+    ref = run_reference(qdq_model(fmt, scale), {"x": x})[0]
+    np.testing.assert_array_equal(ours, ref)
+    ort_out = run_ort(qdq_model(fmt, scale), {"x": x})[0]
+    np.testing.assert_array_equal(ours, ort_out)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_saturation_and_nan(fmt):
+    q = quantize(np.array([np.inf, -np.inf, 1e9, np.nan], np.float32), 1.0, fmt).astype(np.float32)
+    assert q[0] == fmt.fmax and q[1] == -fmt.fmax and q[2] == fmt.fmax
+    assert math.isnan(q[3])
+
+
+def test_format_facts():
+    assert Fp8Format.E4M3FN.fmax == 448.0
+    assert Fp8Format.E5M2.fmax == 57344.0
+    assert Fp8Format.E4M3FNUZ.fmax == 240.0
+    assert Fp8Format.E5M2FNUZ.fmax == 57344.0
+    assert Fp8Format.E4M3FN.np_dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    assert Fp8Format.E4M3FN.cuda_ok and not Fp8Format.E4M3FNUZ.cuda_ok
+
+
+def test_parse_format():
+    assert parse_format("E5M2") is Fp8Format.E5M2
+    with pytest.raises(Fp8OnnxError, match="Unknown float8 format 'e3m5'"):
+        parse_format("e3m5")

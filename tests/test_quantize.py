@@ -1,0 +1,137 @@
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format
+from helpers import SAMPLE, mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
+
+
+@pytest.fixture
+def mlp(tmp_path):
+    return mlp_model(tmp_path / "m.onnx", opset=17), mlp_data(tmp_path / "d.npz")
+
+
+@pytest.mark.parametrize("fmt", [f.value for f in Fp8Format])
+@pytest.mark.parametrize("scaling", ["amax", "pow2"])
+def test_end_to_end_structure_and_sqnr(mlp, tmp_path, fmt, scaling):
+    path, data = mlp
+    floor_db = sqnr_floor_db(Fp8Format(fmt), quantized_tensors=4)
+    before = path.read_bytes()
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, format=fmt, scaling=scaling, provider="cpu")
+    assert path.read_bytes() == before  # the input is never modified
+    assert (report.opset_from, report.opset_to) == (17, 21)
+    assert [n.name for n in report.quantized] == ["fc1", "fc2"]
+    assert [(n.name, n.reason) for n in report.skipped] == [
+        ("gram", "both inputs are activations (e.g. attention scores); opt in with --activation-matmuls")
+    ]
+    q = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(q, full_check=True)
+    assert op_types(q).count("QuantizeLinear") == 2 and op_types(q).count("DequantizeLinear") == 4
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
+    ref = run_ort(onnx.load(path), {"x": x})[0]
+    assert sqnr_db(ref, run_ort(q, {"x": x})[0]) > floor_db
+    assert sqnr_db(ref, run_reference(q, {"x": x})[0]) > floor_db
+    if scaling == "pow2":
+        for node in report.quantized:
+            for t in node.tensors:
+                assert np.log2(t.scale) == int(np.log2(t.scale))
+
+
+def test_activation_matmuls_opt_in(mlp, tmp_path):
+    path, data = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, activation_matmuls=True, provider="cpu")
+    assert [n.name for n in report.quantized] == ["fc1", "fc2", "gram"]
+    assert op_types(onnx.load(tmp_path / "q.onnx")).count("QuantizeLinear") == 4  # x, r, yt, y
+
+
+def test_op_types_and_exclude(mlp, tmp_path):
+    path, data = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, op_types=("MatMul",), exclude=("fc*",), provider="cpu")
+    assert report.quantized == []
+    reasons = {n.name: n.reason for n in report.skipped}
+    assert reasons["fc2"] == "Gemm is not in --op-types"
+    assert reasons["fc1"] == "excluded by --exclude 'fc*'"
+    assert "nothing to quantize" in report.summary()
+
+
+def test_constant_scaling_needs_no_calibration(mlp, tmp_path):
+    path, _ = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", scaling="constant", scale=0.01, provider="cpu")
+    assert {t.scale for n in report.quantized for t in n.tensors} == {0.01}
+    assert report.calibration is None
+
+
+def test_quantizing_the_output_again_changes_nothing(mlp, tmp_path):
+    path, data = mlp
+    fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
+    report = fp8onnx.quantize(tmp_path / "q.onnx", tmp_path / "q2.onnx", data, provider="cpu")
+    assert not report.modified and not report.quantized
+    assert {n.reason for n in report.skipped} >= {"already quantized: input 'fp8onnx/x/dequantized' comes from DequantizeLinear"}
+
+
+def test_report_json_and_metadata(mlp, tmp_path):
+    path, data = mlp
+    fp8onnx.quantize(path, tmp_path / "q.onnx", data, report=tmp_path / "r.json", provider="cpu")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["format"] == "e4m3fn"
+    fc1 = next(n for n in doc["nodes"] if n["name"] == "fc1")
+    assert [t["kind"] for t in fc1["tensors"]] == ["activation", "weight"]
+    meta = {p.key: p.value for p in onnx.load(tmp_path / "q.onnx").metadata_props}
+    assert json.loads(meta["fp8onnx"])["scaling"] == "amax"
+    info = fp8onnx.inspect(tmp_path / "q.onnx")
+    assert info["quantized_nodes"] == 2 and len(info["float8_tensors"]) == 4
+
+
+def test_deterministic_output(mlp, tmp_path):
+    path, data = mlp
+    fp8onnx.quantize(path, tmp_path / "a.onnx", data, provider="cpu")
+    fp8onnx.quantize(path, tmp_path / "b.onnx", data, provider="cpu")
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"format": "e3m5"}, "Unknown float8 format"),
+        ({"scaling": "mean"}, "Unknown scaling method"),
+        ({"scaling": "constant"}, "Constant scaling needs a positive finite --scale"),
+        ({"scale": 0.1}, "--scale only applies to --scaling constant"),
+        ({"margin": 2}, "--margin only applies to --scaling pow2"),
+        ({"op_types": ("Conv",)}, "Unsupported op type 'Conv'"),
+        ({"provider": "rocm"}, "Unknown provider 'rocm'"),
+    ],
+)
+def test_bad_options(mlp, tmp_path, kwargs, message):
+    path, data = mlp
+    with pytest.raises(Fp8OnnxError, match=message):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", data, **kwargs)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_bad_paths(mlp, tmp_path):
+    path, data = mlp
+    with pytest.raises(Fp8OnnxError, match="is the input model"):
+        fp8onnx.quantize(path, path, data)
+    with pytest.raises(Fp8OnnxError, match="Output folder .* does not exist"):
+        fp8onnx.quantize(path, tmp_path / "nope" / "q.onnx", data)
+    with pytest.raises(Fp8OnnxError, match="does not exist"):
+        fp8onnx.quantize(tmp_path / "missing.onnx", tmp_path / "q.onnx", data)
+    (tmp_path / "junk.onnx").write_bytes(b"\x08\x07garbage" * 10)
+    with pytest.raises(Fp8OnnxError, match="is not a readable ONNX model"):
+        fp8onnx.quantize(tmp_path / "junk.onnx", tmp_path / "q.onnx", data)
+    with pytest.raises(Fp8OnnxError, match="need calibration"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx")
+
+
+def test_sample_decoder_stays_within_995_of_fp16(tmp_path):
+    """The README's promise: FP8 next-byte accuracy >= 99.5% of FP16 on held-out text."""
+    report = fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "d.onnx", SAMPLE / "calib.npz", provider="cpu")
+    assert len(report.quantized) == 29 and report.output_bytes < 0.4 * report.input_bytes
+    result = fp8onnx.compare(SAMPLE / "decoder.onnx", [tmp_path / "d.onnx"], SAMPLE / "eval.npz", provider="cpu")
+    fp32, fp16, fp8 = result.rows
+    assert fp32.accuracy > 0.55  # a trained model, not random weights
+    assert fp8.passes_llm and fp8.passes_ptq, result.table()
