@@ -227,3 +227,7 @@ def demo(out_dir, provider):
                    f"the 99.5% criterion. ({time.perf_counter() - t0:.1f}s)")
         if out_dir:
             click.echo(f"models kept in {folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Peak RSS of `fp8onnx calibrate` as the number of calibration samples grows (SPEC §4: flat).
+
+Each run is its own process (``ru_maxrss`` of the child), on the same model, with the calibration
+set tiled to N samples. Prints a table and the ratio of the largest to the smallest run.
+
+Usage: python tests/bench/calibration_memory.py MODEL CALIB.npz [--samples 128 1024] [--batch-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def tiled(calib: pathlib.Path, n: int, out: pathlib.Path) -> pathlib.Path:
+    with np.load(calib, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files if not k.startswith("_")}
+    count = len(next(iter(arrays.values())))
+    idx = np.arange(n) % count
+    np.savez(out, **{k: v[idx] for k, v in arrays.items()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("calib")
+    ap.add_argument("--samples", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--batch-size", type=int, default=16)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.samples:
+            data = tiled(pathlib.Path(args.calib), n, pathlib.Path(tmp) / f"calib{n}.npz")
+            inner = [sys.executable, "-m", "fp8onnx.cli", "calibrate", args.model, "--calib", str(data),
+                     "-o", str(pathlib.Path(tmp) / f"stats{n}.json"), "--batch-size", str(args.batch_size),
+                     "--provider", "cpu"]
+            # A wrapper process per run, so that ru_maxrss belongs to that run alone.
+            probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+                     "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+                     "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+            t0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", probe, *inner], capture_output=True, text=True, check=True)
+            rows.append((n, int(out.stdout.strip()) / 1024, time.perf_counter() - t0))
+    print(f"model {args.model}, batch size {args.batch_size}")
+    print(f"{'samples':>8}  {'peak RSS MiB':>12}  {'wall s':>7}")
+    for n, rss, secs in rows:
+        print(f"{n:>8}  {rss:>12.1f}  {secs:>7.1f}")
+    print(f"peak RSS ratio {rows[-1][0]} vs {rows[0][0]} samples: {rows[-1][1] / rows[0][1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

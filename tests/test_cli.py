@@ -1,0 +1,81 @@
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fp8onnx.cli import main
+from helpers import mlp_data, mlp_model
+
+COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo"]
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_help_shows_examples():
+    result = run("--help")
+    assert result.exit_code == 0 and "fp8onnx quantize model.onnx --calib calib.npz" in result.output
+    for cmd in COMMANDS:
+        result = run(cmd, "--help")
+        assert result.exit_code == 0, cmd
+        assert "Example" in result.output and f"fp8onnx {cmd}" in result.output, cmd
+
+
+def test_quantize_compare_inspect_fp16_calibrate(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    r = run("quantize", path, "--calib", data, "-o", tmp_path / "q.onnx", "--report", tmp_path / "r.json",
+            "--provider", "cpu", "--check", data)
+    assert r.exit_code == 0, r.output
+    assert "quantized 2 of 3 MatMul/Gemm nodes to e4m3fn, amax scaling" in r.output
+    assert "opset upgraded 17 -> 21" in r.output and "q.onnx" in r.output and "FP16" in r.output
+    assert json.loads((tmp_path / "r.json").read_text())["output"].endswith("q.onnx")
+    r = run("calibrate", path, "--calib", data, "-o", tmp_path / "s.json", "--provider", "cpu")
+    assert r.exit_code == 0 and "4 tensors calibrated on 64 samples" in r.output
+    r = run("quantize", path, "--stats", tmp_path / "s.json", "-o", tmp_path / "q2.onnx", "--scaling", "pow2")
+    assert r.exit_code == 0, r.output
+    r = run("compare", path, tmp_path / "q.onnx", tmp_path / "q2.onnx", "--data", data, "--json", tmp_path / "c.json")
+    assert r.exit_code == 0 and "q2.onnx" in r.output
+    assert len(json.loads((tmp_path / "c.json").read_text())["rows"]) == 4
+    r = run("inspect", tmp_path / "q.onnx")
+    assert r.exit_code == 0 and "2 of 3 MatMul/Gemm nodes read float8 inputs" in r.output
+    assert json.loads(run("inspect", tmp_path / "q.onnx", "--json").output)["quantized_nodes"] == 2
+    r = run("fp16", path, "-o", tmp_path / "h.onnx")
+    assert r.exit_code == 0 and (tmp_path / "h.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["quantize", "{m}", "-o", "{t}/q.onnx"], "Activation scales need calibration"),
+        (["quantize", "{t}/none.onnx", "--calib", "{d}", "-o", "{t}/q.onnx"], "none.onnx' does not exist"),
+        (["quantize", "{m}", "--calib", "{d}", "-o", "{m}"], "is the input model"),
+        (["quantize", "{m}", "--calib", "{t}/none.npz", "-o", "{t}/q.onnx"], "none.npz' does not exist"),
+        (["quantize", "{m}", "--calib", "{d}", "--stats", "{d}", "-o", "{t}/q.onnx"], "either --calib or --stats"),
+        (["quantize", "{m}", "--scaling", "constant", "-o", "{t}/q.onnx"], "needs a positive finite --scale"),
+        (["quantize", "{m}", "--calib", "{d}", "--op-types", "Conv", "-o", "{t}/q.onnx"], "Unsupported op type 'Conv'"),
+        (["compare", "{m}", "{t}/none.onnx", "--data", "{d}"], "none.onnx' does not exist"),
+        (["calibrate", "{m}", "--calib", "{t}/bad.npz", "-o", "{t}/s.json"], "has no array for input 'x'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_sentence(tmp_path, args, message):
+    m, d = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    np.savez(tmp_path / "bad.npz", y=np.zeros((2, 16), np.float32))
+    r = run(*[a.format(m=m, d=d, t=tmp_path) for a in args])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.startswith("fp8onnx: error:")]
+    assert len(lines) == 1 and message in lines[0], r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_usage_errors_exit_2(tmp_path):
+    assert run("quantize").exit_code == 2
+    assert run("quantize", "m.onnx", "-o", "x.onnx", "--format", "e3m5").exit_code == 2
+
+
+def test_demo_runs_and_meets_the_criterion():
+    r = run("demo", "--provider", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "within the 99.5% criterion" in r.output and "NOT within" not in r.output

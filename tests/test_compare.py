@@ -1,0 +1,79 @@
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fp8onnx
+from fp8onnx.compare import _OutputStats
+from fp8onnx.errors import Fp8OnnxError
+from helpers import mlp_data, mlp_model
+
+
+def test_output_stats_metrics():
+    s = _OutputStats()
+    ref = np.array([[1.0, 0.0], [0.0, 2.0]])
+    out = np.array([[1.0, 0.0], [2.0, 0.0]])  # second row orthogonal, argmax flipped
+    s.update(ref, out, logits=True)
+    d = s.to_json()
+    assert d["cosine_mean"] == pytest.approx(0.5) and d["cosine_min"] == pytest.approx(0.0)
+    assert d["rel_l2"] == pytest.approx(np.sqrt(8 / 5))
+    assert d["max_abs_err"] == 2.0 and d["top1_agreement"] == 0.5
+
+
+def _classifier(path, w):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"], name="fc")],
+        "clf",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 4])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+def test_accuracy_with_labels_and_criteria(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 4)).astype(np.float32)
+    x = rng.standard_normal((200, 16)).astype(np.float32)
+    labels = (x @ w).argmax(-1)
+    labels[:20] = (labels[:20] + 1) % 4  # the reference is 90% accurate
+    np.savez(tmp_path / "eval.npz", x=x, labels=labels)
+    ref = _classifier(tmp_path / "ref.onnx", w)
+    noisy = _classifier(tmp_path / "noisy.onnx", w + rng.standard_normal(w.shape).astype(np.float32) * 0.8)
+    fp8onnx.quantize(ref, tmp_path / "q.onnx", tmp_path / "eval.npz", provider="cpu")
+    result = fp8onnx.compare(ref, [tmp_path / "q.onnx", noisy], tmp_path / "eval.npz", batch_size=64, provider="cpu")
+    names = [r.name for r in result.rows]
+    assert names == ["FP32 (reference)", "FP16", "q.onnx", "noisy.onnx"]
+    fp32, fp16, q, bad = result.rows
+    assert fp32.accuracy == pytest.approx(0.9)
+    assert q.headline == "task accuracy" and q.ratio_to_fp16 == pytest.approx(q.accuracy / fp16.accuracy)
+    assert q.accuracy > 0.87 and q.passes_llm == (q.ratio_to_fp16 >= 0.995)
+    assert q.passes_ptq == (q.rel_loss_vs_fp16 <= 0.01)
+    assert bad.accuracy < 0.8 and bad.passes_llm is False and bad.passes_ptq is False
+    assert result.samples == 200 and result.batches == 4
+    assert "FAIL" in result.table() and "pass" in result.table()
+
+
+def test_without_labels_uses_cosine(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
+    result = fp8onnx.compare(path, [tmp_path / "q.onnx"], data, provider="cpu")
+    q = result.rows[-1]
+    assert q.headline == "mean cosine to FP32"
+    assert 0.99 < q.outputs["y"]["cosine_mean"] <= 1.0
+    assert q.outputs["y"]["top1_agreement"] is None  # 'y' does not look like logits
+
+
+def test_candidate_with_other_outputs_is_refused(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    other = _classifier(tmp_path / "other.onnx", np.ones((16, 4), np.float32))
+    with pytest.raises(Fp8OnnxError, match="has outputs \\['logits'\\]; the reference has \\['y', 'gram'\\]"):
+        fp8onnx.compare(path, [other], data, provider="cpu")
+
+
+def test_labels_that_match_no_output(tmp_path):
+    path = mlp_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 16), np.float32), labels=np.zeros((4, 3)))
+    with pytest.raises(Fp8OnnxError, match="'labels' of shape \\(4, 3\\) match no output"):
+        fp8onnx.compare(path, [], tmp_path / "d.npz", provider="cpu")
