@@ -12,7 +12,6 @@ import numpy as np
 import onnx_ir as ir
 
 from .calibration import Stats, collect_amax
-from .data import as_data, input_specs
 from .errors import Fp8OnnxError
 from .model_io import check_output_path, load_model, save_model
 from .passes import ConvertFloat16Pass
@@ -47,12 +46,7 @@ def calibrate(
     names = candidate_activations(ir_model)
     if not names:
         raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")
-    data = as_data(calib, input_specs(ir_model))
-    n = getattr(data, "num_samples", None)
-    stats = collect_amax(
-        ir_model, names, data.batches(batch_size), provider=provider,
-        total=None if n is None else -(-n // batch_size), progress=progress,
-    )
+    stats = collect_amax(ir_model, names, calib, batch_size=batch_size, provider=provider, progress=progress)
     if output is not None:
         stats.save(output)
     return stats

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
+from .data import as_data, input_specs
 from .errors import Fp8OnnxError
 from .passes import AMAX_SUFFIX, AddAmaxOutputsPass
 from .progress import progress_bar
@@ -86,13 +87,13 @@ def weight_amax(value: ir.Value) -> float:
 def collect_amax(
     model: ir.Model,
     tensor_names: Iterable[str],
-    batches: Iterable,
+    data,
     *,
+    batch_size: int = 16,
     provider: str = "auto",
-    total: int | None = None,
     progress: bool = False,
 ) -> Stats:
-    """Run ``model`` over ``batches`` (``data.Batch`` objects) and return the running amax per tensor."""
+    """Run ``model`` over ``data`` (see :func:`fp8onnx.data.as_data`) and return the running amax per tensor."""
     names = list(dict.fromkeys(tensor_names))
     stats = Stats(amax={n: 0.0 for n in names})
     if not names:
@@ -102,6 +103,9 @@ def collect_amax(
     session = session_for_model(instrumented, provider, "The calibration model")
     outputs = [n + AMAX_SUFFIX for n in names]
     running = np.zeros(len(names), dtype=np.float64)
+    source = as_data(data, input_specs(model))
+    batches = source.batches(batch_size)
+    total = source.count_batches(batch_size)
     for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
         try:
             values = session.run(outputs, batch.feed)

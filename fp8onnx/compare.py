@@ -212,8 +212,7 @@ def compare(
     correct = {name: 0 for name in sessions}
     labelled = 0
     samples = batches = 0
-    total = getattr(source, "num_samples", None)
-    total = None if total is None else -(-total // batch_size)
+    total = source.count_batches(batch_size)
     for batch in progress_bar(source.batches(batch_size), total=total, desc="evaluating", unit="batch", enable=progress):
         outputs = {}
         for name, sess in sessions.items():

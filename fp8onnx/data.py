@@ -78,7 +78,9 @@ class FeedData:
     def __init__(self, feeds: Iterable[Mapping[str, np.ndarray]], specs: list[InputSpec]):
         self._feeds = feeds
         self._specs = specs
-        self.num_samples: int | None = None
+
+    def count_batches(self, batch_size: int) -> int | None:
+        return len(self._feeds) if hasattr(self._feeds, "__len__") else None
 
     def batches(self, batch_size: int) -> Iterator[Batch]:
         for i, feed in enumerate(self._feeds):
@@ -102,7 +104,16 @@ class NpzData:
         else:
             raise Fp8OnnxError(f"Data file {str(self.path)!r} does not exist.")
         # Validate every file's keys, ranks and counts up front (reads headers, not the data).
-        self.num_samples = sum(self._layout(f)[1] for f in self.files)
+        self._layouts = {f: self._layout(f) for f in self.files}
+        self.num_samples = sum(count for _, count in self._layouts.values())
+
+    def _step(self, layout: str, batch_size: int) -> int:
+        if layout == "batch" or all(s.rank > 0 and s.shape[0] is None for s in self._specs):
+            return batch_size
+        return 1
+
+    def count_batches(self, batch_size: int) -> int:
+        return sum(-(-count // self._step(layout, batch_size)) for layout, count in self._layouts.values())
 
     def _open(self, file: pathlib.Path):
         try:
@@ -157,16 +168,11 @@ class NpzData:
         if batch_size < 1:
             raise Fp8OnnxError(f"--batch-size must be at least 1, got {batch_size}.")
         for file in self.files:
-            layout, count = self._layout(file)
+            layout, count = self._layouts[file]
             with self._open(file) as npz:
                 arrays = {s.name: _checked_array(npz, s, file, layout) for s in self._specs}
                 labels = npz[LABELS] if LABELS in npz.files else None
-            if layout == "batch":
-                step = batch_size
-            elif all(s.rank > 0 and s.shape[0] is None for s in self._specs):
-                step = batch_size
-            else:
-                step = 1
+            step = self._step(layout, batch_size)
             for start in range(0, count, step):
                 sl = slice(start, start + step)
                 if layout == "batch":

@@ -21,7 +21,6 @@ import onnx_ir.passes.common
 
 from . import __version__
 from .calibration import Stats, collect_amax, weight_amax
-from .data import as_data, input_specs
 from .errors import Fp8OnnxError
 from .formats import Fp8Format, parse_format
 from .model_io import check_output_path, load_model, save_model, write_text_atomic
@@ -206,10 +205,8 @@ def quantize(
                 )
             calibration = loaded
         elif calib is not None:
-            data = as_data(calib, input_specs(ir_model))
-            total = _num_batches(data, batch_size)
             calibration = collect_amax(
-                ir_model, act_names, data.batches(batch_size), provider=provider, total=total, progress=progress
+                ir_model, act_names, calib, batch_size=batch_size, provider=provider, progress=progress
             )
         else:
             raise Fp8OnnxError(
@@ -252,11 +249,6 @@ def quantize(
     if report is not None:
         write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")
     return result
-
-
-def _num_batches(data, batch_size: int) -> int | None:
-    n = getattr(data, "num_samples", None)
-    return None if n is None else -(-n // batch_size)
 
 
 def _file_size(path) -> int:

@@ -21,20 +21,24 @@ def test_batch_layout_cuts_batches_with_a_short_last_one(tmp_path):
     batches = list(data.batches(4))
     assert [b.size for b in batches] == [4, 4, 2]
     assert batches[-1].labels.tolist() == [8, 9]
-    assert data.num_samples == 10
+    assert data.num_samples == 10 and data.count_batches(4) == 3
 
 
 def test_feed_layout_concatenates_along_dynamic_batch(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.ones((6, 2, 16), np.float64))  # 6 feeds of batch 2, cast to float32
-    batches = list(NpzData(tmp_path / "d.npz", SPECS).batches(4))
+    data = NpzData(tmp_path / "d.npz", SPECS)
+    batches = list(data.batches(4))
     assert [b.feed["x"].shape for b in batches] == [(8, 16), (4, 16)]
+    assert data.count_batches(4) == 2
     assert batches[0].feed["x"].dtype == np.float32
 
 
 def test_feed_layout_runs_one_by_one_with_fixed_batch(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.ones((3, 1, 16), np.float32))
-    batches = list(NpzData(tmp_path / "d.npz", FIXED).batches(8))
+    data = NpzData(tmp_path / "d.npz", FIXED)
+    batches = list(data.batches(8))
     assert [b.feed["x"].shape for b in batches] == [(1, 16)] * 3
+    assert data.count_batches(8) == 3
 
 
 def test_folder_read_in_name_order(tmp_path):
