@@ -13,6 +13,8 @@ import onnx_ir as ir
 
 from .calibration import Stats, collect_amax
 from .errors import Fp8OnnxError
+from .formats import EMULATED_NOTE
+from .report import describe_config
 from .model_io import check_output_path, load_model, save_model
 from .passes import ConvertFloat16Pass
 from .quantize import candidate_activations, prepare_model
@@ -111,7 +113,9 @@ def inspect_summary(info: dict) -> str:
              "MatMul/Gemm nodes read float8 inputs"]
     if info["fp8onnx"]:
         cfg = info["fp8onnx"]
-        lines.append(f"  written by fp8onnx {cfg.get('version')}: {cfg.get('format')}, {cfg.get('scaling')} scaling")
+        lines.append(f"  written by fp8onnx {cfg.get('version')}: {describe_config(cfg)}")
+        if cfg.get("emulated"):
+            lines.append(f"  SIMULATION: {EMULATED_NOTE}")
     weights = [t for t in info["float8_tensors"] if t["kind"] == "weight"]
     acts = [t for t in info["float8_tensors"] if t["kind"] == "activation"]
     for label, group in (("weights", weights), ("activations", acts)):

@@ -1,9 +1,11 @@
-"""Streaming calibration: each tensor's absolute maximum, computed inside the graph, batch by batch.
+"""Streaming calibration: per-tensor statistics of activations, batch by batch.
 
-The model is instrumented with ``AddAmaxOutputsPass`` so that onnxruntime returns one scalar per
-tensor per batch; only a running maximum per tensor is kept. Memory therefore does not depend on
-the number of calibration samples. Statistics can be saved as JSON (``fp8onnx calibrate``) and
-reused by ``fp8onnx quantize --stats``.
+The model is instrumented with ``AddAmaxOutputsPass`` so that onnxruntime returns each tensor's
+absolute maximum as one scalar per batch; only a running maximum is kept. With histograms
+(percentile and mse scaling), each batch's tensor is also read once into a fixed-bin
+:class:`~fp8onnx.histogram.LogHistogram` and dropped. Memory therefore does not depend on the
+number of calibration samples. Statistics are saved as JSON (``fp8onnx calibrate``) and reused by
+``fp8onnx quantize --stats``.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ import onnx_ir as ir
 
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError
-from .passes import AMAX_SUFFIX, AddAmaxOutputsPass
+from .histogram import LogHistogram
+from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .progress import progress_bar
 from .runtime import session_for_model
 
 __all__ = ["Stats", "collect_amax", "weight_amax"]
 
 logger = logging.getLogger(__name__)
-STATS_VERSION = 1
+STATS_VERSION = 2
 
 
 @dataclasses.dataclass
@@ -39,6 +42,7 @@ class Stats:
     num_batches: int = 0
     num_samples: int = 0
     nonfinite: dict[str, int] = dataclasses.field(default_factory=dict)  # batches whose amax was NaN/Inf
+    hist: dict[str, LogHistogram] = dataclasses.field(default_factory=dict)  # empty unless asked for
 
     def to_json(self) -> dict:
         return {
@@ -47,6 +51,7 @@ class Stats:
             "num_samples": self.num_samples,
             "amax": self.amax,
             "nonfinite_batches": self.nonfinite,
+            "histograms": {k: h.to_json() for k, h in self.hist.items()},
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -73,15 +78,26 @@ class Stats:
             num_batches=int(doc.get("num_batches", 0)),
             num_samples=int(doc.get("num_samples", 0)),
             nonfinite={str(k): int(v) for k, v in doc.get("nonfinite_batches", {}).items()},
+            hist=_load_histograms(doc.get("histograms", {}), path),
         )
 
 
-def weight_amax(value: ir.Value) -> float:
-    """Absolute maximum of a constant tensor (NaN-aware: NaN entries are ignored)."""
-    arr = value.const_value.numpy()
+def _load_histograms(doc, path: pathlib.Path) -> dict[str, LogHistogram]:
+    try:
+        return {str(k): LogHistogram.from_json(v) for k, v in doc.items()}
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise Fp8OnnxError(f"Statistics file {str(path)!r} has a malformed histogram ({exc}).") from None
+
+
+def weight_amax(value: ir.Value, axis: int | None = None):
+    """Absolute maximum of a constant tensor, or per slice along ``axis`` (NaN entries are ignored)."""
+    arr = np.abs(value.const_value.numpy().astype(np.float32))
     if arr.size == 0:
-        return 0.0
-    return float(np.nanmax(np.abs(arr.astype(np.float32))))
+        return 0.0 if axis is None else np.zeros(arr.shape[axis], np.float64)
+    if axis is None:
+        return float(np.nanmax(arr))
+    others = tuple(i for i in range(arr.ndim) if i != axis % arr.ndim)
+    return np.nanmax(arr, axis=others).astype(np.float64)
 
 
 def collect_amax(
@@ -91,17 +107,22 @@ def collect_amax(
     *,
     batch_size: int = 16,
     provider: str = "auto",
+    histograms: bool = False,
     progress: bool = False,
 ) -> Stats:
-    """Run ``model`` over ``data`` (see :func:`fp8onnx.data.as_data`) and return the running amax per tensor."""
+    """Run ``model`` over ``data`` (see :func:`fp8onnx.data.as_data`): running amax per tensor, and
+    with ``histograms`` a fixed-bin histogram of |x| per tensor."""
     names = list(dict.fromkeys(tensor_names))
     stats = Stats(amax={n: 0.0 for n in names})
     if not names:
         return stats
     instrumented = model.clone()
-    AddAmaxOutputsPass(names)(instrumented)
+    AddAmaxOutputsPass(names, values=histograms)(instrumented)
     session = session_for_model(instrumented, provider, "The calibration model")
     outputs = [n + AMAX_SUFFIX for n in names]
+    if histograms:
+        stats.hist = {n: LogHistogram() for n in names}
+        outputs += [n + VALUE_SUFFIX for n in names]
     running = np.zeros(len(names), dtype=np.float64)
     source = as_data(data, input_specs(model))
     batches = source.batches(batch_size)
@@ -112,7 +133,9 @@ def collect_amax(
         except Exception as exc:  # noqa: BLE001 - ORT raises several types
             msg = str(exc).strip().splitlines()[0]
             raise Fp8OnnxError(f"Calibration batch {stats.num_batches} failed in onnxruntime: {msg}") from None
-        current = np.array([float(v) for v in values], dtype=np.float64)
+        current = np.array([float(v) for v in values[: len(names)]], dtype=np.float64)
+        for name, tensor in zip(names, values[len(names) :]):
+            stats.hist[name].update(tensor)
         bad = ~np.isfinite(current)
         for i in np.flatnonzero(bad):
             stats.nonfinite[names[i]] = stats.nonfinite.get(names[i], 0) + 1

@@ -82,11 +82,19 @@ def _csv(ctx, param, value):
 @click.option("--calib", type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
 @click.option("--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib.")
 @click.option("--format", "fmt", type=click.Choice(_FORMATS, case_sensitive=False), default="e4m3fn", show_default=True,
-              help="Float8 format of weights and activations.")
+              help="Float8 format of weights and activations (e3m4: emulated, for studies only, not deployable).")
+@click.option("--weight-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for weights.")
+@click.option("--activation-format", type=click.Choice(_FORMATS, case_sensitive=False),
+              help="Override --format for activations.")
 @click.option("--scaling", type=click.Choice(_SCALINGS, case_sensitive=False), default="amax", show_default=True,
-              help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; constant: --scale for all.")
+              help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; percentile: clip at "
+                   "--percentile of |x|; mse: clip where the quantization error is least; constant: --scale for all.")
 @click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")
+@click.option("--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99].")
 @click.option("--scale", type=float, help="constant only: the scale used for every tensor.")
+@click.option("--activations", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
+              help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).")
+@click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
 @click.option("--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types.")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
@@ -95,8 +103,8 @@ def _csv(ctx, param, value):
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON.")
 @click.option("--check", "check_data", type=click.Path(), help="Evaluation data: print the compare table after quantizing.")
 @_run
-def quantize(model, output, calib, stats, fmt, scaling, margin, scale, op_types, exclude, activation_matmuls,
-             batch_size, provider, report, check_data):
+def quantize(model, output, calib, stats, fmt, weight_format, activation_format, scaling, margin, percentile, scale,
+             activations, per_channel, op_types, exclude, activation_matmuls, batch_size, provider, report, check_data):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
 
     \b
@@ -105,11 +113,15 @@ def quantize(model, output, calib, stats, fmt, scaling, margin, scale, op_types,
       fp8onnx quantize model.onnx --stats stats.json --scaling pow2 --margin 1 -o model.fp8.onnx
       fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx
       fp8onnx quantize model.onnx --scaling constant --scale 0.05 -o model.cscale.onnx
+      fp8onnx quantize model.onnx --activations dynamic --per-channel -o model.dyn.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --weight-format e4m3fn --activation-format e5m2 -o mixed.onnx
     """
     if calib and stats:
         raise Fp8OnnxError("Give either --calib or --stats, not both.")
-    config = QuantizeConfig(format=fmt, scaling=scaling, margin=margin, scale=scale, op_types=op_types,
-                            exclude=exclude, activation_matmuls=activation_matmuls)
+    config = QuantizeConfig(format=fmt, weight_format=weight_format, activation_format=activation_format,
+                            scaling=scaling, margin=margin, percentile=percentile, scale=scale, activations=activations,
+                            per_channel=per_channel, op_types=op_types, exclude=exclude,
+                            activation_matmuls=activation_matmuls)
     t0 = time.perf_counter()
     result = api_quantize(model, output, calib, config=config, stats=stats, batch_size=batch_size,
                           provider=provider, report=report, progress=True)

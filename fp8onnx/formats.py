@@ -4,6 +4,10 @@ Each :class:`Fp8Format` carries its largest finite value, its ONNX and NumPy (ml
 :func:`quantize` / :func:`dequantize` mirror ONNX QuantizeLinear / DequantizeLinear with
 ``saturate=1`` exactly: divide by the scale, clamp to +-fmax (so +-Inf saturates and NaN stays NaN),
 round to nearest even on the format's grid.
+
+E3M4 (max 15.5, one more mantissa bit than E4M3) has no ONNX type. It exists here only as an
+*emulated* format for accuracy studies: the graph rounds to its grid with float ops and no runtime
+can deploy the result (``deployable`` is False).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import onnx_ir as ir
 
 from .errors import Fp8OnnxError
 
-__all__ = ["Fp8Format", "parse_format", "quantize", "dequantize"]
+__all__ = ["Fp8Format", "parse_format", "quantize", "dequantize", "EMULATED_NOTE"]
+
+EMULATED_NOTE = "E3M4 is emulated with float ops: a simulation for accuracy studies that no runtime can deploy"
 
 
 class Fp8Format(enum.Enum):
@@ -27,6 +33,7 @@ class Fp8Format(enum.Enum):
     E5M2 = "e5m2"
     E4M3FNUZ = "e4m3fnuz"
     E5M2FNUZ = "e5m2fnuz"
+    E3M4 = "e3m4"
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -38,12 +45,25 @@ class Fp8Format(enum.Enum):
         return float(ml_dtypes.finfo(_NP[self]).max)
 
     @property
+    def deployable(self) -> bool:
+        """False for formats that ONNX has no type for: they are emulated with float ops."""
+        return self in _ONNX
+
+    @property
     def onnx_type(self) -> int:
         return _ONNX[self]
 
     @property
     def ir_type(self) -> ir.DataType:
         return ir.DataType(_ONNX[self])
+
+    @property
+    def mantissa_bits(self) -> int:
+        return int(-ml_dtypes.finfo(_NP[self]).machep)
+
+    @property
+    def min_normal_exponent(self) -> int:
+        return int(ml_dtypes.finfo(_NP[self]).minexp)
 
     @property
     def cuda_ok(self) -> bool:
@@ -56,6 +76,7 @@ _NP = {
     Fp8Format.E5M2: ml_dtypes.float8_e5m2,
     Fp8Format.E4M3FNUZ: ml_dtypes.float8_e4m3fnuz,
     Fp8Format.E5M2FNUZ: ml_dtypes.float8_e5m2fnuz,
+    Fp8Format.E3M4: ml_dtypes.float8_e3m4,
 }
 _ONNX = {
     Fp8Format.E4M3FN: onnx.TensorProto.FLOAT8E4M3FN,

@@ -16,18 +16,19 @@ import os
 import pathlib
 from collections.abc import Iterable
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
 from . import __version__
 from .calibration import Stats, collect_amax, weight_amax
 from .errors import Fp8OnnxError
-from .formats import Fp8Format, parse_format
+from .formats import EMULATED_NOTE, Fp8Format, parse_format
 from .model_io import check_output_path, load_model, save_model, write_text_atomic
-from .passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass
+from .passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass, is_quantized
 from .report import NodeReport, QuantizeReport, TensorReport
 from .runtime import resolve_provider
-from .scaling import Scaling, amax_to_scale, parse_scaling
+from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax, parse_scaling
 
 __all__ = ["QuantizeConfig", "plan", "quantize", "SUPPORTED_OP_TYPES"]
 
@@ -37,20 +38,34 @@ _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _MATMUL_INPUTS = {"MatMul": (0, 1), "Gemm": (0, 1)}  # Gemm's bias C stays in float
 
 
+ACTIVATION_MODES = ("static", "dynamic")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
-    """What to quantize and how; validated on creation."""
+    """What to quantize and how; validated on creation.
 
-    format: Fp8Format = Fp8Format.E4M3FN
-    scaling: Scaling = Scaling.AMAX
+    ``format`` sets both ``weight_format`` and ``activation_format`` unless they are given.
+    """
+
+    format: Fp8Format | str = Fp8Format.E4M3FN
+    weight_format: Fp8Format | str | None = None
+    activation_format: Fp8Format | str | None = None
+    scaling: Scaling | str = Scaling.AMAX
     margin: int = 0
     scale: float | None = None
+    percentile: float | None = None
+    activations: str = "static"
+    per_channel: bool = False
     op_types: tuple[str, ...] = SUPPORTED_OP_TYPES
     exclude: tuple[str, ...] = ()
     activation_matmuls: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "format", parse_format(self.format))
+        fmt = parse_format(self.format)
+        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "weight_format", parse_format(self.weight_format or fmt))
+        object.__setattr__(self, "activation_format", parse_format(self.activation_format or fmt))
         object.__setattr__(self, "scaling", parse_scaling(self.scaling))
         object.__setattr__(self, "op_types", tuple(self.op_types))
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -60,24 +75,50 @@ class QuantizeConfig:
                 f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
+        if self.activations not in ACTIVATION_MODES:
+            raise Fp8OnnxError(f"Unknown --activations {self.activations!r}; choose static or dynamic.")
         if self.scaling is Scaling.CONSTANT:
-            amax_to_scale(1.0, self.format, self.scaling, constant=self.scale)  # validates --scale
+            amax_to_scale(1.0, self.weight_format, self.scaling, constant=self.scale)  # validates --scale
+            if self.activations == "dynamic":
+                raise Fp8OnnxError("--scaling constant contradicts --activations dynamic (one fixed scale vs one per batch).")
+            if self.per_channel:
+                raise Fp8OnnxError("--scaling constant contradicts --per-channel (one scale for every tensor).")
         elif self.scale is not None:
             raise Fp8OnnxError("--scale only applies to --scaling constant.")
         if self.margin != int(self.margin):
             raise Fp8OnnxError(f"--margin must be an integer, got {self.margin!r}.")
         if self.margin and self.scaling is not Scaling.POW2:
             raise Fp8OnnxError("--margin only applies to --scaling pow2.")
+        if self.percentile is not None:
+            if self.scaling is not Scaling.PERCENTILE:
+                raise Fp8OnnxError("--percentile only applies to --scaling percentile.")
+            if not 0 < self.percentile <= 100:
+                raise Fp8OnnxError(f"--percentile must be in (0, 100], got {self.percentile!r}.")
+        if self.activations == "dynamic" and self.scaling not in (Scaling.AMAX,):
+            raise Fp8OnnxError(
+                f"--activations dynamic computes each batch's amax in the graph; --scaling {self.scaling.value} "
+                "needs calibration (use --scaling amax or --activations static)."
+            )
+
+    @property
+    def emulated(self) -> bool:
+        return not (self.weight_format.deployable and self.activation_format.deployable)
 
     def to_json(self) -> dict:
         return {
-            "format": self.format.value,
+            "weight_format": self.weight_format.value,
+            "activation_format": self.activation_format.value,
             "scaling": self.scaling.value,
             "margin": self.margin,
             "scale": self.scale,
+            "percentile": self.percentile if self.percentile is not None else (
+                DEFAULT_PERCENTILE if self.scaling is Scaling.PERCENTILE else None),
+            "activations": self.activations,
+            "per_channel": self.per_channel,
             "op_types": list(self.op_types),
             "exclude": list(self.exclude),
             "activation_matmuls": self.activation_matmuls,
+            "emulated": self.emulated,
         }
 
 
@@ -103,9 +144,8 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> _Decision:
             return _Decision(node, [], f"input {index} is missing")
         if value.dtype not in _FLOAT_TYPES:
             return _Decision(node, [], f"input {value.name!r} is {value.dtype}, not float32/float16/bfloat16")
-        producer = value.producer()
-        if producer is not None and producer.op_type == "DequantizeLinear":
-            return _Decision(node, [], f"already quantized: input {value.name!r} comes from DequantizeLinear")
+        if is_quantized(value):
+            return _Decision(node, [], f"already quantized: input {value.name!r} comes from DequantizeLinear or fp8onnx")
         if value.is_initializer() and value.is_graph_input():
             return _Decision(node, [], f"weight {value.name!r} is also a graph input and can be overridden at run time")
         inputs.append((index, "weight" if _is_weight(value) else "activation"))
@@ -192,28 +232,7 @@ def quantize(
     decisions, skipped = plan(ir_model, config)
     act_names = activation_tensors(decisions)
 
-    calibration = None
-    amax: dict[str, float] = {}
-    if act_names and config.scaling is not Scaling.CONSTANT:
-        if stats is not None:
-            loaded = stats if isinstance(stats, Stats) else Stats.load(stats)
-            missing = [n for n in act_names if n not in loaded.amax]
-            if missing:
-                raise Fp8OnnxError(
-                    f"Statistics file {str(stats)!r} has no entry for tensor {missing[0]!r}; rerun `fp8onnx calibrate` "
-                    "on this model."
-                )
-            calibration = loaded
-        elif calib is not None:
-            calibration = collect_amax(
-                ir_model, act_names, calib, batch_size=batch_size, provider=provider, progress=progress
-            )
-        else:
-            raise Fp8OnnxError(
-                "Activation scales need calibration: pass --calib DATA or --stats FILE (or --scaling constant)."
-            )
-        amax = calibration.amax
-
+    calibration = _activation_stats(ir_model, act_names, config, calib, stats, batch_size, provider, progress)
     quant: dict[str, TensorQuant] = {}
     targets = []
     nodes = []
@@ -221,16 +240,22 @@ def quantize(
         tensors = []
         for index, kind in d.inputs:
             value = d.node.inputs[index]
-            a = weight_amax(value) if kind == "weight" else amax.get(value.name, 0.0)
             if value.name not in quant:
-                scale = amax_to_scale(a, config.format, config.scaling, margin=config.margin, constant=config.scale)
-                quant[value.name] = TensorQuant(config.format, scale)
-            tensors.append(TensorReport(value.name, kind, config.format.value, quant[value.name].scale, a))
+                quant[value.name] = (
+                    _weight_quant(d.node, index, value, config) if kind == "weight"
+                    else _activation_quant(value.name, calibration, config)
+                )
+            tq = quant[value.name]
+            tensors.append(TensorReport(value.name, kind, tq.format.value, _jsonable(tq.scale),
+                                        _jsonable(_amax_of(value, kind, tq, calibration)), tq.axis))
             targets.append((d.node.name, index))
         nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
 
     modified = InsertQDQPass(targets, quant)(ir_model).modified
     ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
+    if config.emulated:
+        ir_model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
+        logger.warning("%s", EMULATED_NOTE)
     save_model(ir_model, out, provider="cpu")
     result = QuantizeReport(
         model=str(model),
@@ -249,6 +274,79 @@ def quantize(
     if report is not None:
         write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")
     return result
+
+
+def _activation_stats(model, names, config, calib, stats, batch_size, provider, progress) -> Stats | None:
+    """Calibration statistics for static activation scales, or None when none are needed."""
+    if config.activations == "dynamic":
+        if stats is not None or calib is not None:
+            raise Fp8OnnxError("--activations dynamic needs no calibration; drop --calib/--stats (they contradict it).")
+        return None
+    if not names or config.scaling is Scaling.CONSTANT:
+        return None
+    hist = config.scaling.needs_histogram
+    if stats is not None:
+        loaded = stats if isinstance(stats, Stats) else Stats.load(stats)
+        missing = [n for n in names if n not in loaded.amax or (hist and n not in loaded.hist)]
+        if missing:
+            what = "histogram" if missing[0] in loaded.amax else "entry"
+            raise Fp8OnnxError(
+                f"Statistics file {str(stats)!r} has no {what} for tensor {missing[0]!r}; rerun `fp8onnx calibrate` "
+                "on this model."
+            )
+        return loaded
+    if calib is None:
+        raise Fp8OnnxError(
+            "Activation scales need calibration: pass --calib DATA or --stats FILE "
+            "(or --activations dynamic, or --scaling constant)."
+        )
+    return collect_amax(model, names, calib, batch_size=batch_size, provider=provider, histograms=hist,
+                        progress=progress)
+
+
+def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig) -> TensorQuant:
+    fmt = config.activation_format
+    if config.activations == "dynamic":
+        return TensorQuant(fmt, None)
+    if config.scaling is Scaling.CONSTANT:
+        return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
+    amax = stats.amax[name]
+    clip = clipping_amax(amax, stats.hist.get(name), fmt, config.scaling,
+                         percentile=config.percentile if config.percentile is not None else DEFAULT_PERCENTILE)
+    return TensorQuant(fmt, amax_to_scale(clip, fmt, config.scaling, margin=config.margin))
+
+
+def weight_axis(node: ir.Node, index: int, rank: int) -> int | None:
+    """The output-channel axis of a MatMul/Gemm weight input, or None for a vector."""
+    if rank < 2:
+        return None
+    if node.op_type == "Gemm":
+        trans = node.attributes.get_int("transB" if index == 1 else "transA", 0)
+        return (0 if trans else 1) if index == 1 else (1 if trans else 0)
+    return rank - 1 if index == 1 else rank - 2
+
+
+def _weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig) -> TensorQuant:
+    fmt = config.weight_format
+    # Weights know their every value: percentile/mse clip activations only, weights keep their max.
+    method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
+    axis = weight_axis(node, index, len(value.shape)) if config.per_channel else None
+    if axis is None:
+        scale = amax_to_scale(weight_amax(value), fmt, method, margin=config.margin, constant=config.scale)
+        return TensorQuant(fmt, scale)
+    amax = weight_amax(value, axis)
+    scales = np.array([amax_to_scale(a, fmt, method, margin=config.margin) for a in amax], dtype=np.float64)
+    return TensorQuant(fmt, scales, axis)
+
+
+def _amax_of(value: ir.Value, kind: str, tq: TensorQuant, stats: Stats | None):
+    if kind == "weight":
+        return weight_amax(value, tq.axis)
+    return None if stats is None else stats.amax.get(value.name)
+
+
+def _jsonable(x):
+    return x.tolist() if isinstance(x, np.ndarray) else x
 
 
 def _file_size(path) -> int:

@@ -4,7 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["TensorReport", "NodeReport", "QuantizeReport"]
+from .formats import EMULATED_NOTE
+
+__all__ = ["TensorReport", "NodeReport", "QuantizeReport", "describe_config"]
+
+
+def describe_config(cfg: dict) -> str:
+    """One line for a QuantizeConfig.to_json(): formats, scaling, activation mode, granularity."""
+    wf, af = cfg["weight_format"], cfg["activation_format"]
+    how = wf if wf == af else f"{wf} weights / {af} activations"
+    scaling = cfg["scaling"]
+    if scaling == "constant":
+        scaling += f" {cfg['scale']:g}"
+    elif scaling == "pow2" and cfg.get("margin"):
+        scaling += f" margin {cfg['margin']}"
+    elif scaling == "percentile":
+        scaling += f" {cfg['percentile']:g}"
+    how += f", {scaling} scaling"
+    if cfg.get("activations") == "dynamic":
+        how += ", dynamic activations"
+    if cfg.get("per_channel"):
+        how += ", per-channel weights"
+    return how
 
 
 @dataclasses.dataclass
@@ -12,8 +33,9 @@ class TensorReport:
     name: str
     kind: str  # "weight" | "activation"
     format: str
-    scale: float
-    amax: float
+    scale: float | list[float] | None  # a list per channel; None when computed in the graph (dynamic)
+    amax: float | list[float] | None
+    axis: int | None = None  # per-channel axis
 
 
 @dataclasses.dataclass
@@ -54,12 +76,9 @@ class QuantizeReport:
         lines = [f"{self.model} -> {self.output}"]
         if self.opset_from != self.opset_to:
             lines.append(f"  opset upgraded {self.opset_from} -> {self.opset_to} (float8 Q/DQ without zero points)")
-        how = f"{cfg['format']}, {cfg['scaling']} scaling"
-        if cfg["scaling"] == "constant":
-            how += f" (scale {cfg['scale']:g})"
-        if cfg["scaling"] == "pow2" and cfg["margin"]:
-            how += f" (margin {cfg['margin']})"
-        lines.append(f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {how}")
+        lines.append(f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {describe_config(cfg)}")
+        if cfg.get("emulated"):
+            lines.append(f"  SIMULATION: {EMULATED_NOTE}")
         if self.calibration:
             c = self.calibration
             lines.append(f"  calibrated on {c['samples']} samples in {c['batches']} batches ({c['source']})")

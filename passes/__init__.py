@@ -4,9 +4,9 @@ Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``Pas
 ``modified`` says whether the model changed; running a pass twice changes nothing the second time.
 """
 
-from .add_amax_outputs import AMAX_SUFFIX, AddAmaxOutputsPass
+from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
-from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant
+from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
 
 __all__ = [
@@ -18,5 +18,7 @@ __all__ = [
     "TARGET_OPSET",
     "TensorQuant",
     "UpgradeOpsetPass",
+    "VALUE_SUFFIX",
     "default_opset",
+    "is_quantized",
 ]

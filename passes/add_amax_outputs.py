@@ -4,8 +4,12 @@ For each tensor ``t`` this adds ``Cast<float>(ReduceMax(Abs(t), keepdims=0))`` a
 a new graph output ``t + AMAX_SUFFIX``. Calibration then fetches only these scalars from each batch:
 no activation leaves the session, so memory does not grow with the number of samples.
 
+With ``values=True`` the tensor itself is also exposed, cast to float32, as ``t + VALUE_SUFFIX``:
+histogram calibration (percentile, mse) reads one batch of it at a time and keeps only counts.
+
 Rewrite cases:
   tensor of the main graph, no amax output yet  -> Abs + ReduceMax + Cast + graph output added
+  values=True, no value output yet              -> Cast + graph output added
   amax output already present                   -> unchanged (idempotent)
   name not in the main graph                    -> ValueError naming it
 """
@@ -17,10 +21,11 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-__all__ = ["AddAmaxOutputsPass", "AMAX_SUFFIX"]
+__all__ = ["AddAmaxOutputsPass", "AMAX_SUFFIX", "VALUE_SUFFIX"]
 
 logger = logging.getLogger(__name__)
 AMAX_SUFFIX = "__fp8onnx_amax"
+VALUE_SUFFIX = "__fp8onnx_value"
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
@@ -30,10 +35,22 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     return values
 
 
+def _float_output(graph: ir.Graph, value: ir.Value, name: str) -> ir.Node:
+    """Cast ``value`` to float32 (its own type may not even be known) and make it a graph output."""
+    cast = ir.node("Cast", [value], {"to": ir.DataType.FLOAT}, name=name + "__cast")
+    out = cast.outputs[0]
+    out.name = name
+    out.dtype = ir.DataType.FLOAT
+    out.shape = ir.Shape([]) if name.endswith(AMAX_SUFFIX) else value.shape
+    graph.outputs.append(out)
+    return cast
+
+
 class AddAmaxOutputsPass(ir.passes.InPlacePass):
-    def __init__(self, tensor_names: Iterable[str]):
+    def __init__(self, tensor_names: Iterable[str], *, values: bool = False):
         super().__init__()
         self.tensor_names = list(dict.fromkeys(tensor_names))
+        self.values = values
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -41,22 +58,17 @@ class AddAmaxOutputsPass(ir.passes.InPlacePass):
         existing = {v.name for v in graph.outputs}
         added = 0
         for name in self.tensor_names:
-            if name + AMAX_SUFFIX in existing:
-                continue
             value = values.get(name)
             if value is None:
                 raise ValueError(f"tensor {name!r} is not produced in the main graph")
-            abs_node = ir.node("Abs", [value], name=name + "__fp8onnx_abs")
-            red = ir.node("ReduceMax", [abs_node.outputs[0]], {"keepdims": 0}, name=name + "__fp8onnx_reducemax")
-            # float32 whatever the tensor's type, which may not even be known here
-            cast = ir.node("Cast", [red.outputs[0]], {"to": ir.DataType.FLOAT}, name=name + "__fp8onnx_cast")
-            out = cast.outputs[0]
-            out.name = name + AMAX_SUFFIX
-            out.dtype = ir.DataType.FLOAT
-            out.shape = ir.Shape([])
-            graph.extend([abs_node, red, cast])
-            graph.outputs.append(out)
-            added += 1
+            if name + AMAX_SUFFIX not in existing:
+                abs_node = ir.node("Abs", [value], name=name + "__fp8onnx_abs")
+                red = ir.node("ReduceMax", [abs_node.outputs[0]], {"keepdims": 0}, name=name + "__fp8onnx_reducemax")
+                graph.extend([abs_node, red, _float_output(graph, red.outputs[0], name + AMAX_SUFFIX)])
+                added += 1
+            if self.values and name + VALUE_SUFFIX not in existing:
+                graph.append(_float_output(graph, value, name + VALUE_SUFFIX))
+                added += 1
         if added:
             logger.debug("added %d amax outputs", added)
         return ir.passes.PassResult(model, modified=bool(added))

@@ -4,64 +4,157 @@ Which node inputs to quantize, in which format and with which scale, is decided 
 (see ``fp8onnx.quantize``); this pass only rewrites the graph.
 
 Rewrite cases, for a target ``(node, input index)`` whose input is tensor ``t``:
-  ``t`` is a float initializer (a weight)  -> a float8 initializer ``t/fp8`` (computed lazily, when the
-      model is saved) followed by DequantizeLinear; no QuantizeLinear at run time. The float
-      initializer is removed once nothing else reads it.
+  ``t`` is a float initializer (a weight) -> a float8 initializer ``fp8onnx/t/fp8`` (computed lazily,
+      when the model is saved) followed by DequantizeLinear, per tensor or per channel (``axis``);
+      no QuantizeLinear at run time. The float initializer is removed once nothing else reads it.
   ``t`` is computed at run time (an activation) -> QuantizeLinear -> DequantizeLinear, one pair per
-      tensor, shared by all of its quantized consumers.
-  ``t`` already comes from a DequantizeLinear -> unchanged (this is what makes the pass idempotent).
+      tensor, shared by all of its quantized consumers. The scale is a constant (static, from
+      calibration) or computed in the graph from the batch's absolute max (dynamic, FP8-AMAX):
+      ``Clip(Where(s == s, s, safe), tiny, huge)`` with ``s = ReduceMax(Abs(t)) / fmax``, so an
+      all-zero, NaN or Inf batch never yields a zero, NaN or Inf scale.
+  the format is emulated (E3M4, no ONNX type) -> no Q/DQ: weights are stored already rounded to the
+      grid (in float), activations go through float ops that round to the grid
+      (:func:`emulated_rounding`); bit for bit the same values as ml_dtypes' cast.
+  ``t`` already comes from a DequantizeLinear or from this pass -> unchanged (idempotence).
 
 QuantizeLinear carries ``output_dtype`` and no zero point (opset 21): with a zero point,
 onnxruntime's ReluQuantRewrite would delete a Relu in front of it (see ``upgrade_opset``).
-Scales are scalar initializers of the tensor's own float type, so DequantizeLinear gives back
-the type the consumer had.
+Scales have the tensor's own float type, so DequantizeLinear gives back the type the consumer had.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
-from ..formats import Fp8Format, quantize
+from ..formats import Fp8Format, dequantize, quantize
 
-__all__ = ["InsertQDQPass", "TensorQuant", "scale_array", "NODE_PREFIX"]
+__all__ = ["InsertQDQPass", "TensorQuant", "scale_array", "emulated_rounding", "is_quantized", "NODE_PREFIX"]
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "fp8onnx/"
+_F32 = ir.DataType.FLOAT
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TensorQuant:
-    """How one tensor is quantized: its float8 format and its QuantizeLinear scale."""
+    """How one tensor is quantized.
+
+    ``scale``: a float (per tensor), a 1-D array (per channel along ``axis``, weights only), or
+    None for a dynamic scale computed in the graph (activations only).
+    """
 
     format: Fp8Format
-    scale: float
+    scale: float | np.ndarray | None
+    axis: int | None = None
 
 
-def scale_array(scale: float, dtype: ir.DataType) -> np.ndarray:
-    """The scale as a scalar of the tensor's float type, kept finite and positive in that type."""
+def is_quantized(value: ir.Value) -> bool:
+    """True if ``value`` was produced by a DequantizeLinear or by this pass."""
+    producer = value.producer()
+    return value.name.startswith(NODE_PREFIX) or (producer is not None and producer.op_type == "DequantizeLinear")
+
+
+def scale_array(scale, dtype: ir.DataType) -> np.ndarray:
+    """The scale in the tensor's float type, kept finite and positive in that type."""
+    lo, hi = _scale_range(dtype)
+    return np.asarray(np.clip(np.asarray(scale, np.float64), lo, hi), dtype=dtype.numpy())
+
+
+def _scale_range(dtype: ir.DataType) -> tuple[float, float]:
     np_dtype = dtype.numpy()
-    info = np.finfo(np_dtype) if np_dtype != np.dtype("bfloat16") else np.finfo(np.float32)
-    return np.asarray(np.clip(scale, info.smallest_normal, info.max), dtype=np_dtype)
+    info = np.finfo(np.float32) if np_dtype == np.dtype("bfloat16") else np.finfo(np_dtype)
+    return float(info.smallest_normal), float(info.max)
 
 
-def _lazy_quantized(source: ir.TensorProtocol, tq: TensorQuant, scale: np.ndarray, name: str) -> ir.LazyTensor:
-    def compute() -> ir.Tensor:
-        return ir.tensor(quantize(source.numpy(), scale.astype(np.float32), tq.format), name=name)
+class _Builder:
+    """Adds nodes and constants to one graph, with names under ``fp8onnx/``."""
 
-    return ir.LazyTensor(compute, dtype=tq.format.ir_type, shape=ir.Shape(source.shape), name=name)
+    def __init__(self, graph: ir.Graph):
+        self.graph = graph
+        self.nodes: list[ir.Node] = []
+
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        full = f"{NODE_PREFIX}{name}"
+        if full in self.graph.initializers:
+            return self.graph.initializers[full]
+        value = ir.Value(name=full, const_value=ir.tensor(array), shape=ir.Shape(array.shape))
+        value.dtype = ir.DataType.from_numpy(array.dtype)
+        self.graph.register_initializer(value)
+        return value
+
+    def op(self, op_type: str, inputs, name: str, dtype: ir.DataType | None = None, shape=None, **attrs) -> ir.Value:
+        node = ir.node(op_type, inputs, attrs or None, name=f"{NODE_PREFIX}{name}")
+        out = node.outputs[0]
+        out.name = f"{NODE_PREFIX}{name}"
+        out.dtype = dtype
+        out.shape = shape
+        self.nodes.append(node)
+        return out
+
+    def cast(self, value: ir.Value, to: ir.DataType, name: str) -> ir.Value:
+        return value if value.dtype == to else self.op("Cast", [value], name, to, value.shape, to=int(to))
+
+    def take(self) -> list[ir.Node]:
+        nodes, self.nodes = self.nodes, []
+        return nodes
+
+
+def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, prefix: str) -> ir.Value:
+    """Float ops computing ``dequantize(quantize(x, scale, fmt), scale)`` for a format without an ONNX type.
+
+    v = clip(x / scale, +-fmax); e = max(floor(log2|v|), emin), corrected by one where log2 rounding
+    missed an exact power of two; step = 2**(e - mantissa bits); round half to even on that step.
+    """
+    dtype = x.dtype
+    xf, sf = b.cast(x, _F32, f"{prefix}/x_f32"), b.cast(scale, _F32, f"{prefix}/scale_f32")
+    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
+    two = b.const("const/two", f32(2.0))
+    v = b.op("Div", [xf, sf], f"{prefix}/scaled", _F32, x.shape)
+    v = b.op("Clip", [v, b.const(f"const/{fmt.value}/-fmax", f32(-fmt.fmax)), b.const(f"const/{fmt.value}/fmax", f32(fmt.fmax))],
+             f"{prefix}/saturated", _F32, x.shape)
+    a = b.op("Abs", [v], f"{prefix}/abs", _F32, x.shape)
+    e0 = b.op("Floor", [b.op("Mul", [b.op("Log", [a], f"{prefix}/ln", _F32, x.shape), b.const("const/inv_ln2", f32(1 / math.log(2)))],
+                            f"{prefix}/log2", _F32, x.shape)], f"{prefix}/e0", _F32, x.shape)
+    p = b.op("Pow", [two, e0], f"{prefix}/p", _F32, x.shape)
+    too_big = b.op("Cast", [b.op("Greater", [p, a], f"{prefix}/p_gt_a", ir.DataType.BOOL, x.shape)], f"{prefix}/dec", _F32, x.shape, to=int(_F32))
+    two_p = b.op("Mul", [p, two], f"{prefix}/2p", _F32, x.shape)
+    too_small = b.op("Cast", [b.op("LessOrEqual", [two_p, a], f"{prefix}/2p_le_a", ir.DataType.BOOL, x.shape)], f"{prefix}/inc", _F32, x.shape, to=int(_F32))
+    e = b.op("Sub", [b.op("Add", [e0, too_small], f"{prefix}/e1", _F32, x.shape), too_big], f"{prefix}/e2", _F32, x.shape)
+    e = b.op("Max", [e, b.const(f"const/{fmt.value}/emin", f32(fmt.min_normal_exponent))], f"{prefix}/e", _F32, x.shape)
+    step = b.op("Pow", [two, b.op("Sub", [e, b.const(f"const/{fmt.value}/mbits", f32(fmt.mantissa_bits))], f"{prefix}/e_step", _F32, x.shape)],
+                f"{prefix}/step", _F32, x.shape)
+    q = b.op("Mul", [b.op("Round", [b.op("Div", [v, step], f"{prefix}/units", _F32, x.shape)], f"{prefix}/rounded", _F32, x.shape), step],
+             f"{prefix}/grid", _F32, x.shape)
+    y = b.op("Mul", [q, sf], f"{prefix}/emulated_f32", _F32, x.shape)
+    return b.cast(y, dtype, f"{prefix}/emulated")
+
+
+def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.Value:
+    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
+    amax = b.op("ReduceMax", [b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
+    s = b.op("Mul", [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
+             f"{prefix}/raw_scale", _F32, ir.Shape([]))
+    is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, ir.Shape([]))
+    s = b.op("Where", [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(1 / fmt.fmax))], f"{prefix}/finite_scale", _F32, ir.Shape([]))
+    lo, hi = _scale_range(x.dtype)
+    same = x.dtype == _F32
+    s = b.op("Clip", [s, b.const(f"const/scale_min/{x.dtype.name}", f32(lo)), b.const(f"const/scale_max/{x.dtype.name}", f32(hi))],
+             f"{prefix}/scale" if same else f"{prefix}/scale_f32", _F32, ir.Shape([]))
+    return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
+
+
+def _lazy(name: str, dtype: ir.DataType, shape, compute) -> ir.LazyTensor:
+    return ir.LazyTensor(lambda: ir.tensor(compute(), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
 class InsertQDQPass(ir.passes.InPlacePass):
-    def __init__(
-        self,
-        targets: Iterable[tuple[str, int]],
-        quant: Mapping[str, TensorQuant],
-    ):
+    def __init__(self, targets: Iterable[tuple[str, int]], quant: Mapping[str, TensorQuant]):
         """``targets``: (node name, input index) pairs; ``quant``: tensor name -> TensorQuant."""
         super().__init__()
         self.targets = list(targets)
@@ -72,76 +165,66 @@ class InsertQDQPass(ir.passes.InPlacePass):
         wanted: dict[str, set[int]] = {}
         for node_name, index in self.targets:
             wanted.setdefault(node_name, set()).add(index)
-        dequantized: dict[str, ir.Value] = {}  # tensor name -> its DequantizeLinear output
+        builder = _Builder(graph)
+        replaced: dict[str, ir.Value] = {}  # tensor name -> what its quantized consumers read
         rewired = 0
         for node in list(graph):
             for index in sorted(wanted.get(node.name, ())):
                 value = node.inputs[index]
-                if value is None:
+                if value is None or is_quantized(value):
                     continue
-                producer = value.producer()
-                if producer is not None and producer.op_type == "DequantizeLinear":
-                    continue
-                dq = dequantized.get(value.name)
-                if dq is None:
+                new = replaced.get(value.name)
+                if new is None:
                     tq = self.quant[value.name]
                     if value.const_value is not None and value.is_initializer():
-                        new_nodes, dq = self._weight_dq(graph, value, tq)
+                        new = self._weight(builder, value, tq)
                     else:
-                        new_nodes, dq = self._activation_qdq(graph, value, tq)
-                    graph.insert_before(node, new_nodes)
-                    dequantized[value.name] = dq
-                node.replace_input_with(index, dq)
+                        new = self._activation(builder, value, tq)
+                    graph.insert_before(node, builder.take())
+                    replaced[value.name] = new
+                node.replace_input_with(index, new)
                 rewired += 1
-        self._drop_unused_float_weights(graph, dequantized)
+        for name in replaced:
+            value = graph.initializers.get(name)
+            if value is not None and not value.uses() and not value.is_graph_output() and not value.is_graph_input():
+                del graph.initializers[name]
         if rewired:
-            logger.info("inserted float8 Q/DQ on %d inputs (%d tensors)", rewired, len(dequantized))
+            logger.info("quantized %d node inputs (%d tensors)", rewired, len(replaced))
         return ir.passes.PassResult(model, modified=bool(rewired))
 
-    def _scale_init(self, graph: ir.Graph, value: ir.Value, tq: TensorQuant) -> tuple[ir.Value, np.ndarray]:
-        arr = scale_array(tq.scale, value.dtype)
-        scale = ir.Value(name=f"{NODE_PREFIX}{value.name}/scale", const_value=ir.tensor(arr), shape=ir.Shape([]))
-        scale.dtype = value.dtype
-        graph.register_initializer(scale)
-        return scale, arr
-
-    def _weight_dq(self, graph: ir.Graph, value: ir.Value, tq: TensorQuant) -> tuple[list[ir.Node], ir.Value]:
-        scale, arr = self._scale_init(graph, value, tq)
+    def _weight(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
+        source = value.const_value
+        scale = scale_array(tq.scale, value.dtype)
+        if tq.axis is not None:
+            scale_b = scale.reshape([-1 if i == tq.axis % len(source.shape) else 1 for i in range(len(source.shape))])
+        else:
+            scale_b = scale
+        scale32 = scale_b.astype(np.float32)
+        if not tq.format.deployable:
+            name = f"{NODE_PREFIX}{value.name}/{tq.format.value}_emulated"
+            tensor = _lazy(name, value.dtype, source.shape,
+                           lambda: dequantize(quantize(source.numpy(), scale32, tq.format), scale32, value.dtype.numpy()))
+            emulated = ir.Value(name=name, const_value=tensor, shape=ir.Shape(source.shape))
+            emulated.dtype = value.dtype
+            b.graph.register_initializer(emulated)
+            return emulated
         name = f"{NODE_PREFIX}{value.name}/fp8"
-        tensor = _lazy_quantized(value.const_value, tq, arr, name)
-        q_value = ir.Value(name=name, const_value=tensor, shape=ir.Shape(value.const_value.shape))
+        q_value = ir.Value(name=name, shape=ir.Shape(source.shape),
+                           const_value=_lazy(name, tq.format.ir_type, source.shape, lambda: quantize(source.numpy(), scale32, tq.format)))
         q_value.dtype = tq.format.ir_type
-        graph.register_initializer(q_value)
-        dq = ir.node("DequantizeLinear", [q_value, scale], name=f"{NODE_PREFIX}{value.name}/DequantizeLinear")
-        self._type_output(dq.outputs[0], f"{NODE_PREFIX}{value.name}/dequantized", value)
-        return [dq], dq.outputs[0]
+        b.graph.register_initializer(q_value)
+        scale_value = b.const(f"{value.name}/scale", scale)
+        attrs = {} if tq.axis is None else {"axis": int(tq.axis)}
+        return b.op("DequantizeLinear", [q_value, scale_value], f"{value.name}/dequantized", value.dtype, value.shape, **attrs)
 
-    def _activation_qdq(self, graph: ir.Graph, value: ir.Value, tq: TensorQuant) -> tuple[list[ir.Node], ir.Value]:
-        scale, _ = self._scale_init(graph, value, tq)
-        q = ir.node(
-            "QuantizeLinear",
-            [value, scale],
-            {"output_dtype": int(tq.format.onnx_type), "saturate": 1},
-            name=f"{NODE_PREFIX}{value.name}/QuantizeLinear",
-        )
-        q_out = q.outputs[0]
-        q_out.name = f"{NODE_PREFIX}{value.name}/quantized"
-        q_out.dtype = tq.format.ir_type
-        q_out.shape = value.shape
-        dq = ir.node("DequantizeLinear", [q_out, scale], name=f"{NODE_PREFIX}{value.name}/DequantizeLinear")
-        self._type_output(dq.outputs[0], f"{NODE_PREFIX}{value.name}/dequantized", value)
-        return [q, dq], dq.outputs[0]
-
-    @staticmethod
-    def _type_output(out: ir.Value, name: str, like: ir.Value) -> None:
-        out.name = name
-        out.dtype = like.dtype
-        out.shape = like.shape
-
-    @staticmethod
-    def _drop_unused_float_weights(graph: ir.Graph, dequantized: Mapping[str, ir.Value]) -> None:
-        for name in dequantized:
-            value = graph.initializers.get(name)
-            if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
-                continue
-            del graph.initializers[name]
+    def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
+        name = value.name
+        if tq.scale is None:
+            scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic")
+        else:
+            scale = b.const(f"{name}/scale", scale_array(tq.scale, value.dtype))
+        if not tq.format.deployable:
+            return emulated_rounding(b, value, scale, tq.format, f"{name}/{tq.format.value}")
+        q = b.op("QuantizeLinear", [value, scale], f"{name}/quantized", tq.format.ir_type, value.shape,
+                 output_dtype=int(tq.format.onnx_type), saturate=1)
+        return b.op("DequantizeLinear", [q, scale], f"{name}/dequantized", value.dtype, value.shape)

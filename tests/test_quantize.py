@@ -15,7 +15,7 @@ def mlp(tmp_path):
     return mlp_model(tmp_path / "m.onnx", opset=17), mlp_data(tmp_path / "d.npz")
 
 
-@pytest.mark.parametrize("fmt", [f.value for f in Fp8Format])
+@pytest.mark.parametrize("fmt", [f.value for f in Fp8Format if f.deployable])
 @pytest.mark.parametrize("scaling", ["amax", "pow2"])
 def test_end_to_end_structure_and_sqnr(mlp, tmp_path, fmt, scaling):
     path, data = mlp
@@ -39,6 +39,70 @@ def test_end_to_end_structure_and_sqnr(mlp, tmp_path, fmt, scaling):
         for node in report.quantized:
             for t in node.tensors:
                 assert np.log2(t.scale) == int(np.log2(t.scale))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"scaling": "percentile"},
+        {"scaling": "percentile", "percentile": 99.0},
+        {"scaling": "mse"},
+        {"per_channel": True},
+        {"per_channel": True, "scaling": "pow2"},
+        {"weight_format": "e4m3fn", "activation_format": "e5m2"},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_scaling_variants_structure_and_sqnr(mlp, tmp_path, options):
+    path, data = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu", **options)
+    q = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(q, full_check=True)
+    assert op_types(q).count("QuantizeLinear") == 2 and op_types(q).count("DequantizeLinear") == 4
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
+    ref = run_ort(onnx.load(path), {"x": x})[0]
+    fmt = Fp8Format(options.get("activation_format", "e4m3fn"))
+    for run in (run_ort, run_reference):
+        # percentile 99 clips 1% of activations on purpose: allow 6 dB for that
+        slack = 7.0 if options.get("percentile") == 99.0 else 1.0
+        assert sqnr_db(ref, run(q, {"x": x})[0]) > sqnr_floor_db(fmt, quantized_tensors=4, slack_db=slack)
+    weights = [t for n in report.quantized for t in n.tensors if t.kind == "weight"]
+    if options.get("per_channel"):
+        assert [t.axis for t in weights] == [1, 0]  # MatMul [K, N] -> N; Gemm transB [N, K] -> N
+        assert [len(t.scale) for t in weights] == [32, 8]
+    if options.get("scaling") in ("percentile", "mse"):
+        acts = [t for n in report.quantized for t in n.tensors if t.kind == "activation"]
+        assert all(t.scale <= t.amax / 448 * (1 + 1e-6) for t in acts)  # clipping never widens the range
+
+
+def test_dynamic_activations_need_no_calibration(mlp, tmp_path):
+    path, data = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", provider="cpu")
+    assert report.calibration is None
+    assert {t.scale for n in report.quantized for t in n.tensors if t.kind == "activation"} == {None}
+    q = onnx.load(tmp_path / "q.onnx")
+    assert op_types(q).count("ReduceMax") == 2
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32) * 1000  # far from any calibration
+    assert sqnr_db(run_ort(onnx.load(path), {"x": x})[0], run_ort(q, {"x": x})[0]) > sqnr_floor_db(
+        Fp8Format.E4M3FN, quantized_tensors=4)
+    with pytest.raises(Fp8OnnxError, match="--activations dynamic needs no calibration"):
+        fp8onnx.quantize(path, tmp_path / "q2.onnx", data, activations="dynamic")
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
+def test_e3m4_is_emulated_and_labelled(mlp, tmp_path):
+    path, data = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, format="e3m4", provider="cpu")
+    assert "SIMULATION" in report.summary() and "no runtime can deploy" in report.summary()
+    q = onnx.load(tmp_path / "q.onnx")
+    meta = {p.key: p.value for p in q.metadata_props}
+    assert "not deployable" in meta["fp8onnx_emulated"] or "no runtime can deploy" in meta["fp8onnx_emulated"]
+    assert "QuantizeLinear" not in op_types(q)
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
+    ref = run_ort(onnx.load(path), {"x": x})[0]
+    for run in (run_ort, run_reference):
+        assert sqnr_db(ref, run(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E3M4, quantized_tensors=4)
+    assert "SIMULATION" in __import__("fp8onnx.api", fromlist=["x"]).inspect_summary(fp8onnx.inspect(tmp_path / "q.onnx"))
 
 
 def test_activation_matmuls_opt_in(mlp, tmp_path):
@@ -70,14 +134,14 @@ def test_quantizing_the_output_again_changes_nothing(mlp, tmp_path):
     fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
     report = fp8onnx.quantize(tmp_path / "q.onnx", tmp_path / "q2.onnx", data, provider="cpu")
     assert not report.modified and not report.quantized
-    assert {n.reason for n in report.skipped} >= {"already quantized: input 'fp8onnx/x/dequantized' comes from DequantizeLinear"}
+    assert {n.reason for n in report.skipped} >= {"already quantized: input 'fp8onnx/x/dequantized' comes from DequantizeLinear or fp8onnx"}
 
 
 def test_report_json_and_metadata(mlp, tmp_path):
     path, data = mlp
     fp8onnx.quantize(path, tmp_path / "q.onnx", data, report=tmp_path / "r.json", provider="cpu")
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["config"]["format"] == "e4m3fn"
+    assert doc["config"]["weight_format"] == doc["config"]["activation_format"] == "e4m3fn"
     fc1 = next(n for n in doc["nodes"] if n["name"] == "fc1")
     assert [t["kind"] for t in fc1["tensors"]] == ["activation", "weight"]
     meta = {p.key: p.value for p in onnx.load(tmp_path / "q.onnx").metadata_props}
@@ -102,6 +166,12 @@ def test_deterministic_output(mlp, tmp_path):
         ({"scale": 0.1}, "--scale only applies to --scaling constant"),
         ({"margin": 2}, "--margin only applies to --scaling pow2"),
         ({"op_types": ("Conv",)}, "Unsupported op type 'Conv'"),
+        ({"percentile": 99.0}, "--percentile only applies to --scaling percentile"),
+        ({"scaling": "percentile", "percentile": 0}, "--percentile must be in"),
+        ({"activations": "sometimes"}, "Unknown --activations"),
+        ({"activations": "dynamic", "scaling": "mse"}, "--scaling mse needs calibration"),
+        ({"scaling": "constant", "scale": 1.0, "per_channel": True}, "contradicts --per-channel"),
+        ({"scaling": "constant", "scale": 1.0, "activations": "dynamic"}, "contradicts --activations dynamic"),
         ({"provider": "rocm"}, "Unknown provider 'rocm'"),
     ],
 )

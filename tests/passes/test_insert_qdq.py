@@ -27,7 +27,10 @@ def _setup(tmp_path, fmt, **kw):
     return path, model, x, ref, quant, targets
 
 
-@pytest.mark.parametrize("fmt", list(Fp8Format), ids=lambda f: f.value)
+DEPLOYABLE = [f for f in Fp8Format if f.deployable]
+
+
+@pytest.mark.parametrize("fmt", DEPLOYABLE, ids=lambda f: f.value)
 def test_structure_and_numbers(tmp_path, fmt):
     path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
     assert InsertQDQPass(targets, quant)(model).modified
@@ -102,3 +105,70 @@ def test_float16_model_keeps_float16_scales(tmp_path):
     assert out[0].dtype == np.float16
     # float16 arithmetic adds its own rounding on top of the four quantizations
     assert sqnr_db(ref[0], out[0]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=4, slack_db=3)
+
+
+@pytest.mark.parametrize("fmt", DEPLOYABLE, ids=lambda f: f.value)
+def test_dynamic_activation_scales(tmp_path, fmt):
+    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    for name in ("x", "r"):
+        quant[name] = TensorQuant(fmt, None)
+    InsertQDQPass(targets, quant)(model)
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    ops = op_types(proto)
+    assert ops.count("ReduceMax") == 2 and ops.count("QuantizeLinear") == 2
+    q_scales = [n.input[1] for n in proto.graph.node if n.op_type == "QuantizeLinear"]
+    assert all(s.endswith("/dynamic/scale") for s in q_scales)  # computed, not an initializer
+    for run in (run_ort, run_reference):
+        assert sqnr_db(ref[0], run(proto, {"x": x})[0]) > sqnr_floor_db(fmt, quantized_tensors=4)
+    # an all-zero batch gives a finite positive scale, so zeros come out (not NaN)
+    zeros = run_ort(proto, {"x": np.zeros_like(x)})[0]
+    np.testing.assert_allclose(zeros, run_ort(onnx.load(path), {"x": np.zeros_like(x)})[0], atol=1e-6)
+
+
+def test_per_channel_weights(tmp_path):
+    fmt = Fp8Format.E4M3FN
+    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    w1 = model.graph.initializers["w1"].const_value.numpy().copy()
+    w2 = model.graph.initializers["w2"].const_value.numpy()
+    w1[:, 0] *= 50  # one loud output channel: per-tensor scaling would crush the others
+    model.graph.initializers["w1"].const_value = ir.tensor(w1, name="w1")
+    quant["w1"] = TensorQuant(fmt, np.abs(w1).max(axis=0) / fmt.fmax, axis=1)  # MatMul [K, N]: axis 1
+    quant["w2"] = TensorQuant(fmt, np.abs(w2).max(axis=1) / fmt.fmax, axis=0)  # Gemm transB [N, K]: axis 0
+    quant["r"] = TensorQuant(fmt, None)
+    InsertQDQPass(targets, quant)(model)
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    dq = {n.input[0]: n for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+    assert onnx.helper.get_attribute_value(dq["fp8onnx/w1/fp8"].attribute[0]) == 1
+    scale = next(i for i in proto.graph.initializer if i.name == "fp8onnx/w1/scale")
+    assert list(scale.dims) == [32]
+    h = x @ w1
+    exact = np.maximum(h, 0) @ w2.T + model.graph.initializers["b2"].const_value.numpy()
+    for run in (run_ort, run_reference):
+        assert sqnr_db(exact, run(proto, {"x": x})[0]) > sqnr_floor_db(fmt, quantized_tensors=4)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
+def test_emulated_e3m4_has_no_qdq_and_matches_numpy(tmp_path):
+    from fp8onnx.formats import dequantize, quantize
+
+    fmt = Fp8Format.E3M4
+    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    w1, w2 = (model.graph.initializers[n].const_value.numpy() for n in ("w1", "w2"))
+    b2 = model.graph.initializers["b2"].const_value.numpy()
+    InsertQDQPass(targets, quant)(model)
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    assert "QuantizeLinear" not in op_types(proto) and "DequantizeLinear" not in op_types(proto)
+    assert {i.data_type for i in proto.graph.initializer if "emulated" in i.name} == {onnx.TensorProto.FLOAT}
+
+    def qd(a, name):
+        s = np.float32(quant[name].scale)
+        return dequantize(quantize(a, s, fmt), s)
+
+    expected = np.maximum(qd(x, "x") @ qd(w1, "w1"), 0)
+    expected = qd(expected, "r") @ qd(w2, "w2").T + b2
+    for run in (run_ort, run_reference):
+        np.testing.assert_allclose(run(proto, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+    assert not InsertQDQPass(targets, quant)(model).modified
