@@ -40,7 +40,8 @@ def calibrate(
     provider: str = "auto",
     progress: bool = False,
 ) -> Stats:
-    """Absolute maxima of every float activation input of every MatMul/Gemm, saved to ``output``."""
+    """Absolute maxima and |x| histograms of every float activation input of every MatMul/Gemm,
+    saved to ``output`` when given."""
     if output is not None:
         check_output_path(output, model)
     provider = resolve_provider(provider)
@@ -48,7 +49,9 @@ def calibrate(
     names = candidate_activations(ir_model)
     if not names:
         raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")
-    stats = collect_amax(ir_model, names, calib, batch_size=batch_size, provider=provider, progress=progress)
+    # Histograms too, so that one statistics file serves every --scaling method.
+    stats = collect_amax(ir_model, names, calib, batch_size=batch_size, provider=provider, histograms=True,
+                         progress=progress)
     if output is not None:
         stats.save(output)
     return stats

@@ -176,6 +176,40 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--calib", required=True, type=click.Path(), help="Calibration data (.npz or folder).")
+@click.option("--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy.")
+@click.option("--max-samples", type=click.IntRange(min=1), help="Evaluate on at most about this many samples.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the ranked table as JSON.")
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write the ranked table as CSV.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write PNG plots into this folder.")
+@_run
+def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_out, plot_dir):
+    """Run the papers' comparison on MODEL: formats, scaling methods, constant-scale sweep,
+    static vs dynamic activations, per-tensor vs per-channel weights; one calibration pass.
+
+    \b
+    Example:
+      fp8onnx study model.onnx --calib calib.npz --data eval.npz --json study.json --csv study.csv --plot plots/
+    """
+    from .study import study as run_study
+    from .study import write_outputs, write_plots
+
+    if plot_dir and not pathlib.Path(plot_dir).is_dir():
+        raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
+    t0 = time.perf_counter()
+    result = run_study(model, calib, data, batch_size=batch_size, max_samples=max_samples, provider=provider,
+                       progress=True)
+    click.echo(result.table())
+    write_outputs(result, json_out, csv_out)
+    for path in write_plots(result, plot_dir) if plot_dir else []:
+        click.echo(f"wrote {path}")
+    click.echo(f"done in {time.perf_counter() - t0:.1f}s")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the summary.")
 @_run
 def inspect(model, as_json):

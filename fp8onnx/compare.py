@@ -182,9 +182,11 @@ def compare(
     fp16: bool = True,
     batch_size: int = 16,
     provider: str = "auto",
+    max_samples: int | None = None,
     progress: bool = False,
 ) -> CompareResult:
-    """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``."""
+    """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``
+    (at most about ``max_samples`` samples: whole batches until that many are seen)."""
     provider = resolve_provider(provider)
     ref_model = load_model(reference)
     specs = input_specs(ref_model)
@@ -213,6 +215,8 @@ def compare(
     labelled = 0
     samples = batches = 0
     total = source.count_batches(batch_size)
+    if max_samples is not None and total is not None:
+        total = min(total, -(-max_samples // batch_size))
     for batch in progress_bar(source.batches(batch_size), total=total, desc="evaluating", unit="batch", enable=progress):
         outputs = {}
         for name, sess in sessions.items():
@@ -238,6 +242,8 @@ def compare(
                 correct[name] += int((outs[label_out].argmax(axis=-1) == batch.labels).sum())
         samples += batch.size
         batches += 1
+        if max_samples is not None and samples >= max_samples:
+            break
     if batches == 0:
         raise Fp8OnnxError("The evaluation data gave no batches.")
 
