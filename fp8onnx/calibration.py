@@ -118,7 +118,7 @@ def collect_amax(
         return stats
     instrumented = model.clone()
     AddAmaxOutputsPass(names, values=histograms)(instrumented)
-    session = session_for_model(instrumented, provider, "The calibration model")
+    session = session_for_model(instrumented, provider, "The calibration model", arena=False)
     outputs = [n + AMAX_SUFFIX for n in names]
     if histograms:
         stats.hist = {n: LogHistogram() for n in names}

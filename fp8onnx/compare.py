@@ -191,18 +191,19 @@ def compare(
     ref_model = load_model(reference)
     specs = input_specs(ref_model)
     source = as_data(data, specs)
-    sessions = {"FP32 (reference)": make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}")}
+    sessions = {"FP32 (reference)": make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}",
+                                                 arena=False)}
     paths: dict[str, str | None] = {"FP32 (reference)": str(reference)}
     if fp16:
         fp16_model = ConvertFloat16Pass()(ref_model).model
-        sessions["FP16"] = session_for_model(fp16_model, provider, "The FP16 baseline")
+        sessions["FP16"] = session_for_model(fp16_model, provider, "The FP16 baseline", arena=False)
         paths["FP16"] = None
     for cand in candidates:
         load_model(cand)  # a clear error for a missing or unreadable file
         name = pathlib.Path(cand).name
         while name in sessions:
             name += "'"
-        sessions[name] = make_session(pathlib.Path(cand), provider, f"Candidate model {str(cand)!r}")
+        sessions[name] = make_session(pathlib.Path(cand), provider, f"Candidate model {str(cand)!r}", arena=False)
         paths[name] = str(cand)
     out_names = [o.name for o in sessions["FP32 (reference)"].get_outputs()]
     for name, sess in sessions.items():

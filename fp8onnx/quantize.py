@@ -201,6 +201,9 @@ def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, bool]:
     model = load_model(path)
     upgrade = UpgradeOpsetPass()
     result = upgrade(model)
+    # Decisions and reports refer to nodes by name: unnamed or duplicate names get unique ones
+    # (deterministically, so that `calibrate` and `quantize` agree on tensor names).
+    ir.passes.common.NameFixPass()(model)
     # Types of intermediate tensors decide what can be quantized and the scales' dtype.
     ir.passes.common.ShapeInferencePass()(model)
     return result.model, upgrade.from_version, result.modified

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from fp8onnx.cli import main
 from helpers import mlp_data, mlp_model
 
-COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo"]
+COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo", "study"]
 
 
 def run(*args):
@@ -79,3 +79,18 @@ def test_demo_runs_and_meets_the_criterion():
     r = run("demo", "--provider", "cpu")
     assert r.exit_code == 0, r.output
     assert "within the 99.5% criterion" in r.output and "NOT within" not in r.output
+
+
+def test_quantize_scaling_options(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    r = run("quantize", path, "-o", tmp_path / "a.onnx", "--activations", "dynamic", "--per-channel", "--provider", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "dynamic activations, per-channel weights" in r.output
+    r = run("quantize", path, "-o", tmp_path / "b.onnx", "--calib", data, "--weight-format", "e4m3fn",
+            "--activation-format", "e5m2", "--scaling", "percentile", "--percentile", "99.9", "--provider", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "e4m3fn weights / e5m2 activations, percentile 99.9 scaling" in r.output
+    r = run("quantize", path, "-o", tmp_path / "c.onnx", "--calib", data, "--format", "e3m4", "--provider", "cpu")
+    assert r.exit_code == 0 and "SIMULATION" in r.output
+    r = run("quantize", path, "-o", tmp_path / "d.onnx", "--calib", data, "--activations", "dynamic")
+    assert r.exit_code == 2 and "needs no calibration" in r.output

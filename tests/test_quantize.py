@@ -205,3 +205,26 @@ def test_sample_decoder_stays_within_995_of_fp16(tmp_path):
     fp32, fp16, fp8 = result.rows
     assert fp32.accuracy > 0.55  # a trained model, not random weights
     assert fp8.passes_llm and fp8.passes_ptq, result.table()
+
+
+def test_unnamed_nodes_are_named_and_each_quantized_once(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1, w2 = (rng.standard_normal((16, 16)).astype(np.float32) for _ in range(2))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])],
+        "unnamed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    data = mlp_data(tmp_path / "d.npz")
+    report = fp8onnx.quantize(tmp_path / "m.onnx", tmp_path / "q.onnx", data, provider="cpu")
+    names = [n.name for n in report.quantized]
+    assert len(names) == 2 and len(set(names)) == 2 and all(names)
+    q = onnx.load(tmp_path / "q.onnx")
+    assert op_types(q).count("QuantizeLinear") == 2 and op_types(q).count("DequantizeLinear") == 4
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
+    assert sqnr_db(x @ w1 @ w2, run_ort(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=4)

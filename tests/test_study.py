@@ -1,0 +1,63 @@
+import csv
+import io
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fp8onnx.cli import main
+from fp8onnx.study import constant_sweep, study, study_configs, write_plots
+from helpers import mlp_data, mlp_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
+
+
+def test_constant_sweep_spans_the_calibrated_range():
+    sweep = constant_sweep([0.5, 100.0])
+    assert sweep[0] <= 0.5 / 448 / 2 and sweep[-1] >= 100.0 / 448 * 2**8
+    assert all(b / a == 4 for a, b in zip(sweep, sweep[1:]))
+    assert constant_sweep([0.0, float("nan")]) == [1.0]
+
+
+def test_configs_cover_the_papers_grid():
+    groups = {}
+    for label, group, config in study_configs([2.0**-4, 2.0**-2]):
+        groups.setdefault(group, []).append(label)
+    assert groups["format"] == ["e4m3fn amax", "e5m2 amax", "e3m4 amax"]
+    assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn percentile", "e4m3fn mse"]
+    assert groups["constant"] == ["e4m3fn constant 2^-4", "e4m3fn constant 2^-2"]
+    assert groups["activations"] == ["e4m3fn amax dynamic"] and groups["weights"] == ["e4m3fn amax per-channel"]
+
+
+def test_study_ranks_every_configuration(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    result = study(path, data, data, provider="cpu")
+    labels = [r.label for r in result.rows]
+    assert len(labels) == len(set(labels)) >= 8 + 5
+    values = [r.value for r in result.rows]
+    assert values == sorted(values, reverse=True)
+    assert result.metric == "mean cosine to FP32"
+    by_label = {r.label: r for r in result.rows}
+    assert by_label["e3m4 amax"].emulated and not by_label["e4m3fn amax"].emulated
+    assert by_label["e4m3fn amax"].value > 0.99
+    # far too small a constant scale saturates everything: the paper's window has edges
+    smallest = min((r for r in result.rows if r.group == "constant"), key=lambda r: r.config["scale"])
+    assert smallest.value < by_label["e4m3fn amax"].value
+    assert result.scale_exponents["weights"] and result.scale_exponents["activations"]
+    written = write_plots(result, tmp_path)
+    assert [p.name for p in written] == ["constant_scale_window.png", "scale_exponents.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_study_cli_writes_json_and_csv(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    r = CliRunner().invoke(main, ["study", str(path), "--calib", str(data), "--data", str(data), "--provider", "cpu",
+                                  "--json", str(tmp_path / "s.json"), "--csv", str(tmp_path / "s.csv")])
+    assert r.exit_code == 0, r.output
+    assert "best deployable: " in r.output and "(emulated)" in r.output
+    doc = json.loads((tmp_path / "s.json").read_text())
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "s.csv").read_text())))
+    assert [row["label"] for row in rows] == [row["label"] for row in doc["rows"]]
+    r = CliRunner().invoke(main, ["study", str(path), "--calib", str(data), "--data", str(data),
+                                  "--plot", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "Plot folder" in r.output
