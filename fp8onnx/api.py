@@ -14,10 +14,10 @@ import onnx_ir as ir
 from .calibration import Stats, collect_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
-from .report import describe_config
 from .model_io import check_output_path, load_model, save_model
 from .passes import ConvertFloat16Pass
 from .quantize import candidate_activations, prepare_model
+from .report import describe_config
 from .runtime import resolve_provider
 
 __all__ = ["calibrate", "convert_fp16", "inspect"]
@@ -50,8 +50,9 @@ def calibrate(
     if not names:
         raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")
     # Histograms too, so that one statistics file serves every --scaling method.
-    stats = collect_amax(ir_model, names, calib, batch_size=batch_size, provider=provider, histograms=True,
-                         progress=progress)
+    stats = collect_amax(
+        ir_model, names, calib, batch_size=batch_size, provider=provider, histograms=True, progress=progress
+    )
     if output is not None:
         stats.save(output)
     return stats
@@ -76,7 +77,11 @@ def inspect(model: str | os.PathLike) -> dict:
         fmt = _FP8_TYPES.get(src.dtype)
         if fmt is None:
             continue
-        scale = node.inputs[1].const_value.numpy() if node.inputs[1] is not None and node.inputs[1].const_value is not None else None
+        scale = (
+            node.inputs[1].const_value.numpy()
+            if node.inputs[1] is not None and node.inputs[1].const_value is not None
+            else None
+        )
         kind = "weight" if src.const_value is not None else "activation"
         tensors.append(
             {
@@ -91,8 +96,12 @@ def inspect(model: str | os.PathLike) -> dict:
     ops = collections.Counter(n.op_type for n in ir.traversal.RecursiveGraphIterator(graph))
     matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")]
     fed = sum(
-        1 for n in matmuls
-        if any(v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear" for v in n.inputs[:2])
+        1
+        for n in matmuls
+        if any(
+            v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
+            for v in n.inputs[:2]
+        )
     )
     by_type: dict[str, int] = collections.defaultdict(int)
     for v in graph.initializers.values():
@@ -112,8 +121,10 @@ def inspect(model: str | os.PathLike) -> dict:
 
 
 def inspect_summary(info: dict) -> str:
-    lines = [f"{info['model']}: opset {info['opset']}, {info['quantized_nodes']} of {info['matmul_gemm_nodes']} "
-             "MatMul/Gemm nodes read float8 inputs"]
+    lines = [
+        f"{info['model']}: opset {info['opset']}, {info['quantized_nodes']} of {info['matmul_gemm_nodes']} "
+        "MatMul/Gemm nodes read float8 inputs"
+    ]
     if info["fp8onnx"]:
         cfg = info["fp8onnx"]
         lines.append(f"  written by fp8onnx {cfg.get('version')}: {describe_config(cfg)}")

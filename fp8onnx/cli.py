@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import pathlib
 import sys
 import tempfile
@@ -18,12 +19,14 @@ import click
 
 from . import __version__
 from .api import calibrate as api_calibrate
-from .api import convert_fp16, inspect as api_inspect, inspect_summary
+from .api import convert_fp16, inspect_summary
+from .api import inspect as api_inspect
 from .compare import compare as api_compare
 from .errors import Fp8OnnxError
 from .formats import Fp8Format
 from .model_io import write_text_atomic
-from .quantize import SUPPORTED_OP_TYPES, QuantizeConfig, quantize as api_quantize
+from .quantize import SUPPORTED_OP_TYPES, QuantizeConfig
+from .quantize import quantize as api_quantize
 from .runtime import PROVIDERS
 from .scaling import Scaling
 
@@ -49,7 +52,9 @@ def _run(fn):
         except Exception as exc:  # noqa: BLE001 - last line of defence for the user
             if debug:
                 raise
-            click.echo(f"fp8onnx: internal error: {type(exc).__name__}: {exc} (rerun with --debug and report it)", err=True)
+            click.echo(
+                f"fp8onnx: internal error: {type(exc).__name__}: {exc} (rerun with --debug and report it)", err=True
+            )
             ctx.exit(1)
 
     return wrapper
@@ -80,31 +85,78 @@ def _csv(ctx, param, value):
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the FP8 model.")
 @click.option("--calib", type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
-@click.option("--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib.")
-@click.option("--format", "fmt", type=click.Choice(_FORMATS, case_sensitive=False), default="e4m3fn", show_default=True,
-              help="Float8 format of weights and activations (e3m4: emulated, for studies only, not deployable).")
-@click.option("--weight-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for weights.")
-@click.option("--activation-format", type=click.Choice(_FORMATS, case_sensitive=False),
-              help="Override --format for activations.")
-@click.option("--scaling", type=click.Choice(_SCALINGS, case_sensitive=False), default="amax", show_default=True,
-              help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; percentile: clip at "
-                   "--percentile of |x|; mse: clip where the quantization error is least; constant: --scale for all.")
+@click.option(
+    "--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib."
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(_FORMATS, case_sensitive=False),
+    default="e4m3fn",
+    show_default=True,
+    help="Float8 format of weights and activations (e3m4: emulated, for studies only, not deployable).",
+)
+@click.option(
+    "--weight-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for weights."
+)
+@click.option(
+    "--activation-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for activations."
+)
+@click.option(
+    "--scaling",
+    type=click.Choice(_SCALINGS, case_sensitive=False),
+    default="amax",
+    show_default=True,
+    help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; percentile: clip at "
+    "--percentile of |x|; mse: clip where the quantization error is least; constant: --scale for all.",
+)
 @click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")
-@click.option("--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99].")
+@click.option(
+    "--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99]."
+)
 @click.option("--scale", type=float, help="constant only: the scale used for every tensor.")
-@click.option("--activations", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
-              help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).")
+@click.option(
+    "--activations",
+    type=click.Choice(["static", "dynamic"]),
+    default="static",
+    show_default=True,
+    help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).",
+)
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
 @click.option("--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types.")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Calibration batch size.")
 @click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
-@click.option("--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON.")
-@click.option("--check", "check_data", type=click.Path(), help="Evaluation data: print the compare table after quantizing.")
+@click.option(
+    "--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON."
+)
+@click.option(
+    "--check", "check_data", type=click.Path(), help="Evaluation data: print the compare table after quantizing."
+)
 @_run
-def quantize(model, output, calib, stats, fmt, weight_format, activation_format, scaling, margin, percentile, scale,
-             activations, per_channel, op_types, exclude, activation_matmuls, batch_size, provider, report, check_data):
+def quantize(
+    model,
+    output,
+    calib,
+    stats,
+    fmt,
+    weight_format,
+    activation_format,
+    scaling,
+    margin,
+    percentile,
+    scale,
+    activations,
+    per_channel,
+    op_types,
+    exclude,
+    activation_matmuls,
+    batch_size,
+    provider,
+    report,
+    check_data,
+):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
 
     \b
@@ -118,17 +170,38 @@ def quantize(model, output, calib, stats, fmt, weight_format, activation_format,
     """
     if calib and stats:
         raise Fp8OnnxError("Give either --calib or --stats, not both.")
-    config = QuantizeConfig(format=fmt, weight_format=weight_format, activation_format=activation_format,
-                            scaling=scaling, margin=margin, percentile=percentile, scale=scale, activations=activations,
-                            per_channel=per_channel, op_types=op_types, exclude=exclude,
-                            activation_matmuls=activation_matmuls)
+    config = QuantizeConfig(
+        format=fmt,
+        weight_format=weight_format,
+        activation_format=activation_format,
+        scaling=scaling,
+        margin=margin,
+        percentile=percentile,
+        scale=scale,
+        activations=activations,
+        per_channel=per_channel,
+        op_types=op_types,
+        exclude=exclude,
+        activation_matmuls=activation_matmuls,
+    )
     t0 = time.perf_counter()
-    result = api_quantize(model, output, calib, config=config, stats=stats, batch_size=batch_size,
-                          provider=provider, report=report, progress=True)
+    result = api_quantize(
+        model,
+        output,
+        calib,
+        config=config,
+        stats=stats,
+        batch_size=batch_size,
+        provider=provider,
+        report=report,
+        progress=True,
+    )
     click.echo(result.summary())
     click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
     if check_data:
-        click.echo(api_compare(model, [output], check_data, batch_size=batch_size, provider=provider, progress=True).table())
+        click.echo(
+            api_compare(model, [output], check_data, batch_size=batch_size, provider=provider, progress=True).table()
+        )
 
 
 @main.command()
@@ -147,14 +220,18 @@ def calibrate(model, calib, output, batch_size, provider):
       fp8onnx quantize model.onnx --stats stats.json -o model.fp8.onnx
     """
     stats = api_calibrate(model, calib, output, batch_size=batch_size, provider=provider, progress=True)
-    click.echo(f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "
-               f"({stats.num_batches} batches); wrote {output}")
+    click.echo(
+        f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "
+        f"({stats.num_batches} batches); wrote {output}"
+    )
 
 
 @main.command()
 @click.argument("reference", type=click.Path(dir_okay=False))
 @click.argument("candidates", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy.")
+@click.option(
+    "--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy."
+)
 @click.option("--no-fp16", is_flag=True, help="Do not build and run the FP16 baseline.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
@@ -167,8 +244,9 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
     Example:
       fp8onnx compare model.onnx model.fp8.onnx model.pow2.onnx --data eval.npz --json cmp.json
     """
-    result = api_compare(reference, candidates, data, fp16=not no_fp16, batch_size=batch_size,
-                         provider=provider, progress=True)
+    result = api_compare(
+        reference, candidates, data, fp16=not no_fp16, batch_size=batch_size, provider=provider, progress=True
+    )
     click.echo(result.table())
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
@@ -177,7 +255,9 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--calib", required=True, type=click.Path(), help="Calibration data (.npz or folder).")
-@click.option("--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy.")
+@click.option(
+    "--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy."
+)
 @click.option("--max-samples", type=click.IntRange(min=1), help="Evaluate on at most about this many samples.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
@@ -199,8 +279,9 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
     if plot_dir and not pathlib.Path(plot_dir).is_dir():
         raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
     t0 = time.perf_counter()
-    result = run_study(model, calib, data, batch_size=batch_size, max_samples=max_samples, provider=provider,
-                       progress=True)
+    result = run_study(
+        model, calib, data, batch_size=batch_size, max_samples=max_samples, provider=provider, progress=True
+    )
     click.echo(result.table())
     write_outputs(result, json_out, csv_out)
     for path in write_plots(result, plot_dir) if plot_dir else []:
@@ -211,17 +292,31 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the summary.")
+@click.option(
+    "--plot", "plot_dir", type=click.Path(file_okay=False), help="Write scale_exponents.png into this folder."
+)
 @_run
-def inspect(model, as_json):
+def inspect(model, as_json, plot_dir):
     """Show what is quantized in MODEL: float8 tensors, formats, scales, sizes.
 
     \b
     Example:
       fp8onnx inspect model.fp8.onnx
       fp8onnx inspect model.fp8.onnx --json > info.json
+      fp8onnx inspect model.fp8.onnx --plot plots/
     """
     info = api_inspect(model)
     click.echo(json.dumps(info, indent=1) if as_json else inspect_summary(info))
+    if plot_dir:
+        from . import plots
+
+        exponents = {"weights": [], "activations": []}
+        for t in info["float8_tensors"]:
+            if isinstance(t["scale"], float):
+                exponents["weights" if t["kind"] == "weight" else "activations"].append(math.log2(t["scale"]))
+        path = plots.scale_exponents(exponents, pathlib.Path(plot_dir) / "scale_exponents.png")
+        if not as_json:
+            click.echo(f"wrote {path}")
 
 
 @main.command()
@@ -269,8 +364,10 @@ def demo(out_dir, provider):
         click.echo("\n" + cmp.table())
         fp8 = cmp.rows[-1]
         verdict = "within" if fp8.passes_llm else "NOT within"
-        click.echo(f"\nFP8 next-byte accuracy {fp8.accuracy:.4f} is {fp8.ratio_to_fp16:.2%} of FP16's: {verdict} "
-                   f"the 99.5% criterion. ({time.perf_counter() - t0:.1f}s)")
+        click.echo(
+            f"\nFP8 next-byte accuracy {fp8.accuracy:.4f} is {fp8.ratio_to_fp16:.2%} of FP16's: {verdict} "
+            f"the 99.5% criterion. ({time.perf_counter() - t0:.1f}s)"
+        )
         if out_dir:
             click.echo(f"models kept in {folder}")
 

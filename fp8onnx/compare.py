@@ -128,7 +128,18 @@ class CompareResult:
 
     def table(self) -> str:
         first = next(iter(self.rows[0].outputs)) if self.rows and self.rows[0].outputs else None
-        head = ["model", "cos mean", "cos min", "rel L2", "max abs", "top-1 agr", "accuracy", "vs FP16", "99.5%", "1% rel"]
+        head = [
+            "model",
+            "cos mean",
+            "cos min",
+            "rel L2",
+            "max abs",
+            "top-1 agr",
+            "accuracy",
+            "vs FP16",
+            "99.5%",
+            "1% rel",
+        ]
         lines = []
         for r in self.rows:
             o = r.outputs.get(first, {})
@@ -147,14 +158,16 @@ class CompareResult:
                 ]
             )
         widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
-        out = [f"{self.samples} samples from {self.data}, metrics of output {first!r} vs the FP32 reference ({self.provider})"]
+        out = [f"{self.samples} samples from {self.data}, output {first!r} vs the FP32 reference ({self.provider})"]
         out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
         out.append("  ".join("-" * w for w in widths))
         out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
         headline = next((r.headline for r in self.rows if r.headline), "")
         if headline:
-            out.append(f"vs FP16: {headline} relative to the FP16 model's; pass at >= 99.5% (FP8 LLM paper) "
-                       "and within 1% relative loss (PTQ paper)")
+            out.append(
+                f"vs FP16: {headline} relative to the FP16 model's; pass at >= 99.5% (FP8 LLM paper) "
+                "and within 1% relative loss (PTQ paper)"
+            )
         return "\n".join(out)
 
 
@@ -191,8 +204,11 @@ def compare(
     ref_model = load_model(reference)
     specs = input_specs(ref_model)
     source = as_data(data, specs)
-    sessions = {"FP32 (reference)": make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}",
-                                                 arena=False)}
+    sessions = {
+        "FP32 (reference)": make_session(
+            pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False
+        )
+    }
     paths: dict[str, str | None] = {"FP32 (reference)": str(reference)}
     if fp16:
         fp16_model = ConvertFloat16Pass()(ref_model).model
@@ -218,7 +234,9 @@ def compare(
     total = source.count_batches(batch_size)
     if max_samples is not None and total is not None:
         total = min(total, -(-max_samples // batch_size))
-    for batch in progress_bar(source.batches(batch_size), total=total, desc="evaluating", unit="batch", enable=progress):
+    for batch in progress_bar(
+        source.batches(batch_size), total=total, desc="evaluating", unit="batch", enable=progress
+    ):
         outputs = {}
         for name, sess in sessions.items():
             try:
@@ -254,7 +272,9 @@ def compare(
         acc = correct[name] / labelled if labelled else None
         rows.append(RowResult(name, paths[name], outs, acc))
     _headline(rows, out_names[0], fp16)
-    return CompareResult(str(reference), str(data) if isinstance(data, (str, os.PathLike)) else "feeds", samples, batches, provider, rows)
+    return CompareResult(
+        str(reference), str(data) if isinstance(data, (str, os.PathLike)) else "feeds", samples, batches, provider, rows
+    )
 
 
 def _headline(rows: list[RowResult], first: str, fp16: bool) -> None:

@@ -36,7 +36,9 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     try:
         return ir.load(path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
-        raise Fp8OnnxError(f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {exc}).") from None
+        raise Fp8OnnxError(
+            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {exc})."
+        ) from None
 
 
 def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> pathlib.Path:
@@ -60,7 +62,9 @@ def _weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def save_model(model: ir.Model, out: str | os.PathLike, *, provider: str = "cpu", what: str = "output model") -> pathlib.Path:
+def save_model(
+    model: ir.Model, out: str | os.PathLike, *, provider: str = "cpu", what: str = "output model"
+) -> pathlib.Path:
     """Check ``model`` with onnx.checker and onnxruntime, then write it atomically to ``out``."""
     out = pathlib.Path(out)
     parent = out.resolve().parent
@@ -113,7 +117,9 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         pathlib.Path(tmp).unlink(missing_ok=True)
-        raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror or exc}; the previous file, if any, is untouched.") from None
+        raise Fp8OnnxError(
+            f"Cannot write {str(path)!r}: {exc.strerror or exc}; the previous file, if any, is untouched."
+        ) from None
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise

@@ -80,7 +80,9 @@ class QuantizeConfig:
         if self.scaling is Scaling.CONSTANT:
             amax_to_scale(1.0, self.weight_format, self.scaling, constant=self.scale)  # validates --scale
             if self.activations == "dynamic":
-                raise Fp8OnnxError("--scaling constant contradicts --activations dynamic (one fixed scale vs one per batch).")
+                raise Fp8OnnxError(
+                    "--scaling constant contradicts --activations dynamic (one fixed scale vs one per batch)."
+                )
             if self.per_channel:
                 raise Fp8OnnxError("--scaling constant contradicts --per-channel (one scale for every tensor).")
         elif self.scale is not None:
@@ -111,8 +113,9 @@ class QuantizeConfig:
             "scaling": self.scaling.value,
             "margin": self.margin,
             "scale": self.scale,
-            "percentile": self.percentile if self.percentile is not None else (
-                DEFAULT_PERCENTILE if self.scaling is Scaling.PERCENTILE else None),
+            "percentile": self.percentile
+            if self.percentile is not None
+            else (DEFAULT_PERCENTILE if self.scaling is Scaling.PERCENTILE else None),
             "activations": self.activations,
             "per_channel": self.per_channel,
             "op_types": list(self.op_types),
@@ -145,12 +148,16 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> _Decision:
         if value.dtype not in _FLOAT_TYPES:
             return _Decision(node, [], f"input {value.name!r} is {value.dtype}, not float32/float16/bfloat16")
         if is_quantized(value):
-            return _Decision(node, [], f"already quantized: input {value.name!r} comes from DequantizeLinear or fp8onnx")
+            return _Decision(
+                node, [], f"already quantized: input {value.name!r} comes from DequantizeLinear or fp8onnx"
+            )
         if value.is_initializer() and value.is_graph_input():
             return _Decision(node, [], f"weight {value.name!r} is also a graph input and can be overridden at run time")
         inputs.append((index, "weight" if _is_weight(value) else "activation"))
     if all(kind == "activation" for _, kind in inputs) and not config.activation_matmuls:
-        return _Decision(node, [], "both inputs are activations (e.g. attention scores); opt in with --activation-matmuls")
+        return _Decision(
+            node, [], "both inputs are activations (e.g. attention scores); opt in with --activation-matmuls"
+        )
     return _Decision(node, inputs)
 
 
@@ -171,7 +178,9 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[_Decision], list
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.graph is not model.graph and node.op_type in SUPPORTED_OP_TYPES:
             skipped.append(
-                NodeReport(node.name, node.op_type, False, "inside a control-flow subgraph (If/Loop/Scan): not quantized yet")
+                NodeReport(
+                    node.name, node.op_type, False, "inside a control-flow subgraph (If/Loop/Scan): not quantized yet"
+                )
             )
     for function in model.functions.values():
         for node in function:
@@ -245,12 +254,21 @@ def quantize(
             value = d.node.inputs[index]
             if value.name not in quant:
                 quant[value.name] = (
-                    _weight_quant(d.node, index, value, config) if kind == "weight"
+                    _weight_quant(d.node, index, value, config)
+                    if kind == "weight"
                     else _activation_quant(value.name, calibration, config)
                 )
             tq = quant[value.name]
-            tensors.append(TensorReport(value.name, kind, tq.format.value, _jsonable(tq.scale),
-                                        _jsonable(_amax_of(value, kind, tq, calibration)), tq.axis))
+            tensors.append(
+                TensorReport(
+                    value.name,
+                    kind,
+                    tq.format.value,
+                    _jsonable(tq.scale),
+                    _jsonable(_amax_of(value, kind, tq, calibration)),
+                    tq.axis,
+                )
+            )
             targets.append((d.node.name, index))
         nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
 
@@ -303,8 +321,9 @@ def _activation_stats(model, names, config, calib, stats, batch_size, provider, 
             "Activation scales need calibration: pass --calib DATA or --stats FILE "
             "(or --activations dynamic, or --scaling constant)."
         )
-    return collect_amax(model, names, calib, batch_size=batch_size, provider=provider, histograms=hist,
-                        progress=progress)
+    return collect_amax(
+        model, names, calib, batch_size=batch_size, provider=provider, histograms=hist, progress=progress
+    )
 
 
 def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig) -> TensorQuant:
@@ -314,8 +333,13 @@ def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig) ->
     if config.scaling is Scaling.CONSTANT:
         return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
     amax = stats.amax[name]
-    clip = clipping_amax(amax, stats.hist.get(name), fmt, config.scaling,
-                         percentile=config.percentile if config.percentile is not None else DEFAULT_PERCENTILE)
+    clip = clipping_amax(
+        amax,
+        stats.hist.get(name),
+        fmt,
+        config.scaling,
+        percentile=config.percentile if config.percentile is not None else DEFAULT_PERCENTILE,
+    )
     return TensorQuant(fmt, amax_to_scale(clip, fmt, config.scaling, margin=config.margin))
 
 

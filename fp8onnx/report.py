@@ -76,7 +76,9 @@ class QuantizeReport:
         lines = [f"{self.model} -> {self.output}"]
         if self.opset_from != self.opset_to:
             lines.append(f"  opset upgraded {self.opset_from} -> {self.opset_to} (float8 Q/DQ without zero points)")
-        lines.append(f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {describe_config(cfg)}")
+        lines.append(
+            f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {describe_config(cfg)}"
+        )
         if cfg.get("emulated"):
             lines.append(f"  SIMULATION: {EMULATED_NOTE}")
         if self.calibration:
@@ -86,9 +88,7 @@ class QuantizeReport:
         acts = len({t.name for n in self.quantized for t in n.tensors if t.kind == "activation"})
         lines.append(f"  {weights} weights stored as float8, {acts} activation tensors with Q/DQ")
         ratio = self.output_bytes / self.input_bytes if self.input_bytes else 0.0
-        lines.append(
-            f"  size {self.input_bytes / 1e6:.2f} MB -> {self.output_bytes / 1e6:.2f} MB ({ratio:.2f}x)"
-        )
+        lines.append(f"  size {self.input_bytes / 1e6:.2f} MB -> {self.output_bytes / 1e6:.2f} MB ({ratio:.2f}x)")
         reasons: dict[str, list[str]] = {}
         for n in self.skipped:
             reasons.setdefault(n.reason or "", []).append(n.name)

@@ -26,11 +26,11 @@ import tempfile
 
 import numpy as np
 
+from . import plots
 from .api import calibrate
 from .compare import compare
-from .errors import Fp8OnnxError
 from .formats import Fp8Format
-from .model_io import write_bytes_atomic, write_text_atomic
+from .model_io import write_text_atomic
 from .quantize import QuantizeConfig, quantize
 from .report import QuantizeReport, describe_config
 
@@ -41,13 +41,17 @@ logger = logging.getLogger(__name__)
 
 def study_configs(constant_scales: list[float]) -> list[tuple[str, str, QuantizeConfig]]:
     """(label, group, config) for every configuration of the study."""
-    configs = [(f"{f.value} amax", "format", QuantizeConfig(format=f)) for f in
-               (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4)]
+    configs = [
+        (f"{f.value} amax", "format", QuantizeConfig(format=f))
+        for f in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4)
+    ]
     configs += [(f"e4m3fn {s}", "scaling", QuantizeConfig(scaling=s)) for s in ("pow2", "percentile", "mse")]
     configs += [("e4m3fn amax dynamic", "activations", QuantizeConfig(activations="dynamic"))]
     configs += [("e4m3fn amax per-channel", "weights", QuantizeConfig(per_channel=True))]
-    configs += [(f"e4m3fn constant 2^{int(math.log2(s))}", "constant", QuantizeConfig(scaling="constant", scale=s))
-                for s in constant_scales]
+    configs += [
+        (f"e4m3fn constant 2^{int(math.log2(s))}", "constant", QuantizeConfig(scaling="constant", scale=s))
+        for s in constant_scales
+    ]
     return configs
 
 
@@ -104,13 +108,26 @@ class StudyResult:
 
     def table(self) -> str:
         head = ["#", "configuration", "group", self.metric, "vs FP16", "99.5%", "1% rel", "cos mean"]
-        rows = [[str(i), r.label + (" (emulated)" if r.emulated else ""), r.group, _f(r.value, ".4f"),
-                 _f(r.ratio_to_fp16, ".2%"), _yes(r.passes_llm), _yes(r.passes_ptq), _f(r.cosine_mean, ".5f")]
-                for i, r in enumerate(self.rows, 1)]
+        rows = [
+            [
+                str(i),
+                r.label + (" (emulated)" if r.emulated else ""),
+                r.group,
+                _f(r.value, ".4f"),
+                _f(r.ratio_to_fp16, ".2%"),
+                _yes(r.passes_llm),
+                _yes(r.passes_ptq),
+                _f(r.cosine_mean, ".5f"),
+            ]
+            for i, r in enumerate(self.rows, 1)
+        ]
         widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
-        lines = [f"{self.model}: {len(self.rows)} configurations, calibrated on {self.calibration_samples} samples, "
-                 f"evaluated on {self.samples}; FP32 {_f(self.fp32, '.4f')}, FP16 {_f(self.fp16, '.4f')} ({self.metric})",
-                 "  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+        lines = [
+            f"{self.model}: {len(self.rows)} configurations, calibrated on {self.calibration_samples} samples, "
+            f"evaluated on {self.samples}; FP32 {_f(self.fp32, '.4f')}, FP16 {_f(self.fp16, '.4f')} ({self.metric})",
+            "  ".join(h.ljust(w) for h, w in zip(head, widths)),
+            "  ".join("-" * w for w in widths),
+        ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
         best = next((r for r in self.rows if not r.emulated), None)
         if best:
@@ -149,23 +166,45 @@ def study(
         for item in study_configs(sweep)[1:]:
             _run_config(model, tmp, item, stats, batch_size, provider, reports)
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
-        result = compare(model, paths, data, batch_size=batch_size, provider=provider,
-                         max_samples=max_samples, progress=progress)
+        result = compare(
+            model, paths, data, batch_size=batch_size, provider=provider, max_samples=max_samples, progress=progress
+        )
     by_file = {r.name: r for r in result.rows}
     rows = []
     for i, (label, (group, config, _)) in enumerate(reports.items()):
         r = by_file[f"{i}.onnx"]
         first_out = next(iter(r.outputs.values()))
-        rows.append(StudyRow(label, group, config.to_json(), r.headline, r.value, r.ratio_to_fp16,
-                             r.rel_loss_vs_fp16, r.passes_llm, r.passes_ptq, first_out["cosine_mean"], config.emulated))
+        rows.append(
+            StudyRow(
+                label,
+                group,
+                config.to_json(),
+                r.headline,
+                r.value,
+                r.ratio_to_fp16,
+                r.rel_loss_vs_fp16,
+                r.passes_llm,
+                r.passes_ptq,
+                first_out["cosine_mean"],
+                config.emulated,
+            )
+        )
     rows.sort(key=lambda r: -math.inf if r.value is None else r.value, reverse=True)
     unique = {t.name: t for n in first.quantized for t in n.tensors if isinstance(t.scale, float)}
     scales = {"weights": [], "activations": []}
     for t in unique.values():
         scales["weights" if t.kind == "weight" else "activations"].append(math.log2(t.scale))
     fp16 = by_file.get("FP16")
-    return StudyResult(str(model), result.samples, stats.num_samples, by_file["FP32 (reference)"].value,
-                       fp16.value if fp16 else None, rows[0].metric if rows else "", rows, scales)
+    return StudyResult(
+        str(model),
+        result.samples,
+        stats.num_samples,
+        by_file["FP32 (reference)"].value,
+        fp16.value if fp16 else None,
+        rows[0].metric if rows else "",
+        rows,
+        scales,
+    )
 
 
 def _run_config(model, tmp, item, stats, batch_size, provider, reports) -> QuantizeReport:
@@ -187,51 +226,11 @@ def write_outputs(result: StudyResult, json_path=None, csv_path=None) -> None:
 
 def write_plots(result: StudyResult, folder: str | os.PathLike) -> list[pathlib.Path]:
     """Accuracy against constant scale (the paper's window) and the per-tensor scale exponents."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise Fp8OnnxError("--plot needs matplotlib: pip install 'fp8onnx[plot]'.") from None
-    folder = pathlib.Path(folder)
-    if not folder.is_dir():
-        raise Fp8OnnxError(f"Plot folder {str(folder)!r} does not exist.")
-    written = []
     const = sorted((r.config["scale"], r.value) for r in result.rows if r.group == "constant" and r.value is not None)
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    if const:
-        ax.plot([math.log2(s) for s, _ in const], [v for _, v in const], "o-", label="FP8-CSCALE (constant scale)")
-    amax = next((r for r in result.rows if r.label == "e4m3fn amax"), None)
-    if amax and amax.value is not None:
-        ax.axhline(amax.value, color="tab:green", linestyle="--", label="FP8-AMAX (per-tensor amax)")
-    if result.fp16 is not None:
-        ax.axhline(result.fp16, color="gray", linestyle=":", label="FP16")
-        ax.axhline(result.fp16 * 0.995, color="tab:red", linestyle=":", linewidth=0.8, label="99.5% of FP16")
-    ax.set_xlabel("log2(constant scale), E4M3FN")
-    ax.set_ylabel(result.metric)
-    ax.set_title("Accuracy against one constant scale for every tensor")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(_save_fig(fig, folder / "constant_scale_window.png"))
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    for kind, values in result.scale_exponents.items():
-        if values:
-            bins = np.arange(math.floor(min(values)) - 0.5, math.ceil(max(values)) + 1.5)
-            ax.hist(values, bins=bins, alpha=0.6, label=f"{kind} ({len(values)})")
-    ax.set_xlabel("log2(per-tensor scale), E4M3FN amax")
-    ax.set_ylabel("tensors")
-    ax.set_title("Distribution of per-tensor scale exponents")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(_save_fig(fig, folder / "scale_exponents.png"))
-    plt.close(fig)
-    return written
-
-
-def _save_fig(fig, path: pathlib.Path) -> pathlib.Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    write_bytes_atomic(path, buf.getvalue())
-    return path
+    amax = next((r.value for r in result.rows if r.label == "e4m3fn amax"), None)
+    return [
+        plots.constant_window(
+            const, amax, result.fp16, result.metric, pathlib.Path(folder) / "constant_scale_window.png"
+        ),
+        plots.scale_exponents(result.scale_exponents, pathlib.Path(folder) / "scale_exponents.png"),
+    ]

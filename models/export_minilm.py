@@ -79,8 +79,12 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, sents in (("calib", calib), ("eval", evals)):
         enc = tok(sents, padding="max_length", truncation=True, max_length=SEQ, return_tensors="np")
-        np.savez(OUT / f"{name}.npz", input_ids=enc["input_ids"].astype(np.int64),
-                 attention_mask=enc["attention_mask"].astype(np.int64), _sentences=np.array(sents))
+        np.savez(
+            OUT / f"{name}.npz",
+            input_ids=enc["input_ids"].astype(np.int64),
+            attention_mask=enc["attention_mask"].astype(np.int64),
+            _sentences=np.array(sents),
+        )
 
     enc = tok(calib[:2], padding="max_length", max_length=SEQ, truncation=True, return_tensors="pt")
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=512)
@@ -99,7 +103,8 @@ def main() -> None:
     import onnxruntime as ort
 
     got = ort.InferenceSession(str(OUT / "minilm.onnx"), providers=["CPUExecutionProvider"]).run(
-        None, {"input_ids": enc["input_ids"].numpy(), "attention_mask": enc["attention_mask"].numpy()})[0]
+        None, {"input_ids": enc["input_ids"].numpy(), "attention_mask": enc["attention_mask"].numpy()}
+    )[0]
     print(f"ONNX vs torch max abs diff: {np.abs(ref - got).max():.2e}")
     print(f"wrote {OUT}")
 

@@ -116,36 +116,117 @@ def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format,
     f32 = lambda v: np.array(v, np.float32)  # noqa: E731
     two = b.const("const/two", f32(2.0))
     v = b.op("Div", [xf, sf], f"{prefix}/scaled", _F32, x.shape)
-    v = b.op("Clip", [v, b.const(f"const/{fmt.value}/-fmax", f32(-fmt.fmax)), b.const(f"const/{fmt.value}/fmax", f32(fmt.fmax))],
-             f"{prefix}/saturated", _F32, x.shape)
+    v = b.op(
+        "Clip",
+        [v, b.const(f"const/{fmt.value}/-fmax", f32(-fmt.fmax)), b.const(f"const/{fmt.value}/fmax", f32(fmt.fmax))],
+        f"{prefix}/saturated",
+        _F32,
+        x.shape,
+    )
     a = b.op("Abs", [v], f"{prefix}/abs", _F32, x.shape)
-    e0 = b.op("Floor", [b.op("Mul", [b.op("Log", [a], f"{prefix}/ln", _F32, x.shape), b.const("const/inv_ln2", f32(1 / math.log(2)))],
-                            f"{prefix}/log2", _F32, x.shape)], f"{prefix}/e0", _F32, x.shape)
+    e0 = b.op(
+        "Floor",
+        [
+            b.op(
+                "Mul",
+                [b.op("Log", [a], f"{prefix}/ln", _F32, x.shape), b.const("const/inv_ln2", f32(1 / math.log(2)))],
+                f"{prefix}/log2",
+                _F32,
+                x.shape,
+            )
+        ],
+        f"{prefix}/e0",
+        _F32,
+        x.shape,
+    )
     p = b.op("Pow", [two, e0], f"{prefix}/p", _F32, x.shape)
-    too_big = b.op("Cast", [b.op("Greater", [p, a], f"{prefix}/p_gt_a", ir.DataType.BOOL, x.shape)], f"{prefix}/dec", _F32, x.shape, to=int(_F32))
+    too_big = b.op(
+        "Cast",
+        [b.op("Greater", [p, a], f"{prefix}/p_gt_a", ir.DataType.BOOL, x.shape)],
+        f"{prefix}/dec",
+        _F32,
+        x.shape,
+        to=int(_F32),
+    )
     two_p = b.op("Mul", [p, two], f"{prefix}/2p", _F32, x.shape)
-    too_small = b.op("Cast", [b.op("LessOrEqual", [two_p, a], f"{prefix}/2p_le_a", ir.DataType.BOOL, x.shape)], f"{prefix}/inc", _F32, x.shape, to=int(_F32))
-    e = b.op("Sub", [b.op("Add", [e0, too_small], f"{prefix}/e1", _F32, x.shape), too_big], f"{prefix}/e2", _F32, x.shape)
+    too_small = b.op(
+        "Cast",
+        [b.op("LessOrEqual", [two_p, a], f"{prefix}/2p_le_a", ir.DataType.BOOL, x.shape)],
+        f"{prefix}/inc",
+        _F32,
+        x.shape,
+        to=int(_F32),
+    )
+    e = b.op(
+        "Sub", [b.op("Add", [e0, too_small], f"{prefix}/e1", _F32, x.shape), too_big], f"{prefix}/e2", _F32, x.shape
+    )
     e = b.op("Max", [e, b.const(f"const/{fmt.value}/emin", f32(fmt.min_normal_exponent))], f"{prefix}/e", _F32, x.shape)
-    step = b.op("Pow", [two, b.op("Sub", [e, b.const(f"const/{fmt.value}/mbits", f32(fmt.mantissa_bits))], f"{prefix}/e_step", _F32, x.shape)],
-                f"{prefix}/step", _F32, x.shape)
-    q = b.op("Mul", [b.op("Round", [b.op("Div", [v, step], f"{prefix}/units", _F32, x.shape)], f"{prefix}/rounded", _F32, x.shape), step],
-             f"{prefix}/grid", _F32, x.shape)
+    step = b.op(
+        "Pow",
+        [
+            two,
+            b.op(
+                "Sub",
+                [e, b.const(f"const/{fmt.value}/mbits", f32(fmt.mantissa_bits))],
+                f"{prefix}/e_step",
+                _F32,
+                x.shape,
+            ),
+        ],
+        f"{prefix}/step",
+        _F32,
+        x.shape,
+    )
+    q = b.op(
+        "Mul",
+        [
+            b.op(
+                "Round", [b.op("Div", [v, step], f"{prefix}/units", _F32, x.shape)], f"{prefix}/rounded", _F32, x.shape
+            ),
+            step,
+        ],
+        f"{prefix}/grid",
+        _F32,
+        x.shape,
+    )
     y = b.op("Mul", [q, sf], f"{prefix}/emulated_f32", _F32, x.shape)
     return b.cast(y, dtype, f"{prefix}/emulated")
 
 
 def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.Value:
     f32 = lambda v: np.array(v, np.float32)  # noqa: E731
-    amax = b.op("ReduceMax", [b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
-    s = b.op("Mul", [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
-             f"{prefix}/raw_scale", _F32, ir.Shape([]))
+    amax = b.op(
+        "ReduceMax",
+        [b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)],
+        f"{prefix}/amax",
+        x.dtype,
+        ir.Shape([]),
+        keepdims=0,
+    )
+    s = b.op(
+        "Mul",
+        [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
+        f"{prefix}/raw_scale",
+        _F32,
+        ir.Shape([]),
+    )
     is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, ir.Shape([]))
-    s = b.op("Where", [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(1 / fmt.fmax))], f"{prefix}/finite_scale", _F32, ir.Shape([]))
+    s = b.op(
+        "Where",
+        [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(1 / fmt.fmax))],
+        f"{prefix}/finite_scale",
+        _F32,
+        ir.Shape([]),
+    )
     lo, hi = _scale_range(x.dtype)
     same = x.dtype == _F32
-    s = b.op("Clip", [s, b.const(f"const/scale_min/{x.dtype.name}", f32(lo)), b.const(f"const/scale_max/{x.dtype.name}", f32(hi))],
-             f"{prefix}/scale" if same else f"{prefix}/scale_f32", _F32, ir.Shape([]))
+    s = b.op(
+        "Clip",
+        [s, b.const(f"const/scale_min/{x.dtype.name}", f32(lo)), b.const(f"const/scale_max/{x.dtype.name}", f32(hi))],
+        f"{prefix}/scale" if same else f"{prefix}/scale_f32",
+        _F32,
+        ir.Shape([]),
+    )
     return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
 
 
@@ -202,20 +283,31 @@ class InsertQDQPass(ir.passes.InPlacePass):
         scale32 = scale_b.astype(np.float32)
         if not tq.format.deployable:
             name = f"{NODE_PREFIX}{value.name}/{tq.format.value}_emulated"
-            tensor = _lazy(name, value.dtype, source.shape,
-                           lambda: dequantize(quantize(source.numpy(), scale32, tq.format), scale32, value.dtype.numpy()))
+            tensor = _lazy(
+                name,
+                value.dtype,
+                source.shape,
+                lambda: dequantize(quantize(source.numpy(), scale32, tq.format), scale32, value.dtype.numpy()),
+            )
             emulated = ir.Value(name=name, const_value=tensor, shape=ir.Shape(source.shape))
             emulated.dtype = value.dtype
             b.graph.register_initializer(emulated)
             return emulated
         name = f"{NODE_PREFIX}{value.name}/fp8"
-        q_value = ir.Value(name=name, shape=ir.Shape(source.shape),
-                           const_value=_lazy(name, tq.format.ir_type, source.shape, lambda: quantize(source.numpy(), scale32, tq.format)))
+        q_value = ir.Value(
+            name=name,
+            shape=ir.Shape(source.shape),
+            const_value=_lazy(
+                name, tq.format.ir_type, source.shape, lambda: quantize(source.numpy(), scale32, tq.format)
+            ),
+        )
         q_value.dtype = tq.format.ir_type
         b.graph.register_initializer(q_value)
         scale_value = b.const(f"{value.name}/scale", scale)
         attrs = {} if tq.axis is None else {"axis": int(tq.axis)}
-        return b.op("DequantizeLinear", [q_value, scale_value], f"{value.name}/dequantized", value.dtype, value.shape, **attrs)
+        return b.op(
+            "DequantizeLinear", [q_value, scale_value], f"{value.name}/dequantized", value.dtype, value.shape, **attrs
+        )
 
     def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         name = value.name
@@ -225,6 +317,13 @@ class InsertQDQPass(ir.passes.InPlacePass):
             scale = b.const(f"{name}/scale", scale_array(tq.scale, value.dtype))
         if not tq.format.deployable:
             return emulated_rounding(b, value, scale, tq.format, f"{name}/{tq.format.value}")
-        q = b.op("QuantizeLinear", [value, scale], f"{name}/quantized", tq.format.ir_type, value.shape,
-                 output_dtype=int(tq.format.onnx_type), saturate=1)
+        q = b.op(
+            "QuantizeLinear",
+            [value, scale],
+            f"{name}/quantized",
+            tq.format.ir_type,
+            value.shape,
+            output_dtype=int(tq.format.onnx_type),
+            saturate=1,
+        )
         return b.op("DequantizeLinear", [q, scale], f"{name}/dequantized", value.dtype, value.shape)

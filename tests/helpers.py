@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -3,11 +3,11 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
+from helpers import mlp_data, mlp_model
 
 import fp8onnx
 from fp8onnx.calibration import Stats, collect_amax
 from fp8onnx.errors import Fp8OnnxError
-from helpers import mlp_data, mlp_model
 
 
 def test_running_amax_equals_numpy_over_all_batches(tmp_path):
@@ -41,7 +41,9 @@ def test_calibrate_saves_stats_that_quantize_reuses(tmp_path):
     direct = fp8onnx.quantize(path, tmp_path / "a.onnx", data, provider="cpu")
     reused = fp8onnx.quantize(path, tmp_path / "b.onnx", stats=tmp_path / "stats.json", provider="cpu")
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
-    assert [t.scale for n in direct.quantized for t in n.tensors] == [t.scale for n in reused.quantized for t in n.tensors]
+    assert [t.scale for n in direct.quantized for t in n.tensors] == [
+        t.scale for n in reused.quantized for t in n.tensors
+    ]
 
 
 def test_bad_stats_files(tmp_path):

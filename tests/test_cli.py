@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import mlp_data, mlp_model
 
 from fp8onnx.cli import main
-from helpers import mlp_data, mlp_model
 
 COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo", "study"]
 
@@ -25,8 +25,20 @@ def test_help_shows_examples():
 
 def test_quantize_compare_inspect_fp16_calibrate(tmp_path):
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
-    r = run("quantize", path, "--calib", data, "-o", tmp_path / "q.onnx", "--report", tmp_path / "r.json",
-            "--provider", "cpu", "--check", data)
+    r = run(
+        "quantize",
+        path,
+        "--calib",
+        data,
+        "-o",
+        tmp_path / "q.onnx",
+        "--report",
+        tmp_path / "r.json",
+        "--provider",
+        "cpu",
+        "--check",
+        data,
+    )
     assert r.exit_code == 0, r.output
     assert "quantized 2 of 3 MatMul/Gemm nodes to e4m3fn, amax scaling" in r.output
     assert "opset upgraded 17 -> 21" in r.output and "q.onnx" in r.output and "FP16" in r.output
@@ -41,6 +53,8 @@ def test_quantize_compare_inspect_fp16_calibrate(tmp_path):
     r = run("inspect", tmp_path / "q.onnx")
     assert r.exit_code == 0 and "2 of 3 MatMul/Gemm nodes read float8 inputs" in r.output
     assert json.loads(run("inspect", tmp_path / "q.onnx", "--json").output)["quantized_nodes"] == 2
+    r = run("inspect", tmp_path / "q.onnx", "--plot", tmp_path)
+    assert r.exit_code == 0 and (tmp_path / "scale_exponents.png").read_bytes()[:4] == b"\x89PNG"
     r = run("fp16", path, "-o", tmp_path / "h.onnx")
     assert r.exit_code == 0 and (tmp_path / "h.onnx").exists()
 
@@ -83,11 +97,29 @@ def test_demo_runs_and_meets_the_criterion():
 
 def test_quantize_scaling_options(tmp_path):
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
-    r = run("quantize", path, "-o", tmp_path / "a.onnx", "--activations", "dynamic", "--per-channel", "--provider", "cpu")
+    r = run(
+        "quantize", path, "-o", tmp_path / "a.onnx", "--activations", "dynamic", "--per-channel", "--provider", "cpu"
+    )
     assert r.exit_code == 0, r.output
     assert "dynamic activations, per-channel weights" in r.output
-    r = run("quantize", path, "-o", tmp_path / "b.onnx", "--calib", data, "--weight-format", "e4m3fn",
-            "--activation-format", "e5m2", "--scaling", "percentile", "--percentile", "99.9", "--provider", "cpu")
+    r = run(
+        "quantize",
+        path,
+        "-o",
+        tmp_path / "b.onnx",
+        "--calib",
+        data,
+        "--weight-format",
+        "e4m3fn",
+        "--activation-format",
+        "e5m2",
+        "--scaling",
+        "percentile",
+        "--percentile",
+        "99.9",
+        "--provider",
+        "cpu",
+    )
     assert r.exit_code == 0, r.output
     assert "e4m3fn weights / e5m2 activations, percentile 99.9 scaling" in r.output
     r = run("quantize", path, "-o", tmp_path / "c.onnx", "--calib", data, "--format", "e3m4", "--provider", "cpu")

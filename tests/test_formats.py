@@ -3,11 +3,11 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import run_ort, run_reference
 from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.formats import Fp8Format, dequantize, parse_format, quantize
-from helpers import run_ort, run_reference
 
 FORMATS = [f for f in Fp8Format if f.deployable]
 
@@ -18,7 +18,8 @@ def qdq_model(fmt: Fp8Format, scale: float):
         helper.make_node("DequantizeLinear", ["q", "s"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "qdq",
+        nodes,
+        "qdq",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
         [numpy_helper.from_array(np.array(scale, np.float32), "s")],
@@ -75,7 +76,6 @@ def test_parse_format():
 
 def emulated_model(scale: float, dtype=np.float32):
     import onnx_ir as ir
-
     from fp8onnx.passes.insert_qdq import _Builder, emulated_rounding
 
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 21}, name="emu")

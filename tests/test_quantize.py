@@ -3,11 +3,11 @@ import json
 import numpy as np
 import onnx
 import pytest
+from helpers import SAMPLE, mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 import fp8onnx
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.formats import Fp8Format
-from helpers import SAMPLE, mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 
 @pytest.fixture
@@ -84,7 +84,8 @@ def test_dynamic_activations_need_no_calibration(mlp, tmp_path):
     assert op_types(q).count("ReduceMax") == 2
     x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32) * 1000  # far from any calibration
     assert sqnr_db(run_ort(onnx.load(path), {"x": x})[0], run_ort(q, {"x": x})[0]) > sqnr_floor_db(
-        Fp8Format.E4M3FN, quantized_tensors=4)
+        Fp8Format.E4M3FN, quantized_tensors=4
+    )
     with pytest.raises(Fp8OnnxError, match="--activations dynamic needs no calibration"):
         fp8onnx.quantize(path, tmp_path / "q2.onnx", data, activations="dynamic")
 
@@ -102,7 +103,9 @@ def test_e3m4_is_emulated_and_labelled(mlp, tmp_path):
     ref = run_ort(onnx.load(path), {"x": x})[0]
     for run in (run_ort, run_reference):
         assert sqnr_db(ref, run(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E3M4, quantized_tensors=4)
-    assert "SIMULATION" in __import__("fp8onnx.api", fromlist=["x"]).inspect_summary(fp8onnx.inspect(tmp_path / "q.onnx"))
+    assert "SIMULATION" in __import__("fp8onnx.api", fromlist=["x"]).inspect_summary(
+        fp8onnx.inspect(tmp_path / "q.onnx")
+    )
 
 
 def test_activation_matmuls_opt_in(mlp, tmp_path):
@@ -134,7 +137,9 @@ def test_quantizing_the_output_again_changes_nothing(mlp, tmp_path):
     fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
     report = fp8onnx.quantize(tmp_path / "q.onnx", tmp_path / "q2.onnx", data, provider="cpu")
     assert not report.modified and not report.quantized
-    assert {n.reason for n in report.skipped} >= {"already quantized: input 'fp8onnx/x/dequantized' comes from DequantizeLinear or fp8onnx"}
+    assert {n.reason for n in report.skipped} >= {
+        "already quantized: input 'fp8onnx/x/dequantized' comes from DequantizeLinear or fp8onnx"
+    }
 
 
 def test_report_json_and_metadata(mlp, tmp_path):

@@ -4,10 +4,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from helpers import mlp_data, mlp_model
 
 from fp8onnx.cli import main
 from fp8onnx.study import constant_sweep, study, study_configs, write_plots
-from helpers import mlp_data, mlp_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 
@@ -21,7 +21,7 @@ def test_constant_sweep_spans_the_calibrated_range():
 
 def test_configs_cover_the_papers_grid():
     groups = {}
-    for label, group, config in study_configs([2.0**-4, 2.0**-2]):
+    for label, group, _ in study_configs([2.0**-4, 2.0**-2]):
         groups.setdefault(group, []).append(label)
     assert groups["format"] == ["e4m3fn amax", "e5m2 amax", "e3m4 amax"]
     assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn percentile", "e4m3fn mse"]
@@ -51,13 +51,29 @@ def test_study_ranks_every_configuration(tmp_path):
 
 def test_study_cli_writes_json_and_csv(tmp_path):
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
-    r = CliRunner().invoke(main, ["study", str(path), "--calib", str(data), "--data", str(data), "--provider", "cpu",
-                                  "--json", str(tmp_path / "s.json"), "--csv", str(tmp_path / "s.csv")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "study",
+            str(path),
+            "--calib",
+            str(data),
+            "--data",
+            str(data),
+            "--provider",
+            "cpu",
+            "--json",
+            str(tmp_path / "s.json"),
+            "--csv",
+            str(tmp_path / "s.csv"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "best deployable: " in r.output and "(emulated)" in r.output
     doc = json.loads((tmp_path / "s.json").read_text())
     rows = list(csv.DictReader(io.StringIO((tmp_path / "s.csv").read_text())))
     assert [row["label"] for row in rows] == [row["label"] for row in doc["rows"]]
-    r = CliRunner().invoke(main, ["study", str(path), "--calib", str(data), "--data", str(data),
-                                  "--plot", str(tmp_path / "missing")])
+    r = CliRunner().invoke(
+        main, ["study", str(path), "--calib", str(data), "--data", str(data), "--plot", str(tmp_path / "missing")]
+    )
     assert r.exit_code == 2 and "Plot folder" in r.output

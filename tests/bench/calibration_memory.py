@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -45,13 +44,27 @@ def main() -> None:
         for n in args.samples:
             data = tiled(pathlib.Path(args.calib), n, pathlib.Path(tmp) / f"calib{n}.npz")
             out_name = f"stats{n}.json" if args.command == "calibrate" else f"model{n}.onnx"
-            inner = [sys.executable, "-m", "fp8onnx.cli", args.command, args.model, "--calib", str(data),
-                     "-o", str(pathlib.Path(tmp) / out_name), "--batch-size", str(args.batch_size),
-                     "--provider", "cpu"]
+            inner = [
+                sys.executable,
+                "-m",
+                "fp8onnx.cli",
+                args.command,
+                args.model,
+                "--calib",
+                str(data),
+                "-o",
+                str(pathlib.Path(tmp) / out_name),
+                "--batch-size",
+                str(args.batch_size),
+                "--provider",
+                "cpu",
+            ]
             # A wrapper process per run, so that ru_maxrss belongs to that run alone.
-            probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
-                     "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-                     "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+            probe = (
+                "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+            )
             peaks, secs = [], []
             for _ in range(args.repeat):
                 t0 = time.perf_counter()

@@ -2,9 +2,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-
 from fp8onnx.passes import TARGET_OPSET, UpgradeOpsetPass, default_opset
-from helpers import mlp_data, mlp_model, run_ort
+from helpers import mlp_model, run_ort
 
 
 @pytest.mark.parametrize("opset", [13, 17, 19, 20])

@@ -1,0 +1,77 @@
+"""PNG plots (matplotlib, an optional dependency: ``pip install 'fp8onnx[plot]'``)."""
+
+from __future__ import annotations
+
+import io
+import math
+import pathlib
+
+import numpy as np
+
+from .errors import Fp8OnnxError
+from .model_io import write_bytes_atomic
+
+__all__ = ["constant_window", "scale_exponents"]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise Fp8OnnxError("--plot needs matplotlib: pip install 'fp8onnx[plot]'.") from None
+    return plt
+
+
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+    if not path.parent.is_dir():
+        raise Fp8OnnxError(f"Plot folder {str(path.parent)!r} does not exist.")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_bytes_atomic(path, buf.getvalue())
+    return path
+
+
+def constant_window(
+    points: list[tuple[float, float]], amax: float | None, fp16: float | None, metric: str, path: pathlib.Path
+) -> pathlib.Path:
+    """The metric against one constant scale for every tensor (FP8-CSCALE), with FP8-AMAX and FP16."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    if points:
+        ax.plot([math.log2(s) for s, _ in points], [v for _, v in points], "o-", label="FP8-CSCALE (constant scale)")
+    if amax is not None:
+        ax.axhline(amax, color="tab:green", linestyle="--", label="FP8-AMAX (per-tensor amax)")
+    if fp16 is not None:
+        ax.axhline(fp16, color="gray", linestyle=":", label="FP16")
+        ax.axhline(fp16 * 0.995, color="tab:red", linestyle=":", linewidth=0.8, label="99.5% of FP16")
+    ax.set_xlabel("log2(constant scale), E4M3FN")
+    ax.set_ylabel(metric)
+    ax.set_title("Accuracy against one constant scale for every tensor")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def scale_exponents(exponents: dict[str, list[float]], path: pathlib.Path) -> pathlib.Path:
+    """Histogram of log2 of the per-tensor scales, one series per kind (weights, activations)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for kind, values in exponents.items():
+        if values:
+            bins = np.arange(math.floor(min(values)) - 0.5, math.ceil(max(values)) + 1.5)
+            ax.hist(values, bins=bins, alpha=0.6, label=f"{kind} ({len(values)})")
+    ax.set_xlabel("log2(per-tensor scale)")
+    ax.set_ylabel("tensors")
+    ax.set_title("Distribution of per-tensor scale exponents")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
