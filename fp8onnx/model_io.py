@@ -18,9 +18,16 @@ import onnx
 import onnx_ir as ir
 
 from .errors import Fp8OnnxError
-from .runtime import make_session
+from .runtime import inline_proto, make_session
 
-__all__ = ["load_model", "save_model", "check_output_path", "write_bytes_atomic", "write_text_atomic"]
+__all__ = [
+    "load_model",
+    "check_external_data",
+    "save_model",
+    "check_output_path",
+    "write_bytes_atomic",
+    "write_text_atomic",
+]
 
 logger = logging.getLogger(__name__)
 # Protobuf cannot serialize a message over 2 GiB; larger models keep weights in a side file.
@@ -28,17 +35,57 @@ EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
+    """Parse ``path`` (weights in external data stay on disk, memory-mapped on first use) and check
+    every external-data reference before any data file is opened."""
     path = pathlib.Path(path)
     if not path.exists():
         raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
     if not path.is_file():
         raise Fp8OnnxError(f"Model path {str(path)!r} is not a file.")
     try:
-        return ir.load(path)
+        model = ir.load(path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise Fp8OnnxError(
-            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {exc})."
+            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {msg})."
         ) from None
+    check_external_data(model, path)
+    return model
+
+
+def _external_tensors(model: ir.Model):
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                yield value.name, value.const_value
+
+
+def check_external_data(model: ir.Model, path: pathlib.Path) -> None:
+    """Refuse external data that points outside the model's folder (``..``, absolute paths, symlinks
+    leading out), that is missing, or that is shorter than the tensor it claims to hold."""
+    folder = path.resolve().parent
+    for name, tensor in _external_tensors(model):
+        location = str(tensor.location)
+        where = f"Tensor {name!r} of {str(path)!r}"
+        if os.path.isabs(location) or pathlib.PurePath(location).drive:
+            raise Fp8OnnxError(f"{where} has an absolute external-data path {location!r}; refused.")
+        target = folder / location
+        if not _inside(os.path.normpath(target), folder) or not _inside(os.path.realpath(target), folder):
+            raise Fp8OnnxError(f"{where} has external data {location!r} outside the model's folder; refused.")
+        if not target.is_file():
+            raise Fp8OnnxError(f"{where} needs external data file {location!r}, which is missing.")
+        if tensor.length is not None and tensor.length < tensor.nbytes:
+            raise Fp8OnnxError(f"{where} declares {tensor.length} bytes of external data but needs {tensor.nbytes}.")
+        end = (tensor.offset or 0) + tensor.nbytes
+        size = target.stat().st_size
+        if end > size:
+            raise Fp8OnnxError(f"{where} reads bytes up to {end} of {location!r}, which has only {size} (truncated?).")
+
+
+def _inside(candidate: str | os.PathLike, folder: pathlib.Path) -> bool:
+    candidate = os.path.normcase(os.fspath(candidate))
+    base = os.path.normcase(os.fspath(folder))
+    return candidate == base or candidate.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> pathlib.Path:
@@ -69,7 +116,7 @@ def save_model(
     out = pathlib.Path(out)
     parent = out.resolve().parent
     if _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
-        proto = ir.to_proto(model)
+        proto = inline_proto(model)
         try:
             onnx.checker.check_model(proto)
         except onnx.checker.ValidationError as exc:

@@ -13,11 +13,12 @@ import pathlib
 import tempfile
 
 import onnx_ir as ir
+import onnx_ir.external_data
 import onnxruntime as ort
 
 from .errors import Fp8OnnxError
 
-__all__ = ["PROVIDERS", "resolve_provider", "make_session", "session_for_model"]
+__all__ = ["PROVIDERS", "resolve_provider", "make_session", "session_for_model", "inline_proto"]
 
 logger = logging.getLogger(__name__)
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -67,13 +68,23 @@ def make_session(
         raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first}") from None
 
 
+def inline_proto(model: ir.Model):
+    """The model as one self-contained ModelProto: weights that live in external data are read in
+    (a shallow clone is filled, the caller's model keeps its memory-mapped tensors)."""
+    if not any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()):
+        return ir.to_proto(model)
+    clone = model.clone()
+    ir.external_data.load_to_model(clone)
+    return ir.to_proto(clone)
+
+
 def session_for_model(
     model: ir.Model, provider: str = "auto", what: str = "model", *, arena: bool = True
 ) -> ort.InferenceSession:
     """A session for an in-memory model; large models go through a temporary file."""
     size = sum(t.const_value.nbytes for t in model.graph.initializers.values() if t.const_value is not None)
     if size < _INLINE_LIMIT:
-        return make_session(ir.to_proto(model).SerializeToString(), provider, what, arena=arena)
+        return make_session(inline_proto(model).SerializeToString(), provider, what, arena=arena)
     with tempfile.TemporaryDirectory(prefix="fp8onnx-") as tmp:
         path = pathlib.Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
+import onnx_ir.external_data
 import onnx_ir.passes.common
 from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -40,7 +41,9 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not _has_float32_compute(model):
             return ir.passes.PassResult(model.clone(), modified=False)
-        proto = convert_float_to_float16(ir.to_proto(model), keep_io_types=True, disable_shape_infer=False)
+        source = model.clone()
+        ir.external_data.load_to_model(source)  # the converter reads raw tensor bytes from the proto
+        proto = convert_float_to_float16(ir.to_proto(source), keep_io_types=True, disable_shape_infer=False)
         logger.info("converted the model to float16 (inputs and outputs kept as they were)")
         converted = ir.from_proto(proto)
         # The converter appends its input Casts at the end of the node list.

@@ -3,11 +3,12 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import mlp_data, mlp_model
 
 import fp8onnx
 from fp8onnx.calibration import Stats, collect_amax
 from fp8onnx.errors import Fp8OnnxError
+
+from helpers import mlp_data, mlp_model
 
 
 def test_running_amax_equals_numpy_over_all_batches(tmp_path):

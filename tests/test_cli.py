@@ -3,9 +3,10 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import mlp_data, mlp_model
 
 from fp8onnx.cli import main
+
+from helpers import mlp_data, mlp_model
 
 COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo", "study"]
 

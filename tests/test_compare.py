@@ -1,12 +1,13 @@
 import numpy as np
 import onnx
 import pytest
-from helpers import mlp_data, mlp_model
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
 from fp8onnx.compare import _OutputStats
 from fp8onnx.errors import Fp8OnnxError
+
+from helpers import mlp_data, mlp_model
 
 
 def test_output_stats_metrics():

@@ -1,10 +1,11 @@
 import numpy as np
 import onnx_ir as ir
 import pytest
-from helpers import mlp_model
 
 from fp8onnx.data import FeedData, InputSpec, NpzData, input_specs
 from fp8onnx.errors import Fp8OnnxError
+
+from helpers import mlp_model
 
 SPECS = [InputSpec("x", np.dtype(np.float32), (None, 16))]
 FIXED = [InputSpec("x", np.dtype(np.float32), (1, 16))]

@@ -3,11 +3,12 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import run_ort, run_reference
 from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.formats import Fp8Format, dequantize, parse_format, quantize
+
+from helpers import run_ort, run_reference
 
 FORMATS = [f for f in Fp8Format if f.deployable]
 
@@ -76,6 +77,7 @@ def test_parse_format():
 
 def emulated_model(scale: float, dtype=np.float32):
     import onnx_ir as ir
+
     from fp8onnx.passes.insert_qdq import _Builder, emulated_rounding
 
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 21}, name="emu")

@@ -3,11 +3,12 @@ import json
 import numpy as np
 import onnx
 import pytest
-from helpers import SAMPLE, mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 import fp8onnx
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.formats import Fp8Format
+
+from helpers import SAMPLE, mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 
 @pytest.fixture

@@ -4,10 +4,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from helpers import mlp_data, mlp_model
 
 from fp8onnx.cli import main
 from fp8onnx.study import constant_sweep, study, study_configs, write_plots
+
+from helpers import mlp_data, mlp_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 

@@ -1,7 +1,9 @@
 import numpy as np
 import onnx_ir as ir
 import pytest
+
 from fp8onnx.passes import AMAX_SUFFIX, AddAmaxOutputsPass
+
 from helpers import mlp_model, run_ort, run_reference
 
 

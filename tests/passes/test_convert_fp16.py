@@ -1,7 +1,9 @@
 import numpy as np
 import onnx
 import onnx_ir as ir
+
 from fp8onnx.passes import ConvertFloat16Pass
+
 from helpers import mlp_model, run_ort, sqnr_db
 
 

@@ -3,11 +3,12 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 import pytest
-from fp8onnx.passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass
-from helpers import mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 from fp8onnx.formats import Fp8Format
+from fp8onnx.passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass
 from fp8onnx.scaling import amax_to_scale
+
+from helpers import mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 
 def _setup(tmp_path, fmt, **kw):

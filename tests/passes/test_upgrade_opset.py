@@ -2,7 +2,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+
 from fp8onnx.passes import TARGET_OPSET, UpgradeOpsetPass, default_opset
+
 from helpers import mlp_model, run_ort
 
 

@@ -1,0 +1,97 @@
+"""Model files from strangers, and writes that must be all or nothing."""
+
+import errno
+import os
+import re
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.model_io import load_model
+
+from helpers import mlp_data, mlp_model, run_ort
+
+
+def external_model(tmp_path, location="w.data"):
+    """The MLP with its weights in an external data file, then pointed at ``location``."""
+    path = mlp_model(tmp_path / "src.onnx")
+    model = onnx.load(path)
+    (tmp_path / "m").mkdir(exist_ok=True)
+    onnx.save(model, tmp_path / "m" / "m.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+    model = onnx.load(tmp_path / "m" / "m.onnx", load_external_data=False)
+    for init in model.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save(model, tmp_path / "m" / "m.onnx")
+    return tmp_path / "m" / "m.onnx"
+
+
+def test_external_data_model_quantizes(tmp_path):
+    path = external_model(tmp_path)
+    data = mlp_data(tmp_path / "d.npz")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
+    assert len(report.quantized) == 2
+    assert not list(tmp_path.glob("*.data"))  # a small output is self-contained
+    result = fp8onnx.compare(path, [tmp_path / "q.onnx"], data, provider="cpu")
+    assert result.rows[-1].outputs["y"]["cosine_mean"] > 0.99
+    x = np.ones((2, 16), np.float32)
+    ref = run_ort(onnx.load(tmp_path / "src.onnx"), {"x": x})[0]
+    assert np.allclose(run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0], ref, rtol=0.2, atol=0.2)
+
+
+@pytest.mark.parametrize(
+    "location, message",
+    [
+        ("../outside.data", "outside the model's folder; refused"),
+        ("/etc/passwd", "absolute external-data path '/etc/passwd'; refused"),
+        ("sub/../../outside.data", "outside the model's folder; refused"),
+        ("link.data", "outside the model's folder; refused"),  # a symlink pointing out
+        ("missing.data", "needs external data file 'missing.data', which is missing"),
+        ("short.data", "(truncated?)"),
+    ],
+)
+def test_untrusted_external_data_is_refused_before_reading(tmp_path, location, message):
+    path = external_model(tmp_path, location)
+    (tmp_path / "outside.data").write_bytes((tmp_path / "m" / "w.data").read_bytes())
+    os.symlink(tmp_path / "outside.data", tmp_path / "m" / "link.data")
+    (tmp_path / "m" / "short.data").write_bytes(b"\0" * 10)
+    with pytest.raises(Fp8OnnxError, match=re.escape(message)):
+        load_model(path)
+
+
+def test_failed_write_keeps_the_previous_output_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    out = tmp_path / "q.onnx"
+    out.write_bytes(b"previous output")
+    real_fsync = os.fsync
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(Fp8OnnxError, match="No space left on device; the previous file, if any, is untouched"):
+        fp8onnx.quantize(path, out, data, provider="cpu")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert out.read_bytes() == b"previous output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "m.onnx", "q.onnx"]
+
+
+def test_an_invalid_result_is_never_written(tmp_path, monkeypatch):
+    q = sys.modules["fp8onnx.quantize"]
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+
+    class Broken(q.InsertQDQPass):
+        def call(self, model):
+            result = super().call(model)
+            next(iter(model.graph)).op_type = "NoSuchOp"  # what a buggy rewrite could leave behind
+            return result
+
+    monkeypatch.setattr(q, "InsertQDQPass", Broken)
+    with pytest.raises(Fp8OnnxError, match="fails onnx.checker|does not load in onnxruntime"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
+    assert not (tmp_path / "q.onnx").exists()
