@@ -179,7 +179,7 @@ class NpzData:
                     feed = {k: v[sl] for k, v in arrays.items()}
                     lab = labels[sl] if labels is not None else None
                 elif step == 1:
-                    feed = {k: v[start] for k, v in arrays.items()}
+                    feed = {k: np.asarray(v[start]) for k, v in arrays.items()}  # 0-d arrays, not scalars
                     lab = labels[start] if labels is not None else None
                 else:  # concatenate whole feeds along their (dynamic) batch axis
                     feed = {k: v[sl].reshape((-1,) + v.shape[2:]) for k, v in arrays.items()}

@@ -25,7 +25,7 @@ from .calibration import Stats, collect_amax, weight_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE, Fp8Format, parse_format
 from .model_io import check_output_path, load_model, save_model, write_text_atomic
-from .passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass, is_quantized
+from .passes import FoldWeightTransformsPass, InsertQDQPass, TensorQuant, UpgradeOpsetPass, is_quantized
 from .report import NodeReport, QuantizeReport, TensorReport
 from .runtime import resolve_provider
 from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax, parse_scaling
@@ -205,17 +205,28 @@ def candidate_activations(model: ir.Model) -> list[str]:
     return activation_tensors(d for d in plan(model, config)[0])
 
 
-def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, bool]:
-    """Load and upgrade the opset; returns (model, original opset, upgraded?)."""
+def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, list[str]]:
+    """Load the model and make its MatMul/Gemm weights visible; returns (model, original opset, what
+    was done). Deterministic, so that `calibrate` and `quantize` agree on tensor names."""
     model = load_model(path)
     upgrade = UpgradeOpsetPass()
-    result = upgrade(model)
-    # Decisions and reports refer to nodes by name: unnamed or duplicate names get unique ones
-    # (deterministically, so that `calibrate` and `quantize` agree on tensor names).
-    ir.passes.common.NameFixPass()(model)
+    steps = [
+        (upgrade, None),
+        (ir.passes.common.LiftConstantsToInitializersPass(), "lifted Constant nodes to initializers"),
+        (ir.passes.common.InlinePass(), "inlined model-local functions"),
+        (FoldWeightTransformsPass(), "folded Identity/Cast/Transpose of weights into initializers"),
+        # Decisions and reports refer to nodes by name: unnamed or duplicate names get unique ones.
+        (ir.passes.common.NameFixPass(), None),
+    ]
+    done = []
+    for step, label in steps:
+        if step(model).modified and label:
+            done.append(label)
+    if upgrade.from_version is not None and upgrade.from_version < upgrade.target:
+        done.insert(0, f"upgraded opset {upgrade.from_version} -> {upgrade.target}")
     # Types of intermediate tensors decide what can be quantized and the scales' dtype.
     ir.passes.common.ShapeInferencePass()(model)
-    return result.model, upgrade.from_version, result.modified
+    return model, upgrade.from_version, done
 
 
 def quantize(
@@ -240,7 +251,7 @@ def quantize(
     config = config or QuantizeConfig(**options)
     out = check_output_path(output, model)
     provider = resolve_provider(provider)
-    ir_model, from_opset, upgraded = prepare_model(model)
+    ir_model, from_opset, prepared = prepare_model(model)
     decisions, skipped = plan(ir_model, config)
     act_names = activation_tensors(decisions)
 
@@ -273,17 +284,22 @@ def quantize(
         nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
 
     modified = InsertQDQPass(targets, quant)(ir_model).modified
-    ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
-    if config.emulated:
-        ir_model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
-        logger.warning("%s", EMULATED_NOTE)
+    if modified:
+        ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
+        if config.emulated:
+            ir_model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
+            logger.warning("%s", EMULATED_NOTE)
+    else:
+        # Nothing to quantize: the output is the input graph as it was, not a rewritten copy.
+        ir_model, prepared = load_model(model), []
     save_model(ir_model, out, provider="cpu")
     result = QuantizeReport(
         model=str(model),
         output=str(out),
         config=config.to_json(),
         opset_from=from_opset,
-        opset_to=UpgradeOpsetPass().target if upgraded else from_opset,
+        opset_to=ir_model.opset_imports.get(""),
+        prepared=prepared,
         nodes=nodes + skipped,
         calibration=None
         if calibration is None

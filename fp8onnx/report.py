@@ -54,6 +54,7 @@ class QuantizeReport:
     config: dict
     opset_from: int | None
     opset_to: int | None
+    prepared: list[str]  # graph preparation steps that changed something (opset upgrade, folding, ...)
     nodes: list[NodeReport]
     calibration: dict | None
     input_bytes: int
@@ -74,8 +75,9 @@ class QuantizeReport:
     def summary(self) -> str:
         cfg = self.config
         lines = [f"{self.model} -> {self.output}"]
-        if self.opset_from != self.opset_to:
-            lines.append(f"  opset upgraded {self.opset_from} -> {self.opset_to} (float8 Q/DQ without zero points)")
+        for step in self.prepared:
+            why = " (float8 Q/DQ without zero points)" if step.startswith("upgraded opset") else ""
+            lines.append(f"  {step}{why}")
         lines.append(
             f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {describe_config(cfg)}"
         )
@@ -96,5 +98,5 @@ class QuantizeReport:
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
             lines.append(f"  left alone: {shown}: {reason}")
         if not self.modified and not self.quantized:
-            lines.append("  nothing to quantize: the output is the input graph (after any opset upgrade)")
+            lines.append("  nothing to quantize: the output is the input graph, unchanged")
         return "\n".join(lines)

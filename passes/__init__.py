@@ -6,6 +6,7 @@ Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``Pas
 
 from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
+from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
 
@@ -13,6 +14,7 @@ __all__ = [
     "AMAX_SUFFIX",
     "AddAmaxOutputsPass",
     "ConvertFloat16Pass",
+    "FoldWeightTransformsPass",
     "InsertQDQPass",
     "NODE_PREFIX",
     "TARGET_OPSET",

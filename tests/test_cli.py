@@ -42,7 +42,7 @@ def test_quantize_compare_inspect_fp16_calibrate(tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "quantized 2 of 3 MatMul/Gemm nodes to e4m3fn, amax scaling" in r.output
-    assert "opset upgraded 17 -> 21" in r.output and "q.onnx" in r.output and "FP16" in r.output
+    assert "upgraded opset 17 -> 21" in r.output and "q.onnx" in r.output and "FP16" in r.output
     assert json.loads((tmp_path / "r.json").read_text())["output"].endswith("q.onnx")
     r = run("calibrate", path, "--calib", data, "-o", tmp_path / "s.json", "--provider", "cpu")
     assert r.exit_code == 0 and "4 tensors calibrated on 64 samples" in r.output
