@@ -90,14 +90,18 @@ def _load_histograms(doc, path: pathlib.Path) -> dict[str, LogHistogram]:
 
 
 def weight_amax(value: ir.Value, axis: int | None = None):
-    """Absolute maximum of a constant tensor, or per slice along ``axis`` (NaN entries are ignored)."""
+    """Absolute maximum of a constant tensor, or per slice along ``axis``.
+
+    A weight holding NaN or Inf is corrupt (or a trap): it is refused rather than quantized."""
     arr = np.abs(value.const_value.numpy().astype(np.float32))
     if arr.size == 0:
         return 0.0 if axis is None else np.zeros(arr.shape[axis], np.float64)
+    if not np.isfinite(arr).all():
+        raise Fp8OnnxError(f"Weight {value.name!r} contains NaN or Inf values; refusing to quantize a corrupt tensor.")
     if axis is None:
-        return float(np.nanmax(arr))
+        return float(arr.max())
     others = tuple(i for i in range(arr.ndim) if i != axis % arr.ndim)
-    return np.nanmax(arr, axis=others).astype(np.float64)
+    return arr.max(axis=others).astype(np.float64)
 
 
 def collect_amax(

@@ -35,8 +35,8 @@ EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
-    """Parse ``path`` (weights in external data stay on disk, memory-mapped on first use) and check
-    every external-data reference before any data file is opened."""
+    """Parse ``path`` (weights in external data stay on disk, memory-mapped on first use), check every
+    external-data reference before any data file is opened, then run onnx.checker on the file."""
     path = pathlib.Path(path)
     if not path.exists():
         raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
@@ -49,8 +49,45 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise Fp8OnnxError(
             f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {msg})."
         ) from None
+    _check_names(model, path)
     check_external_data(model, path)
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as exc:  # noqa: BLE001 - ValidationError, InferenceError, UnicodeDecodeError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise Fp8OnnxError(f"Model file {str(path)!r} fails onnx.checker: {first}") from None
     return model
+
+
+def _texts(model: ir.Model):
+    """Every string the model carries: names, types, domains, doc strings, string attributes, metadata."""
+    yield model.producer_name, model.producer_version, model.domain, model.doc_string
+    yield from model.metadata_props.items()
+    graphs = [model.graph, *model.graph.subgraphs(), *model.functions.values()]
+    for graph in graphs:
+        yield graph.name, graph.doc_string
+        yield from graph.metadata_props.items()
+        for value in (*graph.inputs, *graph.outputs):
+            yield value.name, value.doc_string
+        for node in graph:
+            yield node.name, node.op_type, node.domain, node.doc_string
+            yield from node.metadata_props.items()
+            yield tuple(v.name for v in (*node.inputs, *node.outputs) if v is not None)
+            for attr in node.attributes.values():
+                if attr.type in (ir.AttributeType.STRING, ir.AttributeType.STRINGS):
+                    yield attr.value if isinstance(attr.value, (list, tuple)) else (attr.value,)
+    for graph in (model.graph, *model.graph.subgraphs()):
+        yield tuple(graph.initializers)
+
+
+def _check_names(model: ir.Model, path: pathlib.Path) -> None:
+    """onnx.checker lets strings that are not valid UTF-8 through (a corrupt byte in a name); refuse them."""
+    for group in _texts(model):
+        for text in group:
+            if text is not None and not isinstance(text, str):
+                raise Fp8OnnxError(
+                    f"Model file {str(path)!r} has a name or text that is not valid UTF-8 ({text!r}); is it corrupt?"
+                )
 
 
 def _external_tensors(model: ir.Model):

@@ -8,6 +8,7 @@ from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
+from .split_gemm_bias import SplitGemmBiasPass
 from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "FoldWeightTransformsPass",
     "InsertQDQPass",
     "NODE_PREFIX",
+    "SplitGemmBiasPass",
     "TARGET_OPSET",
     "TensorQuant",
     "UpgradeOpsetPass",
