@@ -28,9 +28,10 @@ from .model_io import check_output_path, load_model, save_model, write_text_atom
 from .passes import (
     FoldWeightTransformsPass,
     InsertQDQPass,
-    SplitGemmBiasPass,
+    ShieldBiasPass,
     TensorQuant,
     UpgradeOpsetPass,
+    bias_of,
     is_quantized,
 )
 from .report import NodeReport, QuantizeReport, TensorReport
@@ -290,10 +291,10 @@ def quantize(
             targets.append((d.node.name, index))
         nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
 
-    split = _gemm_bias_overflows(decisions, quant)
-    if split:
-        SplitGemmBiasPass(split)(ir_model)
-        prepared.append(f"moved the bias of {len(split)} Gemm nodes into an Add (ORT would clip it as int32)")
+    shielded = _bias_overflows(decisions, quant)
+    if shielded:
+        ShieldBiasPass(shielded)(ir_model)
+        prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
     modified = InsertQDQPass(targets, quant)(ir_model).modified
     if modified:
         ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
@@ -370,23 +371,25 @@ def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig) ->
     return TensorQuant(fmt, amax_to_scale(clip, fmt, config.scaling, margin=config.margin))
 
 
-def _gemm_bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -> list[str]:
-    """Quantized Gemm nodes whose constant bias onnxruntime's BiasQuantization would saturate: it
-    stores C as int32 with scale scale_A * scale_B (see ``passes.split_gemm_bias``)."""
+def _bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -> list[str]:
+    """Quantized Gemm nodes (and MatMul + Add, which ORT fuses into one) whose constant 1-D bias
+    onnxruntime's BiasQuantization would saturate: it stores it as int32 with scale
+    scale_A * scale_B (see ``passes.shield_bias``)."""
     nodes = []
     for d in decisions:
         node = d.node
-        if node.op_type != "Gemm" or len(node.inputs) < 3 or node.inputs[2] is None or len(d.inputs) < 2:
+        found = bias_of(node)
+        if found is None or len(d.inputs) < 2:
             continue
         a, b = (quant[node.inputs[i].name] for i in (0, 1))
         if not (a.format.deployable and b.format.deployable):
             continue  # emulated: no DequantizeLinear for ORT to match
-        bias = node.inputs[2].const_value
-        if a.scale is None or b.scale is None or bias is None:
+        if a.scale is None or b.scale is None:
             nodes.append(node.name)  # scales computed at run time: cannot rule it out
             continue
-        limit = float(np.min(a.scale) * np.min(b.scale)) * (2**31 - 1)
-        if float(np.max(np.abs(bias.numpy().astype(np.float64)))) >= limit:
+        holder, index = found
+        bias = holder.inputs[index].const_value.numpy().astype(np.float64)
+        if np.max(np.abs(bias), initial=0.0) >= float(np.min(a.scale) * np.min(b.scale)) * (2**31 - 1):
             nodes.append(node.name)
     return nodes
 

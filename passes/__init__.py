@@ -8,7 +8,7 @@ from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
-from .split_gemm_bias import SplitGemmBiasPass
+from .shield_bias import ShieldBiasPass, bias_of
 from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
 
 __all__ = [
@@ -18,11 +18,12 @@ __all__ = [
     "FoldWeightTransformsPass",
     "InsertQDQPass",
     "NODE_PREFIX",
-    "SplitGemmBiasPass",
+    "ShieldBiasPass",
     "TARGET_OPSET",
     "TensorQuant",
     "UpgradeOpsetPass",
     "VALUE_SUFFIX",
+    "bias_of",
     "default_opset",
     "is_quantized",
 ]

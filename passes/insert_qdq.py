@@ -17,6 +17,10 @@ Rewrite cases, for a target ``(node, input index)`` whose input is tensor ``t``:
       (:func:`emulated_rounding`); bit for bit the same values as ml_dtypes' cast.
   ``t`` already comes from a DequantizeLinear or from this pass -> unchanged (idempotence).
 
+New nodes go where ``t`` is defined (after its producer, or first in the graph owning it), so one
+pair serves consumers in the main graph and in If/Loop/Scan bodies alike; scales and float8
+weights are initializers of the main graph, visible from every subgraph.
+
 QuantizeLinear carries ``output_dtype`` and no zero point (opset 21): with a zero point,
 onnxruntime's ReluQuantRewrite would delete a Relu in front of it (see ``upgrade_opset``).
 Scales have the tensor's own float type, so DequantizeLinear gives back the type the consumer had.
@@ -234,23 +238,39 @@ def _lazy(name: str, dtype: ir.DataType, shape, compute) -> ir.LazyTensor:
     return ir.LazyTensor(lambda: ir.tensor(compute(), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
+def _insert_at_definition(value: ir.Value, nodes: list[ir.Node]) -> None:
+    """Right after the node that computes ``value``, or first in the graph that owns it (graph inputs,
+    initializers): every consumer, in that graph or in a subgraph under it, can then read the result."""
+    producer = value.producer()
+    if producer is not None:
+        producer.graph.insert_after(producer, nodes)
+        return
+    owner = value.graph
+    first = next(iter(owner), None)
+    if first is None:
+        owner.extend(nodes)
+    else:
+        owner.insert_before(first, nodes)
+
+
 class InsertQDQPass(ir.passes.InPlacePass):
-    def __init__(self, targets: Iterable[tuple[str, int]], quant: Mapping[str, TensorQuant]):
-        """``targets``: (node name, input index) pairs; ``quant``: tensor name -> TensorQuant."""
+    def __init__(self, targets: Iterable[tuple[ir.Node | str, int]], quant: Mapping[str, TensorQuant]):
+        """``targets``: (node or node name, input index) pairs, in the main graph or in subgraphs;
+        ``quant``: tensor name -> TensorQuant."""
         super().__init__()
         self.targets = list(targets)
         self.quant = dict(quant)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        wanted: dict[str, set[int]] = {}
-        for node_name, index in self.targets:
-            wanted.setdefault(node_name, set()).add(index)
-        builder = _Builder(graph)
+        wanted: dict[ir.Node | str, set[int]] = {}
+        for node, index in self.targets:
+            wanted.setdefault(node, set()).add(index)
+        builder = _Builder(graph)  # constants live in the main graph, visible from every subgraph
         replaced: dict[str, ir.Value] = {}  # tensor name -> what its quantized consumers read
         rewired = 0
-        for node in list(graph):
-            for index in sorted(wanted.get(node.name, ())):
+        for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+            for index in sorted(wanted.get(node, set()) | wanted.get(node.name, set())):
                 value = node.inputs[index]
                 if value is None or is_quantized(value):
                     continue
@@ -261,7 +281,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
                         new = self._weight(builder, value, tq)
                     else:
                         new = self._activation(builder, value, tq)
-                    graph.insert_before(node, builder.take())
+                    _insert_at_definition(value, builder.take())
                     replaced[value.name] = new
                 node.replace_input_with(index, new)
                 rewired += 1

@@ -1,0 +1,79 @@
+"""Give chosen biases a [1, N] shape so that onnxruntime's BiasQuantization leaves them alone.
+
+Why: at its default optimisation level (and already at "basic") onnxruntime's CPU EP rewrites the
+constant 1-D bias of a Gemm whose A and B come from DequantizeLinear into int32 with scale
+``scale_A * scale_B``, saturating; it also first fuses MatMul + Add into such a Gemm. When
+``|bias| / (scale_A * scale_B)`` exceeds 2**31 the bias is silently clipped (seen with small
+activations and weights: a bias of -0.13 became -3e-4). The rewrite only takes 1-D biases
+(onnxruntime's ``bias_quantization.cc``); a [1, N] bias broadcasts to the same result.
+``fp8onnx.quantize`` applies this pass only where the overflow would happen.
+
+Rewrite cases, for a named node:
+  Gemm with a constant 1-D C                    -> C replaced by a [1, N] copy (``<C>/row``)
+  MatMul (output rank >= 2) whose only consumer is an Add with a constant 1-D other input
+                                                -> that input replaced by a [1, N] copy
+  anything else (no bias, bias not constant, already 2-D) -> unchanged
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+__all__ = ["ShieldBiasPass", "bias_of"]
+
+logger = logging.getLogger(__name__)
+
+
+def bias_of(node: ir.Node) -> tuple[ir.Node, int] | None:
+    """(node holding the bias, input index) of a Gemm's C or of the Add after a MatMul, if 1-D constant."""
+    if node.op_type == "Gemm":
+        holder, index = node, 2
+    elif node.op_type == "MatMul":
+        out = node.outputs[0]
+        uses = list(out.uses())
+        if len(uses) != 1 or uses[0].node.op_type != "Add" or out.shape is None or len(out.shape) < 2:
+            return None
+        holder, index = uses[0].node, 1 - uses[0].idx
+    else:
+        return None
+    if len(holder.inputs) <= index or holder.inputs[index] is None:
+        return None
+    bias = holder.inputs[index]
+    if bias.const_value is None or len(bias.const_value.shape) != 1:
+        return None
+    return holder, index
+
+
+class ShieldBiasPass(ir.passes.InPlacePass):
+    def __init__(self, node_names: Iterable[str]):
+        super().__init__()
+        self.node_names = set(node_names)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        changed = 0
+        for node in list(graph):
+            if node.name not in self.node_names:
+                continue
+            found = bias_of(node)
+            if found is None:
+                continue
+            holder, index = found
+            bias = holder.inputs[index]
+            source = bias.const_value
+            shape = ir.Shape([1, source.shape[0]])
+            tensor = ir.LazyTensor(lambda s=source: ir.tensor(s.numpy().reshape(1, -1)), dtype=bias.dtype, shape=shape)
+            row = ir.Value(name=f"{bias.name}/row", const_value=tensor, shape=shape)
+            row.dtype = bias.dtype
+            if row.name not in graph.initializers:
+                graph.register_initializer(row)
+            holder.replace_input_with(index, graph.initializers[row.name])
+            if not bias.uses() and not bias.is_graph_output() and not bias.is_graph_input():
+                graph.initializers.pop(bias.name, None)
+            changed += 1
+        if changed:
+            logger.info("reshaped %d biases to [1, N] (onnxruntime BiasQuantization would clip them)", changed)
+        return ir.passes.PassResult(model, modified=bool(changed))
