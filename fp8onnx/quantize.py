@@ -172,7 +172,8 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> _Decision:
 def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[_Decision], list[NodeReport]]:
     """Per MatMul/Gemm of the model: the inputs to quantize, or why it is left alone."""
     decisions, skipped = [], []
-    for node in model.graph:
+    # If/Loop/Scan bodies included: their activations get dynamic scales (see in_main_graph).
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type not in config.op_types:
@@ -183,14 +184,7 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[_Decision], list
             skipped.append(NodeReport(node.name, node.op_type, False, decision.reason))
         else:
             decisions.append(decision)
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.graph is not model.graph and node.op_type in SUPPORTED_OP_TYPES:
-            skipped.append(
-                NodeReport(
-                    node.name, node.op_type, False, "inside a control-flow subgraph (If/Loop/Scan): not quantized yet"
-                )
-            )
-    for function in model.functions.values():
+    for function in model.functions.values():  # left after inlining: none unless inlining was impossible
         for node in function:
             if node.op_type in SUPPORTED_OP_TYPES:
                 skipped.append(
@@ -199,10 +193,21 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[_Decision], list
     return decisions, skipped
 
 
-def activation_tensors(decisions: Iterable[_Decision]) -> list[str]:
+def in_main_graph(value: ir.Value, model: ir.Model) -> bool:
+    """Whether calibration can see ``value``: onnxruntime can return main-graph tensors only, not
+    tensors computed inside If/Loop/Scan bodies (those get a dynamic scale)."""
+    producer = value.producer()
+    return (producer.graph if producer is not None else value.graph) is model.graph
+
+
+def activation_tensors(decisions: Iterable[_Decision], model: ir.Model) -> list[str]:
+    """The activation tensors static calibration measures (those of the main graph)."""
     names = []
     for d in decisions:
-        names.extend(d.node.inputs[i].name for i, kind in d.inputs if kind == "activation")
+        for i, kind in d.inputs:
+            value = d.node.inputs[i]
+            if kind == "activation" and in_main_graph(value, model):
+                names.append(value.name)
     return list(dict.fromkeys(names))
 
 
@@ -210,7 +215,7 @@ def candidate_activations(model: ir.Model) -> list[str]:
     """Every float activation input of every MatMul/Gemm: what ``fp8onnx calibrate`` records, so that
     one statistics file serves any later choice of --op-types, --exclude or --activation-matmuls."""
     config = QuantizeConfig(activation_matmuls=True)
-    return activation_tensors(d for d in plan(model, config)[0])
+    return activation_tensors(plan(model, config)[0], model)
 
 
 def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, list[str]]:
@@ -261,7 +266,7 @@ def quantize(
     provider = resolve_provider(provider)
     ir_model, from_opset, prepared = prepare_model(model)
     decisions, skipped = plan(ir_model, config)
-    act_names = activation_tensors(decisions)
+    act_names = activation_tensors(decisions, ir_model)
 
     calibration = _activation_stats(ir_model, act_names, config, calib, stats, batch_size, provider, progress)
     quant: dict[str, TensorQuant] = {}
@@ -275,7 +280,7 @@ def quantize(
                 quant[value.name] = (
                     _weight_quant(d.node, index, value, config)
                     if kind == "weight"
-                    else _activation_quant(value.name, calibration, config)
+                    else _activation_quant(value.name, calibration, config, in_main_graph(value, ir_model))
                 )
             tq = quant[value.name]
             tensors.append(
@@ -288,7 +293,7 @@ def quantize(
                     tq.axis,
                 )
             )
-            targets.append((d.node.name, index))
+            targets.append((d.node, index))
         nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
 
     shielded = _bias_overflows(decisions, quant)
@@ -354,9 +359,9 @@ def _activation_stats(model, names, config, calib, stats, batch_size, provider, 
     )
 
 
-def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig) -> TensorQuant:
+def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:
     fmt = config.activation_format
-    if config.activations == "dynamic":
+    if config.activations == "dynamic" or (not visible and config.scaling is not Scaling.CONSTANT):
         return TensorQuant(fmt, None)
     if config.scaling is Scaling.CONSTANT:
         return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
@@ -371,7 +376,7 @@ def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig) ->
     return TensorQuant(fmt, amax_to_scale(clip, fmt, config.scaling, margin=config.margin))
 
 
-def _bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -> list[str]:
+def _bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -> list[ir.Node]:
     """Quantized Gemm nodes (and MatMul + Add, which ORT fuses into one) whose constant 1-D bias
     onnxruntime's BiasQuantization would saturate: it stores it as int32 with scale
     scale_A * scale_B (see ``passes.shield_bias``)."""
@@ -385,12 +390,12 @@ def _bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -
         if not (a.format.deployable and b.format.deployable):
             continue  # emulated: no DequantizeLinear for ORT to match
         if a.scale is None or b.scale is None:
-            nodes.append(node.name)  # scales computed at run time: cannot rule it out
+            nodes.append(node)  # scales computed at run time: cannot rule it out
             continue
         holder, index = found
         bias = holder.inputs[index].const_value.numpy().astype(np.float64)
         if np.max(np.abs(bias), initial=0.0) >= float(np.min(a.scale) * np.min(b.scale)) * (2**31 - 1):
-            nodes.append(node.name)
+            nodes.append(node)
     return nodes
 
 

@@ -8,7 +8,7 @@ activations and weights: a bias of -0.13 became -3e-4). The rewrite only takes 1
 (onnxruntime's ``bias_quantization.cc``); a [1, N] bias broadcasts to the same result.
 ``fp8onnx.quantize`` applies this pass only where the overflow would happen.
 
-Rewrite cases, for a named node:
+Rewrite cases, for a chosen node (the [1, N] copy is a main-graph initializer, visible everywhere):
   Gemm with a constant 1-D C                    -> C replaced by a [1, N] copy (``<C>/row``)
   MatMul (output rank >= 2) whose only consumer is an Add with a constant 1-D other input
                                                 -> that input replaced by a [1, N] copy
@@ -48,15 +48,18 @@ def bias_of(node: ir.Node) -> tuple[ir.Node, int] | None:
 
 
 class ShieldBiasPass(ir.passes.InPlacePass):
-    def __init__(self, node_names: Iterable[str]):
+    def __init__(self, nodes: Iterable[ir.Node | str]):
+        """``nodes``: the MatMul/Gemm nodes (or their names) whose bias to reshape, in any graph."""
         super().__init__()
-        self.node_names = set(node_names)
+        nodes = list(nodes)
+        self.nodes = [n for n in nodes if isinstance(n, ir.Node)]
+        self.node_names = {n for n in nodes if isinstance(n, str)}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         changed = 0
-        for node in list(graph):
-            if node.name not in self.node_names:
+        for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+            if node not in self.nodes and node.name not in self.node_names:
                 continue
             found = bias_of(node)
             if found is None:

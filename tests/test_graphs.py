@@ -38,9 +38,8 @@ def quantize_and_check(tmp_path, path, feed, *, floor=FLOOR, feeds_layout=False,
     report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "calib.npz", provider="cpu", **options)
     q = onnx.load(tmp_path / "q.onnx")
     onnx.checker.check_model(q, full_check=True)
-    ref = run_ort(onnx.load(path), feed)
-    for run in (run_ort, run_reference):
-        for r, o in zip(ref, run(q, feed)):
+    for run in (run_ort, run_reference):  # each runtime against its own run of the unquantized graph
+        for r, o in zip(run(onnx.load(path), feed), run(q, feed)):
             assert sqnr_db(r, o) > floor
     return report, q
 
@@ -235,14 +234,14 @@ def test_matmul_inside_a_function_is_quantized(tmp_path):
     assert len(report.quantized) == 1 and "inlined model-local functions" in report.prepared
 
 
-def test_matmul_inside_if_is_reported(tmp_path):
+def test_matmul_inside_if_branches_is_quantized(tmp_path):
     then_graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["t"], name="then_mm")], "then", [], [vi("t", ["b", 8])]
     )
     else_graph = helper.make_graph(
         [
-            helper.make_node("MatMul", ["x", "w"], ["e0"], name="else_mm"),
-            helper.make_node("Neg", ["e0"], ["e"], name="neg"),
+            helper.make_node("Neg", ["x"], ["n"], name="neg"),
+            helper.make_node("MatMul", ["n", "w"], ["e"], name="else_mm"),
         ],
         "else",
         [],
@@ -259,11 +258,49 @@ def test_matmul_inside_if_is_reported(tmp_path):
         [vi("y", ["b", 8]), vi("z", ["b", 8])],
         [numpy_helper.from_array(w(16, 8), "w")],
     )
-    feed = {"x": RNG.standard_normal((4, 16)).astype(np.float32), "cond": np.array(True)}
-    report, q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2), feeds_layout=True)
-    reasons = {n.name: n.reason for n in report.skipped}
-    assert [n.name for n in report.quantized] == ["main_mm"]
-    assert "control-flow subgraph" in reasons["then_mm"] and "control-flow subgraph" in reasons["else_mm"]
+    for cond in (True, False):
+        feed = {"x": RNG.standard_normal((4, 16)).astype(np.float32), "cond": np.array(cond)}
+        report, q = quantize_and_check(
+            tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2), feeds_layout=True
+        )
+    assert sorted(n.name for n in report.quantized) == ["else_mm", "main_mm", "then_mm"]
+    scales = {t.name: t.scale for n in report.quantized for t in n.tensors}
+    assert isinstance(scales["x"], float)  # a main-graph tensor read inside the branch: calibrated
+    assert scales["n"] is None  # computed inside the branch: calibration cannot see it, dynamic scale
+    if_node = next(n for n in q.graph.node if n.op_type == "If")
+    else_ops = [
+        n.op_type
+        for n in onnx.helper.get_attribute_value(
+            if_node.attribute[0] if if_node.attribute[0].name == "else_branch" else if_node.attribute[1]
+        ).node
+    ]
+    assert {"ReduceMax", "QuantizeLinear", "DequantizeLinear"} <= set(else_ops)
+
+
+def test_matmul_inside_loop_body_is_quantized(tmp_path):
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep_going"),
+            helper.make_node("MatMul", ["h_in", "w"], ["h_mm"], name="loop_mm"),
+            helper.make_node("Tanh", ["h_mm"], ["h_out"], name="tanh"),
+        ],
+        "body",
+        [vi("i", [], TensorProto.INT64), vi("cond_in", [], TensorProto.BOOL), vi("h_in", ["b", 16])],
+        [vi("cond_out", [], TensorProto.BOOL), vi("h_out", ["b", 16])],
+    )
+    nodes = [helper.make_node("Loop", ["trips", "", "x"], ["h"], name="loop", body=body)]
+    path = save(
+        tmp_path,
+        nodes,
+        [vi("x", ["b", 16])],
+        [vi("h", ["b", 16])],
+        [numpy_helper.from_array(w(16, 16), "w"), numpy_helper.from_array(np.array(3, np.int64), "trips")],
+    )
+    report, q = quantize_and_check(
+        tmp_path, path, {"x": RNG.standard_normal((4, 16)).astype(np.float32)}, floor=sqnr_floor_db(Fp8Format.E4M3FN, 6)
+    )
+    assert [n.name for n in report.quantized] == ["loop_mm"]
+    assert [t.scale for t in report.quantized[0].tensors][0] is None  # the loop-carried state: dynamic
 
 
 def test_existing_int8_qdq_is_left_alone(tmp_path):
