@@ -51,6 +51,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         ) from None
     _check_names(model, path)
     check_external_data(model, path)
+    check_memory(model, path)
     try:
         onnx.checker.check_model(str(path))
     except Exception as exc:  # noqa: BLE001 - ValidationError, InferenceError, UnicodeDecodeError, ...
@@ -117,6 +118,31 @@ def check_external_data(model: ir.Model, path: pathlib.Path) -> None:
         size = target.stat().st_size
         if end > size:
             raise Fp8OnnxError(f"{where} reads bytes up to {end} of {location!r}, which has only {size} (truncated?).")
+
+
+def machine_memory() -> int:
+    """Physical memory in bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return 1 << 62
+
+
+def check_memory(model: ir.Model, path: pathlib.Path) -> None:
+    """Refuse a model whose declared weights could never be held in this machine's memory: the
+    onnxruntime sessions that calibrate and check it would be killed for lack of memory instead."""
+    declared = sum(
+        v.const_value.nbytes
+        for graph in (model.graph, *model.graph.subgraphs())
+        for v in graph.initializers.values()
+        if v.const_value is not None
+    )
+    total = machine_memory()
+    if declared > total:
+        raise Fp8OnnxError(
+            f"Model file {str(path)!r} declares {declared / 2**30:.1f} GiB of weights; this machine has "
+            f"{total / 2**30:.1f} GiB of memory, too little for onnxruntime to load it."
+        )
 
 
 def _inside(candidate: str | os.PathLike, folder: pathlib.Path) -> bool:

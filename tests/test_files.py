@@ -95,3 +95,23 @@ def test_an_invalid_result_is_never_written(tmp_path, monkeypatch):
     with pytest.raises(Fp8OnnxError, match="fails onnx.checker|does not load in onnxruntime"):
         fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_declared_sizes_beyond_the_machine_are_refused_not_oom_killed(tmp_path):
+    # A 160 GB tensor backed by a sparse file: the containment and size checks pass, memory cannot.
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "huge",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", 200_000])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", 200_000])],
+    )
+    weight = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=[200_000, 200_000])
+    weight.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "w.data"), ("offset", "0"), ("length", str(200_000 * 200_000 * 4))):
+        weight.external_data.add(key=key, value=value)
+    graph.initializer.append(weight)
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    with open(tmp_path / "w.data", "wb") as fh:
+        fh.truncate(200_000 * 200_000 * 4)
+    with pytest.raises(Fp8OnnxError, match=r"declares 149\.0 GiB of weights; this machine has .* GiB of memory"):
+        load_model(tmp_path / "m.onnx")

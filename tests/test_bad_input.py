@@ -1,0 +1,299 @@
+"""Every way of giving fp8onnx bad input that we know of, as one table: each must exit with code 2
+and one line that says what is wrong and where - never a traceback, never a partial output file.
+The README's "Bad input" section counts the rows of CASES."""
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from fp8onnx.cli import main
+
+from helpers import mlp_data, mlp_model
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Every artifact the cases below refer to, built once."""
+    t = tmp_path_factory.mktemp("bad")
+    m = mlp_model(t / "m.onnx")
+    mlp_data(t / "d.npz")
+    raw = m.read_bytes()
+    (t / "folder.onnx").mkdir()
+    (t / "text.onnx").write_text("this is not a model")
+    (t / "half.onnx").write_bytes(raw[: len(raw) // 2])
+    broken = onnx.load(m)
+    broken.graph.node[0].input[0] = "nowhere"
+    onnx.save(broken, t / "unchecked.onnx")
+    nan = onnx.load(m)
+    w1 = numpy_helper.to_array(nan.graph.initializer[0]).copy()
+    w1[0, 0] = np.nan
+    nan.graph.initializer[0].CopyFrom(numpy_helper.from_array(w1, "w1"))
+    onnx.save(nan, t / "nan_weight.onnx")
+    utf8 = raw.replace(b"fc1", b"f\xc9\x01", 1)
+    (t / "utf8.onnx").write_bytes(utf8)
+    # external data: one good copy in ext/, then models pointing elsewhere
+    (t / "ext").mkdir()
+    onnx.save(onnx.load(m), t / "ext" / "m.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+    (t / "outside.data").write_bytes((t / "ext" / "w.data").read_bytes())
+    os.symlink(t / "outside.data", t / "ext" / "link.data")
+    (t / "ext" / "short.data").write_bytes(b"\0" * 8)
+    for name, location in [
+        ("missing", "gone.data"),
+        ("dotdot", "../outside.data"),
+        ("absolute", "/etc/passwd"),
+        ("symlink", "link.data"),
+        ("truncated", "short.data"),
+    ]:
+        proto = onnx.load(t / "ext" / "m.onnx", load_external_data=False)
+        for init in proto.graph.initializer:
+            for entry in init.external_data:
+                if entry.key == "location":
+                    entry.value = location
+        onnx.save(proto, t / "ext" / f"{name}.onnx")
+    huge = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "huge",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 200_000])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 200_000])],
+    )
+    weight = onnx.TensorProto(
+        name="w", data_type=TensorProto.FLOAT, dims=[200_000, 200_000], data_location=TensorProto.EXTERNAL
+    )
+    weight.external_data.add(key="location", value="huge.data")
+    huge.initializer.append(weight)
+    onnx.save(helper.make_model(huge, opset_imports=[helper.make_opsetid("", 21)]), t / "ext" / "huge.onnx")
+    with open(t / "ext" / "huge.data", "wb") as fh:
+        fh.truncate(200_000 * 200_000 * 4)
+    # data
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    (t / "empty_dir").mkdir()
+    (t / "zip.npz").write_bytes(b"PK not really")
+    np.savez(t / "wrong_key.npz", y=x)
+    np.savez(t / "complex.npz", x=x.astype(np.complex64))
+    np.savez(t / "rank.npz", x=x[:, :, None, None])
+    np.savez(t / "dims.npz", x=x[:, :15])
+    np.savez(t / "empty.npz", x=x[:0])
+    np.savez(t / "counts.npz", x=x, labels=np.zeros(3))
+    np.savez(t / "nan.npz", x=np.where(x > 1, np.nan, x))
+    np.savez(t / "pickle.npz", x=np.array([{"a": 1}, None], dtype=object))
+    np.savez(t / "labels.npz", x=x, labels=np.zeros((8, 3)))
+    two = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["a", "w"], ["p"], name="a"),
+            helper.make_node("MatMul", ["b", "w"], ["q"], name="b"),
+        ],
+        "two",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 16]) for n in "ab"],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 4]) for n in "pq"],
+        [numpy_helper.from_array(x[:, :4].T.copy().T[:16] if False else np.ones((16, 4), np.float32), "w")],
+    )
+    onnx.save(helper.make_model(two, opset_imports=[helper.make_opsetid("", 21)]), t / "two.onnx")
+    np.savez(t / "mixed.npz", a=x, b=x[None])
+    other = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"], name="mm")],
+        "other",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 4])],
+        [numpy_helper.from_array(np.ones((16, 4), np.float32), "w")],
+    )
+    onnx.save(helper.make_model(other, opset_imports=[helper.make_opsetid("", 21)]), t / "other.onnx")
+    # statistics
+    (t / "stats_bad.json").write_text("{")
+    (t / "stats_partial.json").write_text(json.dumps({"fp8onnx_stats_version": 2, "amax": {"x": 1.0}}))
+    (t / "stats_nohist.json").write_text(json.dumps({"fp8onnx_stats_version": 2, "amax": {"x": 1.0, "r": 1.0}}))
+    return t
+
+
+Q = ["quantize", "{t}/m.onnx", "-o", "{t}/q.onnx"]
+QC = Q + ["--calib", "{t}/d.npz"]
+CASES = [
+    # the model file
+    (
+        "model missing",
+        ["quantize", "{t}/none.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "none.onnx' does not exist",
+    ),
+    (
+        "model is a folder",
+        ["quantize", "{t}/folder.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "folder.onnx' is a directory",
+    ),
+    (
+        "model not ONNX",
+        ["quantize", "{t}/text.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "is not a readable ONNX model",
+    ),
+    ("model truncated", ["quantize", "{t}/half.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"], "half.onnx'"),
+    (
+        "model fails onnx.checker",
+        ["quantize", "{t}/unchecked.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "fails onnx.checker",
+    ),
+    (
+        "weight with NaN",
+        ["quantize", "{t}/nan_weight.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "Weight 'w1' contains NaN or Inf",
+    ),
+    ("name not UTF-8", ["quantize", "{t}/utf8.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"], "not valid UTF-8"),
+    (
+        "external data missing",
+        ["quantize", "{t}/ext/missing.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "'gone.data', which is missing",
+    ),
+    (
+        "external data ../",
+        ["quantize", "{t}/ext/dotdot.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "outside the model's folder; refused",
+    ),
+    (
+        "external data absolute",
+        ["quantize", "{t}/ext/absolute.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "absolute external-data path",
+    ),
+    (
+        "external data symlink out",
+        ["quantize", "{t}/ext/symlink.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "outside the model's folder; refused",
+    ),
+    (
+        "external data truncated",
+        ["quantize", "{t}/ext/truncated.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "(truncated?)",
+    ),
+    (
+        "weights beyond memory",
+        ["quantize", "{t}/ext/huge.onnx", "-o", "{t}/q.onnx", "--activations", "dynamic"],
+        "GiB of memory",
+    ),
+    # calibration and evaluation data
+    ("data missing", Q + ["--calib", "{t}/none.npz"], "none.npz' does not exist"),
+    ("data folder without npz", Q + ["--calib", "{t}/empty_dir"], "contains no .npz file"),
+    ("data not npz", Q + ["--calib", "{t}/zip.npz"], "is not a readable .npz archive"),
+    (
+        "data wrong key",
+        Q + ["--calib", "{t}/wrong_key.npz"],
+        "has no array for input 'x'; the model expects x float32 [?, 16]",
+    ),
+    ("data wrong dtype", Q + ["--calib", "{t}/complex.npz"], "has dtype complex64"),
+    ("data wrong rank", Q + ["--calib", "{t}/rank.npz"], "has rank 4"),
+    (
+        "data contradicts fixed dims",
+        Q + ["--calib", "{t}/dims.npz"],
+        "contradicts the model input float32 [?, 16] at axis 1",
+    ),
+    ("data empty", Q + ["--calib", "{t}/empty.npz"], "is empty"),
+    ("data counts disagree", Q + ["--calib", "{t}/counts.npz"], "different sample counts"),
+    ("data NaN", Q + ["--calib", "{t}/nan.npz"], "contains NaN or Inf"),
+    ("data pickled objects", Q + ["--calib", "{t}/pickle.npz"], "holds Python objects; refused"),
+    (
+        "data mixed layouts",
+        ["quantize", "{t}/two.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/mixed.npz"],
+        "mixes layouts",
+    ),
+    (
+        "labels match no output",
+        ["compare", "{t}/m.onnx", "--data", "{t}/labels.npz"],
+        "'labels' of shape (8, 3) match no output",
+    ),
+    # output paths
+    (
+        "output is the input",
+        ["quantize", "{t}/m.onnx", "-o", "{t}/m.onnx", "--calib", "{t}/d.npz"],
+        "is the input model",
+    ),
+    (
+        "output folder missing",
+        ["quantize", "{t}/m.onnx", "-o", "{t}/nowhere/q.onnx", "--calib", "{t}/d.npz"],
+        "does not exist",
+    ),
+    (
+        "output is a folder",
+        ["quantize", "{t}/m.onnx", "-o", "{t}/empty_dir", "--calib", "{t}/d.npz"],
+        "empty_dir' is a directory",
+    ),
+    (
+        "stats output is the input",
+        ["calibrate", "{t}/m.onnx", "--calib", "{t}/d.npz", "-o", "{t}/m.onnx"],
+        "is the input model",
+    ),
+    # options
+    ("unknown format", QC + ["--format", "e3m5"], "Invalid value for '--format'"),
+    ("unknown scaling", QC + ["--scaling", "mean"], "Invalid value for '--scaling'"),
+    ("unknown provider", QC + ["--provider", "rocm"], "Invalid value for '--provider'"),
+    ("batch size 0", QC + ["--batch-size", "0"], "Invalid value for '--batch-size'"),
+    ("constant without scale", Q + ["--scaling", "constant"], "needs a positive finite --scale"),
+    ("negative constant scale", Q + ["--scaling", "constant", "--scale", "-1"], "needs a positive finite --scale"),
+    ("scale without constant", QC + ["--scale", "0.1"], "--scale only applies to --scaling constant"),
+    ("margin without pow2", QC + ["--margin", "2"], "--margin only applies to --scaling pow2"),
+    ("percentile without percentile scaling", QC + ["--percentile", "99"], "--percentile only applies"),
+    (
+        "percentile out of range",
+        QC + ["--scaling", "percentile", "--percentile", "0"],
+        "--percentile must be in (0, 100]",
+    ),
+    ("dynamic with calibration", QC + ["--activations", "dynamic"], "needs no calibration"),
+    ("dynamic with mse", Q + ["--activations", "dynamic", "--scaling", "mse"], "--scaling mse needs calibration"),
+    (
+        "constant with per-channel",
+        Q + ["--scaling", "constant", "--scale", "1", "--per-channel"],
+        "contradicts --per-channel",
+    ),
+    (
+        "constant with dynamic",
+        Q + ["--scaling", "constant", "--scale", "1", "--activations", "dynamic"],
+        "contradicts --activations dynamic",
+    ),
+    ("calib and stats", QC + ["--stats", "{t}/stats_bad.json"], "either --calib or --stats"),
+    ("no calibration", Q, "Activation scales need calibration"),
+    ("unsupported op type", QC + ["--op-types", "Conv"], "Unsupported op type 'Conv'"),
+    ("cuda without a GPU", QC + ["--provider", "cuda"], "has no CUDA EP"),
+    # statistics files
+    ("stats missing", Q + ["--stats", "{t}/none.json"], "none.json' does not exist"),
+    ("stats not JSON", Q + ["--stats", "{t}/stats_bad.json"], "is not readable JSON"),
+    ("stats lack a tensor", Q + ["--stats", "{t}/stats_partial.json"], "has no entry for tensor 'r'"),
+    (
+        "stats lack histograms",
+        Q + ["--stats", "{t}/stats_nohist.json", "--scaling", "mse"],
+        "has no histogram for tensor 'x'",
+    ),
+    # compare and study
+    (
+        "candidate missing",
+        ["compare", "{t}/m.onnx", "{t}/none.onnx", "--data", "{t}/d.npz"],
+        "none.onnx' does not exist",
+    ),
+    (
+        "candidate with other outputs",
+        ["compare", "{t}/m.onnx", "{t}/other.onnx", "--data", "{t}/d.npz"],
+        "has outputs ['logits']",
+    ),
+    (
+        "study plot folder missing",
+        ["study", "{t}/m.onnx", "--calib", "{t}/d.npz", "--data", "{t}/d.npz", "--plot", "{t}/nowhere"],
+        "Plot folder",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, args, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_line(files, name, args, message):
+    if name == "cuda without a GPU":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            pytest.skip("this machine has the CUDA EP")
+    r = CliRunner().invoke(main, [a.format(t=files) for a in args])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    errors = [line for line in r.output.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0], r.output
+    assert not (files / "q.onnx").exists()
+
+
+def test_the_table_is_large_and_distinct():
+    assert len({c[0] for c in CASES}) == len(CASES) >= 50
