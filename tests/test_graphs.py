@@ -365,3 +365,27 @@ def test_dynamic_batch_and_sequence_axes(tmp_path):
         assert sqnr_db(run_ort(onnx.load(path), {"x": x})[0], run_ort(q, {"x": x})[0]) > sqnr_floor_db(
             Fp8Format.E4M3FN, 2
         )
+
+
+def test_matmul_inside_scan_body_is_quantized(tmp_path):
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["row", "w"], ["out"], name="scan_mm"),
+            helper.make_node("Add", ["acc_in", "out"], ["acc_out"], name="acc"),
+        ],
+        "body",
+        [vi("acc_in", [8]), vi("row", [16])],
+        [vi("acc_out", [8]), vi("out", [8])],
+    )
+    nodes = [helper.make_node("Scan", ["zero", "x"], ["total", "rows"], name="scan", body=body, num_scan_inputs=1)]
+    path = save(
+        tmp_path,
+        nodes,
+        [vi("x", ["n", 16])],
+        [vi("total", [8]), vi("rows", ["n", 8])],
+        [numpy_helper.from_array(w(16, 8), "w"), numpy_helper.from_array(np.zeros(8, np.float32), "zero")],
+    )
+    feed = {"x": RNG.standard_normal((1, 5, 16)).astype(np.float32)[0]}
+    report, q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2))
+    assert [n.name for n in report.quantized] == ["scan_mm"]
+    assert report.quantized[0].tensors[0].scale is None  # each scanned row: dynamic scale
