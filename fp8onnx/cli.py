@@ -77,6 +77,18 @@ def main(verbose: int, debug: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+_batch_size_option = click.option(
+    "--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Samples per onnxruntime run."
+)
+_provider_option = click.option(
+    "--provider",
+    type=click.Choice(PROVIDERS, case_sensitive=False),
+    default="auto",
+    show_default=True,
+    help="onnxruntime execution provider: auto picks CUDA when onnxruntime-gpu sees a GPU.",
+)
+
+
 def _csv(ctx, param, value):
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else SUPPORTED_OP_TYPES
 
@@ -126,8 +138,8 @@ def _csv(ctx, param, value):
 @click.option("--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types.")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Calibration batch size.")
-@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_batch_size_option
+@_provider_option
 @click.option(
     "--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON."
 )
@@ -208,8 +220,8 @@ def quantize(
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--calib", required=True, type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_batch_size_option
+@_provider_option
 @_run
 def calibrate(model, calib, output, batch_size, provider):
     """Record activation statistics of MODEL once, for later `quantize --stats`.
@@ -233,8 +245,8 @@ def calibrate(model, calib, output, batch_size, provider):
     "--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy."
 )
 @click.option("--no-fp16", is_flag=True, help="Do not build and run the FP16 baseline.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_batch_size_option
+@_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @_run
 def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out):
@@ -259,8 +271,8 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
     "--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy."
 )
 @click.option("--max-samples", type=click.IntRange(min=1), help="Evaluate on at most about this many samples.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_batch_size_option
+@_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the ranked table as JSON.")
 @click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write the ranked table as CSV.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write PNG plots into this folder.")
@@ -336,7 +348,7 @@ def fp16(model, output):
 
 @main.command()
 @click.option("--out-dir", type=click.Path(file_okay=False), help="Keep the models here (default: a temporary folder).")
-@click.option("--provider", type=click.Choice(PROVIDERS, case_sensitive=False), default="auto", show_default=True)
+@_provider_option
 @_run
 def demo(out_dir, provider):
     """Quantize the bundled sample decoder and compare FP32, FP16 and FP8 on held-out text.

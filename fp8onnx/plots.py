@@ -25,13 +25,20 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: pathlib.Path) -> pathlib.Path:
-    if not path.parent.is_dir():
-        raise Fp8OnnxError(f"Plot folder {str(path.parent)!r} does not exist.")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    write_bytes_atomic(path, buf.getvalue())
-    return path
+def _finish(plt, fig, ax, title: str, path: pathlib.Path) -> pathlib.Path:
+    """Title, legend, layout, then an atomic PNG write; the figure is closed either way."""
+    try:
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        if not path.parent.is_dir():
+            raise Fp8OnnxError(f"Plot folder {str(path.parent)!r} does not exist.")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=120)
+        write_bytes_atomic(path, buf.getvalue())
+        return path
+    finally:
+        plt.close(fig)
 
 
 def constant_window(
@@ -49,13 +56,7 @@ def constant_window(
         ax.axhline(fp16 * 0.995, color="tab:red", linestyle=":", linewidth=0.8, label="99.5% of FP16")
     ax.set_xlabel("log2(constant scale), E4M3FN")
     ax.set_ylabel(metric)
-    ax.set_title("Accuracy against one constant scale for every tensor")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _finish(plt, fig, ax, "Accuracy against one constant scale for every tensor", path)
 
 
 def scale_exponents(exponents: dict[str, list[float]], path: pathlib.Path) -> pathlib.Path:
@@ -68,10 +69,4 @@ def scale_exponents(exponents: dict[str, list[float]], path: pathlib.Path) -> pa
             ax.hist(values, bins=bins, alpha=0.6, label=f"{kind} ({len(values)})")
     ax.set_xlabel("log2(per-tensor scale)")
     ax.set_ylabel("tensors")
-    ax.set_title("Distribution of per-tensor scale exponents")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _finish(plt, fig, ax, "Distribution of per-tensor scale exponents", path)

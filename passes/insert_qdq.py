@@ -115,86 +115,31 @@ def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format,
     v = clip(x / scale, +-fmax); e = max(floor(log2|v|), emin), corrected by one where log2 rounding
     missed an exact power of two; step = 2**(e - mantissa bits); round half to even on that step.
     """
-    dtype = x.dtype
+
+    def op(op_type: str, inputs, name: str, dtype: ir.DataType = _F32, **attrs) -> ir.Value:
+        return b.op(op_type, inputs, f"{prefix}/{name}", dtype, x.shape, **attrs)
+
+    def const(name: str, value: float) -> ir.Value:
+        return b.const(f"const/{name}", np.array(value, np.float32))
+
+    def as_float(flag: ir.Value, name: str) -> ir.Value:
+        return op("Cast", [flag], name, to=int(_F32))
+
     xf, sf = b.cast(x, _F32, f"{prefix}/x_f32"), b.cast(scale, _F32, f"{prefix}/scale_f32")
-    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
-    two = b.const("const/two", f32(2.0))
-    v = b.op("Div", [xf, sf], f"{prefix}/scaled", _F32, x.shape)
-    v = b.op(
-        "Clip",
-        [v, b.const(f"const/{fmt.value}/-fmax", f32(-fmt.fmax)), b.const(f"const/{fmt.value}/fmax", f32(fmt.fmax))],
-        f"{prefix}/saturated",
-        _F32,
-        x.shape,
-    )
-    a = b.op("Abs", [v], f"{prefix}/abs", _F32, x.shape)
-    e0 = b.op(
-        "Floor",
-        [
-            b.op(
-                "Mul",
-                [b.op("Log", [a], f"{prefix}/ln", _F32, x.shape), b.const("const/inv_ln2", f32(1 / math.log(2)))],
-                f"{prefix}/log2",
-                _F32,
-                x.shape,
-            )
-        ],
-        f"{prefix}/e0",
-        _F32,
-        x.shape,
-    )
-    p = b.op("Pow", [two, e0], f"{prefix}/p", _F32, x.shape)
-    too_big = b.op(
-        "Cast",
-        [b.op("Greater", [p, a], f"{prefix}/p_gt_a", ir.DataType.BOOL, x.shape)],
-        f"{prefix}/dec",
-        _F32,
-        x.shape,
-        to=int(_F32),
-    )
-    two_p = b.op("Mul", [p, two], f"{prefix}/2p", _F32, x.shape)
-    too_small = b.op(
-        "Cast",
-        [b.op("LessOrEqual", [two_p, a], f"{prefix}/2p_le_a", ir.DataType.BOOL, x.shape)],
-        f"{prefix}/inc",
-        _F32,
-        x.shape,
-        to=int(_F32),
-    )
-    e = b.op(
-        "Sub", [b.op("Add", [e0, too_small], f"{prefix}/e1", _F32, x.shape), too_big], f"{prefix}/e2", _F32, x.shape
-    )
-    e = b.op("Max", [e, b.const(f"const/{fmt.value}/emin", f32(fmt.min_normal_exponent))], f"{prefix}/e", _F32, x.shape)
-    step = b.op(
-        "Pow",
-        [
-            two,
-            b.op(
-                "Sub",
-                [e, b.const(f"const/{fmt.value}/mbits", f32(fmt.mantissa_bits))],
-                f"{prefix}/e_step",
-                _F32,
-                x.shape,
-            ),
-        ],
-        f"{prefix}/step",
-        _F32,
-        x.shape,
-    )
-    q = b.op(
-        "Mul",
-        [
-            b.op(
-                "Round", [b.op("Div", [v, step], f"{prefix}/units", _F32, x.shape)], f"{prefix}/rounded", _F32, x.shape
-            ),
-            step,
-        ],
-        f"{prefix}/grid",
-        _F32,
-        x.shape,
-    )
-    y = b.op("Mul", [q, sf], f"{prefix}/emulated_f32", _F32, x.shape)
-    return b.cast(y, dtype, f"{prefix}/emulated")
+    two = const("two", 2.0)
+    v = op("Div", [xf, sf], "scaled")
+    v = op("Clip", [v, const(f"{fmt.value}/-fmax", -fmt.fmax), const(f"{fmt.value}/fmax", fmt.fmax)], "saturated")
+    a = op("Abs", [v], "abs")
+    e0 = op("Floor", [op("Mul", [op("Log", [a], "ln"), const("inv_ln2", 1 / math.log(2))], "log2")], "e0")
+    p = op("Pow", [two, e0], "p")
+    too_big = as_float(op("Greater", [p, a], "p_gt_a", ir.DataType.BOOL), "dec")
+    too_small = as_float(op("LessOrEqual", [op("Mul", [p, two], "2p"), a], "2p_le_a", ir.DataType.BOOL), "inc")
+    e = op("Sub", [op("Add", [e0, too_small], "e1"), too_big], "e2")
+    e = op("Max", [e, const(f"{fmt.value}/emin", fmt.min_normal_exponent)], "e")
+    step = op("Pow", [two, op("Sub", [e, const(f"{fmt.value}/mbits", fmt.mantissa_bits)], "e_step")], "step")
+    q = op("Mul", [op("Round", [op("Div", [v, step], "units")], "rounded"), step], "grid")
+    y = op("Mul", [q, sf], "emulated_f32")
+    return b.cast(y, x.dtype, f"{prefix}/emulated")
 
 
 def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.Value:
