@@ -115,3 +115,12 @@ def test_declared_sizes_beyond_the_machine_are_refused_not_oom_killed(tmp_path):
         fh.truncate(200_000 * 200_000 * 4)
     with pytest.raises(Fp8OnnxError, match=r"declares 149\.0 GiB of weights; this machine has .* GiB of memory"):
         load_model(tmp_path / "m.onnx")
+
+
+def test_unwritable_output_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    # As root every folder is writable, so the permission answer is simulated.
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if mode == os.W_OK else real_access(p, mode))
+    with pytest.raises(Fp8OnnxError, match="is not writable"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
