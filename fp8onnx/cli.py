@@ -25,7 +25,7 @@ from .compare import compare as api_compare
 from .errors import Fp8OnnxError
 from .formats import Fp8Format
 from .model_io import write_text_atomic
-from .quantize import SUPPORTED_OP_TYPES, QuantizeConfig
+from .quantize import DEFAULT_OP_TYPES, QuantizeConfig
 from .quantize import quantize as api_quantize
 from .runtime import PROVIDERS
 from .scaling import Scaling
@@ -90,7 +90,7 @@ _provider_option = click.option(
 
 
 def _csv(ctx, param, value):
-    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else SUPPORTED_OP_TYPES
+    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else DEFAULT_OP_TYPES
 
 
 @main.command()
@@ -135,7 +135,9 @@ def _csv(ctx, param, value):
     help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).",
 )
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
-@click.option("--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types.")
+@click.option(
+    "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated: MatMul, Gemm, Conv."
+)
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @_batch_size_option

@@ -41,9 +41,10 @@ from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax, 
 __all__ = ["QuantizeConfig", "plan", "quantize", "SUPPORTED_OP_TYPES"]
 
 logger = logging.getLogger(__name__)
-SUPPORTED_OP_TYPES = ("MatMul", "Gemm")
+SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv")
+DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-_MATMUL_INPUTS = {"MatMul": (0, 1), "Gemm": (0, 1)}  # Gemm's bias C stays in float
+_QUANTIZED_INPUTS = (0, 1)  # data and weight; the bias of Gemm/Conv stays in float
 
 
 ACTIVATION_MODES = ("static", "dynamic")
@@ -65,7 +66,7 @@ class QuantizeConfig:
     percentile: float | None = None
     activations: str = "static"
     per_channel: bool = False
-    op_types: tuple[str, ...] = SUPPORTED_OP_TYPES
+    op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     activation_matmuls: bool = False
 
@@ -149,7 +150,7 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> _Decision:
         if fnmatch.fnmatchcase(node.name or "", pattern):
             return _Decision(node, [], f"excluded by --exclude {pattern!r}")
     inputs = []
-    for index in _MATMUL_INPUTS[node.op_type]:
+    for index in _QUANTIZED_INPUTS:
         value = node.inputs[index] if index < len(node.inputs) else None
         if value is None:
             return _Decision(node, [], f"input {index} is missing")
@@ -177,7 +178,10 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[_Decision], list
         if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type not in config.op_types:
-            skipped.append(NodeReport(node.name, node.op_type, False, f"{node.op_type} is not in --op-types"))
+            reason = f"{node.op_type} is not in --op-types"
+            if node.op_type == "Conv":
+                reason += " (opt in with --op-types MatMul,Gemm,Conv)"
+            skipped.append(NodeReport(node.name, node.op_type, False, reason))
             continue
         decision = _decide(node, config)
         if decision.reason:
@@ -212,9 +216,9 @@ def activation_tensors(decisions: Iterable[_Decision], model: ir.Model) -> list[
 
 
 def candidate_activations(model: ir.Model) -> list[str]:
-    """Every float activation input of every MatMul/Gemm: what ``fp8onnx calibrate`` records, so that
-    one statistics file serves any later choice of --op-types, --exclude or --activation-matmuls."""
-    config = QuantizeConfig(activation_matmuls=True)
+    """Every float activation input of every MatMul/Gemm/Conv: what ``fp8onnx calibrate`` records, so
+    that one statistics file serves any later choice of --op-types, --exclude or --activation-matmuls."""
+    config = QuantizeConfig(activation_matmuls=True, op_types=SUPPORTED_OP_TYPES)
     return activation_tensors(plan(model, config)[0], model)
 
 
@@ -296,6 +300,7 @@ def quantize(
             targets.append((d.node, index))
         nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
 
+    _keep_conv_bias_in_int32_range(decisions, quant)
     shielded = _bias_overflows(decisions, quant)
     if shielded:
         ShieldBiasPass(shielded)(ir_model)
@@ -399,10 +404,35 @@ def _bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -
     return nodes
 
 
+def _keep_conv_bias_in_int32_range(decisions: list[_Decision], quant: dict[str, TensorQuant]) -> None:
+    """onnxruntime's BiasQuantization also stores a Conv's bias as int32 with scale
+    scale_X * scale_W, and its ConvAddFusion would fold a bias moved into an Add straight back. So
+    for Conv the weight scale is raised where needed: then max|B| / (scale_X * scale_W) < 2**30.
+    It only triggers when X and W are so small that their product is negligible next to the bias."""
+    for d in decisions:
+        node = d.node
+        if node.op_type != "Conv" or len(node.inputs) < 3 or node.inputs[2] is None or len(d.inputs) < 2:
+            continue
+        bias = node.inputs[2].const_value
+        x, w = quant[node.inputs[0].name], quant[node.inputs[1].name]
+        if bias is None or x.scale is None or w.scale is None or not w.format.deployable:
+            continue  # a scale computed at run time is not constant: the rewrite does not apply
+        need = np.abs(bias.numpy().astype(np.float64)) / (float(np.min(x.scale)) * 2.0**30)
+        if np.ndim(w.scale):
+            raised = np.maximum(w.scale, need)
+        else:
+            raised = max(float(w.scale), float(need.max(initial=0.0)))
+        if np.any(np.asarray(raised) > np.asarray(w.scale)):
+            logger.info("raised the weight scale of Conv %r to keep its bias representable as int32", node.name)
+            quant[node.inputs[1].name] = TensorQuant(w.format, raised, w.axis)
+
+
 def weight_axis(node: ir.Node, index: int, rank: int) -> int | None:
     """The output-channel axis of a MatMul/Gemm weight input, or None for a vector."""
     if rank < 2:
         return None
+    if node.op_type == "Conv":
+        return 0 if index == 1 else None  # weight [M, C/group, k...]: M output channels
     if node.op_type == "Gemm":
         trans = node.attributes.get_int("transB" if index == 1 else "transA", 0)
         return (0 if trans else 1) if index == 1 else (1 if trans else 0)

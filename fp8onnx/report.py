@@ -78,9 +78,9 @@ class QuantizeReport:
         for step in self.prepared:
             why = " (float8 Q/DQ without zero points)" if step.startswith("upgraded opset") else ""
             lines.append(f"  {step}{why}")
-        lines.append(
-            f"  quantized {len(self.quantized)} of {len(self.nodes)} MatMul/Gemm nodes to {describe_config(cfg)}"
-        )
+        present = [t for t in ("MatMul", "Gemm", "Conv") if any(n.op_type == t for n in self.nodes)]
+        kinds = "/".join(present) or "MatMul/Gemm"
+        lines.append(f"  quantized {len(self.quantized)} of {len(self.nodes)} {kinds} nodes to {describe_config(cfg)}")
         if cfg.get("emulated"):
             lines.append(f"  SIMULATION: {EMULATED_NOTE}")
         if self.calibration:

@@ -250,7 +250,7 @@ CASES = [
     ),
     ("calib and stats", QC + ["--stats", "{t}/stats_bad.json"], "either --calib or --stats"),
     ("no calibration", Q, "Activation scales need calibration"),
-    ("unsupported op type", QC + ["--op-types", "Conv"], "Unsupported op type 'Conv'"),
+    ("unsupported op type", QC + ["--op-types", "Attention"], "Unsupported op type 'Attention'"),
     ("cuda without a GPU", QC + ["--provider", "cuda"], "has no CUDA EP"),
     # statistics files
     ("stats missing", Q + ["--stats", "{t}/none.json"], "none.json' does not exist"),

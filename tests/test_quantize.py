@@ -171,7 +171,7 @@ def test_deterministic_output(mlp, tmp_path):
         ({"scaling": "constant"}, "Constant scaling needs a positive finite --scale"),
         ({"scale": 0.1}, "--scale only applies to --scaling constant"),
         ({"margin": 2}, "--margin only applies to --scaling pow2"),
-        ({"op_types": ("Conv",)}, "Unsupported op type 'Conv'"),
+        ({"op_types": ("LSTM",)}, "Unsupported op type 'LSTM'"),
         ({"percentile": 99.0}, "--percentile only applies to --scaling percentile"),
         ({"scaling": "percentile", "percentile": 0}, "--percentile must be in"),
         ({"activations": "sometimes"}, "Unknown --activations"),

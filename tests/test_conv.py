@@ -1,0 +1,82 @@
+"""Conv, opt-in with --op-types MatMul,Gemm,Conv: a small CNN built here."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fp8onnx
+from fp8onnx.formats import Fp8Format
+from helpers import op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
+
+ALL = ("MatMul", "Gemm", "Conv")
+
+
+def cnn(path, scale=1.0, bias=None):
+    """x[b,3,8,8] -> Conv(4, 3x3, bias) -> Relu -> Conv(4, 1x1) -> GlobalAveragePool -> Flatten -> Gemm(2)."""
+    rng = np.random.default_rng(0)
+    w1 = (rng.standard_normal((4, 3, 3, 3)) * 0.3 * scale).astype(np.float32)
+    w1[0] *= 30  # one loud output channel
+    b1 = rng.standard_normal(4).astype(np.float32) if bias is None else np.asarray(bias, np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
+        helper.make_node("GlobalAveragePool", ["c2"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "w3", "b3"], ["logits"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3, 8, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 2])],
+        [
+            numpy_helper.from_array(w1, "w1"),
+            numpy_helper.from_array(b1, "b1"),
+            numpy_helper.from_array((rng.standard_normal((4, 4, 1, 1)) * 0.5).astype(np.float32), "w2"),
+            numpy_helper.from_array(rng.standard_normal((2, 4)).astype(np.float32), "w3"),
+            numpy_helper.from_array(np.zeros(2, np.float32), "b3"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_cnn_with_conv(tmp_path, per_channel):
+    path = cnn(tmp_path / "m.onnx")
+    x = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    report = fp8onnx.quantize(
+        path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=per_channel, provider="cpu"
+    )
+    assert [n.name for n in report.quantized] == ["conv1", "conv2", "fc"]
+    assert "quantized 3 of 3 Gemm/Conv nodes" in report.summary()
+    if per_channel:
+        assert [t.axis for t in report.quantized[0].tensors] == [None, 0]
+    q = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(q, full_check=True)
+    assert "Relu" in op_types(q)
+    for run in (run_ort, run_reference):  # run_ort is ORT's default level, where Relu rewrites happen
+        assert sqnr_db(run(onnx.load(path), {"x": x})[0], run(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 6)
+
+
+def test_conv_is_opt_in_with_a_reason(tmp_path):
+    path = cnn(tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((2, 3, 8, 8), np.float32))
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", provider="cpu")
+    assert [n.name for n in report.quantized] == ["fc"]
+    assert {n.name: n.reason for n in report.skipped}["conv1"] == (
+        "Conv is not in --op-types (opt in with --op-types MatMul,Gemm,Conv)"
+    )
+
+
+def test_conv_bias_survives_ort_bias_quantization(tmp_path):
+    # Tiny inputs and weights: ORT would store the bias as int32 with scale ~1e-13 and clip it.
+    path = cnn(tmp_path / "m.onnx", scale=1e-4, bias=[-0.13, 0.5, 2.0, -1.0])
+    x = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32) * 1e-4
+    np.savez(tmp_path / "d.npz", x=x)
+    fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, provider="cpu")
+    ref = run_ort(onnx.load(path), {"x": x})[0]
+    assert sqnr_db(ref, run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 6)
