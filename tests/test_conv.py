@@ -7,6 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
 from fp8onnx.formats import Fp8Format
+
 from helpers import op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
 ALL = ("MatMul", "Gemm", "Conv")
