@@ -405,10 +405,10 @@ def _bias_overflows(decisions: list[_Decision], quant: dict[str, TensorQuant]) -
 
 
 def _keep_conv_bias_in_int32_range(decisions: list[_Decision], quant: dict[str, TensorQuant]) -> None:
-    """onnxruntime's BiasQuantization also stores a Conv's bias as int32 with scale
-    scale_X * scale_W, and its ConvAddFusion would fold a bias moved into an Add straight back. So
-    for Conv the weight scale is raised where needed: then max|B| / (scale_X * scale_W) < 2**30.
-    It only triggers when X and W are so small that their product is negligible next to the bias."""
+    """onnxruntime's BiasQuantization also stores a Conv's bias as int32 with scale scale_X * scale_W.
+    A Conv's B must be 1-D (no [1, N] trick as for Gemm), so the weight scale is raised where needed:
+    then max|B| / (scale_X * scale_W) < 2**30. It only triggers when X and W are so small that their
+    product is negligible next to the bias."""
     for d in decisions:
         node = d.node
         if node.op_type != "Conv" or len(node.inputs) < 3 or node.inputs[2] is None or len(d.inputs) < 2:
