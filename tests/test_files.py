@@ -124,3 +124,25 @@ def test_unwritable_output_folder_is_refused_before_any_work(tmp_path, monkeypat
     monkeypatch.setattr(os, "access", lambda p, mode: False if mode == os.W_OK else real_access(p, mode))
     with pytest.raises(Fp8OnnxError, match="is not writable"):
         fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
+
+
+def test_large_model_paths_write_external_data(tmp_path, monkeypatch):
+    # The >2 GB code paths, exercised on a small model by lowering their thresholds.
+    import fp8onnx.model_io as model_io
+    import fp8onnx.runtime as runtime
+
+    monkeypatch.setattr(model_io, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(runtime, "_INLINE_LIMIT", 0)
+    path = external_model(tmp_path)
+    data = mlp_data(tmp_path / "d.npz")
+    out = tmp_path / "q.onnx"
+    out.write_bytes(b"old")
+    report = fp8onnx.quantize(path, out, data, provider="cpu")
+    assert len(report.quantized) == 2
+    assert (tmp_path / "q.onnx.data").exists() and report.output_bytes > (tmp_path / "q.onnx").stat().st_size
+    q = onnx.load(out)  # loads its external data from beside it
+    assert any(i.data_type == onnx.TensorProto.FLOAT8E4M3FN for i in q.graph.initializer)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp files left
+    x = np.ones((2, 16), np.float32)
+    ref = run_ort(onnx.load(tmp_path / "src.onnx"), {"x": x})[0]
+    np.testing.assert_allclose(run_ort(out, {"x": x})[0], ref, rtol=0.2, atol=0.2)
