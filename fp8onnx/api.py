@@ -38,6 +38,7 @@ def calibrate(
     *,
     batch_size: int = 16,
     provider: str = "auto",
+    precision: str = "model",
     progress: bool = False,
 ) -> Stats:
     """Absolute maxima and |x| histograms of every float activation input of every MatMul/Gemm,
@@ -45,7 +46,7 @@ def calibrate(
     if output is not None:
         check_output_path(output, model)
     provider = resolve_provider(provider)
-    ir_model, _, _ = prepare_model(model)
+    ir_model, _, _ = prepare_model(model, precision)
     names = candidate_activations(ir_model)
     if not names:
         raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")

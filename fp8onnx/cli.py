@@ -80,6 +80,13 @@ def main(verbose: int, debug: bool) -> None:
 _batch_size_option = click.option(
     "--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Samples per onnxruntime run."
 )
+_precision_option = click.option(
+    "--precision",
+    type=click.Choice(["model", "fp16"]),
+    default="model",
+    show_default=True,
+    help="fp16: the unquantized part of the graph runs in float16 (inputs and outputs kept as they were).",
+)
 _provider_option = click.option(
     "--provider",
     type=click.Choice(PROVIDERS, case_sensitive=False),
@@ -135,6 +142,7 @@ def _csv(ctx, param, value):
     help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).",
 )
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
+@_precision_option
 @click.option(
     "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated: MatMul, Gemm, Conv."
 )
@@ -163,6 +171,7 @@ def quantize(
     scale,
     activations,
     per_channel,
+    precision,
     op_types,
     exclude,
     activation_matmuls,
@@ -181,6 +190,7 @@ def quantize(
       fp8onnx quantize model.onnx --scaling constant --scale 0.05 -o model.cscale.onnx
       fp8onnx quantize model.onnx --activations dynamic --per-channel -o model.dyn.onnx
       fp8onnx quantize model.onnx --calib calib.npz --weight-format e4m3fn --activation-format e5m2 -o mixed.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
     """
     if calib and stats:
         raise Fp8OnnxError("Give either --calib or --stats, not both.")
@@ -194,6 +204,7 @@ def quantize(
         scale=scale,
         activations=activations,
         per_channel=per_channel,
+        precision=precision,
         op_types=op_types,
         exclude=exclude,
         activation_matmuls=activation_matmuls,
@@ -224,16 +235,20 @@ def quantize(
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
 @_batch_size_option
 @_provider_option
+@_precision_option
 @_run
-def calibrate(model, calib, output, batch_size, provider):
+def calibrate(model, calib, output, batch_size, provider, precision):
     """Record activation statistics of MODEL once, for later `quantize --stats`.
 
     \b
     Example:
       fp8onnx calibrate model.onnx --calib calib.npz -o stats.json
       fp8onnx quantize model.onnx --stats stats.json -o model.fp8.onnx
+      fp8onnx calibrate model.onnx --calib calib.npz --precision fp16 -o stats16.json  # for --precision fp16
     """
-    stats = api_calibrate(model, calib, output, batch_size=batch_size, provider=provider, progress=True)
+    stats = api_calibrate(
+        model, calib, output, batch_size=batch_size, provider=provider, precision=precision, progress=True
+    )
     click.echo(
         f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "
         f"({stats.num_batches} batches); wrote {output}"

@@ -26,6 +26,7 @@ from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE, Fp8Format, parse_format
 from .model_io import check_output_path, load_model, save_model, write_text_atomic
 from .passes import (
+    ConvertFloat16Pass,
     FoldWeightTransformsPass,
     InsertQDQPass,
     ShieldBiasPass,
@@ -48,6 +49,7 @@ _QUANTIZED_INPUTS = (0, 1)  # data and weight; the bias of Gemm/Conv stays in fl
 
 
 ACTIVATION_MODES = ("static", "dynamic")
+PRECISIONS = ("model", "fp16")  # model: keep the model's own float types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     activation_matmuls: bool = False
+    precision: str = "model"
 
     def __post_init__(self):
         fmt = parse_format(self.format)
@@ -84,6 +87,8 @@ class QuantizeConfig:
                 f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
+        if self.precision not in PRECISIONS:
+            raise Fp8OnnxError(f"Unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
         if self.activations not in ACTIVATION_MODES:
             raise Fp8OnnxError(f"Unknown --activations {self.activations!r}; choose static or dynamic.")
         if self.scaling is Scaling.CONSTANT:
@@ -130,6 +135,7 @@ class QuantizeConfig:
             "op_types": list(self.op_types),
             "exclude": list(self.exclude),
             "activation_matmuls": self.activation_matmuls,
+            "precision": self.precision,
             "emulated": self.emulated,
         }
 
@@ -222,9 +228,12 @@ def candidate_activations(model: ir.Model) -> list[str]:
     return activation_tensors(plan(model, config)[0], model)
 
 
-def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, list[str]]:
-    """Load the model and make its MatMul/Gemm weights visible; returns (model, original opset, what
-    was done). Deterministic, so that `calibrate` and `quantize` agree on tensor names."""
+def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir.Model, int | None, list[str]]:
+    """Load the model and make its MatMul/Gemm weights visible; with ``precision="fp16"`` convert the
+    float32 graph to float16 (inputs and outputs kept). Returns (model, original opset, what was
+    done). Deterministic, so that `calibrate` and `quantize` agree on tensor names."""
+    if precision not in PRECISIONS:
+        raise Fp8OnnxError(f"Unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
     model = load_model(path)
     upgrade = UpgradeOpsetPass()
     steps = [
@@ -232,12 +241,16 @@ def prepare_model(path: str | os.PathLike) -> tuple[ir.Model, int | None, list[s
         (ir.passes.common.LiftConstantsToInitializersPass(), "lifted Constant nodes to initializers"),
         (ir.passes.common.InlinePass(), "inlined model-local functions"),
         (FoldWeightTransformsPass(), "folded Identity/Cast/Transpose of weights into initializers"),
-        # Decisions and reports refer to nodes by name: unnamed or duplicate names get unique ones.
-        (ir.passes.common.NameFixPass(), None),
     ]
+    if precision == "fp16":
+        steps.append((ConvertFloat16Pass(), "converted the unquantized graph to float16 (inputs and outputs kept)"))
+    # Decisions and reports refer to nodes by name: unnamed or duplicate names get unique ones.
+    steps.append((ir.passes.common.NameFixPass(), None))
     done = []
     for step, label in steps:
-        if step(model).modified and label:
+        result = step(model)
+        model = result.model  # ConvertFloat16Pass returns a new model
+        if result.modified and label:
             done.append(label)
     if upgrade.from_version is not None and upgrade.from_version < upgrade.target:
         done.insert(0, f"upgraded opset {upgrade.from_version} -> {upgrade.target}")
@@ -268,7 +281,7 @@ def quantize(
     config = config or QuantizeConfig(**options)
     out = check_output_path(output, model)
     provider = resolve_provider(provider)
-    ir_model, from_opset, prepared = prepare_model(model)
+    ir_model, from_opset, prepared = prepare_model(model, config.precision)
     decisions, skipped = plan(ir_model, config)
     act_names = activation_tensors(decisions, ir_model)
 

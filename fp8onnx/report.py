@@ -25,6 +25,8 @@ def describe_config(cfg: dict) -> str:
         how += ", dynamic activations"
     if cfg.get("per_channel"):
         how += ", per-channel weights"
+    if cfg.get("precision") == "fp16":
+        how += ", FP16 graph"
     return how
 
 

@@ -234,3 +234,26 @@ def test_unnamed_nodes_are_named_and_each_quantized_once(tmp_path):
     assert op_types(q).count("QuantizeLinear") == 2 and op_types(q).count("DequantizeLinear") == 4
     x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
     assert sqnr_db(x @ w1 @ w2, run_ort(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=4)
+
+
+def test_precision_fp16_runs_the_rest_of_the_graph_in_float16(mlp, tmp_path):
+    path, data = mlp
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, precision="fp16", provider="cpu")
+    assert "converted the unquantized graph to float16 (inputs and outputs kept)" in report.prepared
+    assert "FP16 graph" in report.summary()
+    q = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(q, full_check=True)
+    assert q.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # a drop-in
+    assert q.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    scales = [i for i in q.graph.initializer if i.name.endswith("/scale")]
+    assert scales and {s.data_type for s in scales} == {onnx.TensorProto.FLOAT16}
+    assert not [i.name for i in q.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
+    ref = run_ort(onnx.load(path), {"x": x})[0]
+    assert sqnr_db(ref, run_ort(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=4, slack_db=3)
+    # statistics for an FP16 graph come from calibrating that graph
+    fp8onnx.calibrate(path, data, tmp_path / "s16.json", precision="fp16", provider="cpu")
+    again = fp8onnx.quantize(path, tmp_path / "q2.onnx", stats=tmp_path / "s16.json", precision="fp16", provider="cpu")
+    assert len(again.quantized) == 2
+    with pytest.raises(Fp8OnnxError, match="Unknown --precision 'fp8'"):
+        fp8onnx.quantize(path, tmp_path / "q3.onnx", data, precision="fp8")
