@@ -10,7 +10,7 @@ Writes, next to this script in ``decoder/``:
   calib.npz     - 128 windows of 64 bytes from the training text (``input_ids``)
   eval.npz      - 256 windows of 64 bytes from held-out topics (``input_ids``, ``labels`` = next bytes)
 
-Usage: python models/build_decoder.py [--steps N]   (needs torch; about 3 minutes on 2 CPU cores)
+Usage: python models/build_decoder.py [--steps N]   (needs torch; 2,500 steps took 5.5 minutes on 2 CPU cores)
 """
 
 from __future__ import annotations
