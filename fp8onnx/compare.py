@@ -211,8 +211,19 @@ def compare(
     }
     paths: dict[str, str | None] = {"FP32 (reference)": str(reference)}
     if fp16:
-        fp16_model = ConvertFloat16Pass()(ref_model).model
-        sessions["FP16"] = session_for_model(fp16_model, provider, "The FP16 baseline", arena=False)
+        try:
+            fp16_model = ConvertFloat16Pass()(ref_model).model
+        except Exception as exc:  # noqa: BLE001 - the converter raises many types on odd graphs
+            raise Fp8OnnxError(
+                f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); rerun with --no-fp16."
+            ) from None
+        sessions["FP16"] = session_for_model(
+            fp16_model,
+            provider,
+            f"The FP16 baseline (rerun with --no-fp16 to skip it) of {str(reference)!r}",
+            arena=False,
+        )
         paths["FP16"] = None
     for cand in candidates:
         load_model(cand)  # a clear error for a missing or unreadable file

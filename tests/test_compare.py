@@ -1,3 +1,5 @@
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -78,3 +80,17 @@ def test_labels_that_match_no_output(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.zeros((4, 16), np.float32), labels=np.zeros((4, 3)))
     with pytest.raises(Fp8OnnxError, match="'labels' of shape \\(4, 3\\) match no output"):
         fp8onnx.compare(path, [], tmp_path / "d.npz", provider="cpu")
+
+
+def test_fp16_baseline_failure_is_one_sentence(tmp_path, monkeypatch):
+    compare_module = sys.modules["fp8onnx.compare"]
+
+    class Broken:
+        def __call__(self, model):
+            raise RuntimeError("converter cannot handle this graph")
+
+    monkeypatch.setattr(compare_module, "ConvertFloat16Pass", Broken)
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    with pytest.raises(Fp8OnnxError, match="FP16 baseline .* could not be built .*rerun with --no-fp16"):
+        fp8onnx.compare(path, [], data, provider="cpu")
+    assert fp8onnx.compare(path, [], data, fp16=False, provider="cpu").rows[0].name == "FP32 (reference)"
