@@ -144,6 +144,11 @@ def _csv(ctx, param, value):
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
 @_precision_option
 @click.option(
+    "--native-gemm",
+    is_flag=True,
+    help="Lower quantized MatMul/Gemm to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9).",
+)
+@click.option(
     "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated: MatMul, Gemm, Conv."
 )
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
@@ -172,6 +177,7 @@ def quantize(
     activations,
     per_channel,
     precision,
+    native_gemm,
     op_types,
     exclude,
     activation_matmuls,
@@ -191,6 +197,7 @@ def quantize(
       fp8onnx quantize model.onnx --activations dynamic --per-channel -o model.dyn.onnx
       fp8onnx quantize model.onnx --calib calib.npz --weight-format e4m3fn --activation-format e5m2 -o mixed.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx
     """
     if calib and stats:
         raise Fp8OnnxError("Give either --calib or --stats, not both.")
@@ -205,6 +212,7 @@ def quantize(
         activations=activations,
         per_channel=per_channel,
         precision=precision,
+        native_gemm=native_gemm,
         op_types=op_types,
         exclude=exclude,
         activation_matmuls=activation_matmuls,

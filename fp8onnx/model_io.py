@@ -173,9 +173,10 @@ def _weight_bytes(model: ir.Model) -> int:
 
 
 def save_model(
-    model: ir.Model, out: str | os.PathLike, *, provider: str = "cpu", what: str = "output model"
+    model: ir.Model, out: str | os.PathLike, *, provider: str | None = "cpu", what: str = "output model"
 ) -> pathlib.Path:
-    """Check ``model`` with onnx.checker and onnxruntime, then write it atomically to ``out``."""
+    """Check ``model`` with onnx.checker and an onnxruntime session on ``provider`` (None: no session,
+    for graphs whose ops only another EP has), then write it atomically to ``out``."""
     out = pathlib.Path(out)
     parent = out.resolve().parent
     if _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
@@ -185,14 +186,17 @@ def save_model(
         except onnx.checker.ValidationError as exc:
             raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
         data = proto.SerializeToString()
-        make_session(data, provider, f"The {what}")
+        if provider is not None:
+            make_session(data, provider, f"The {what}")
         write_bytes_atomic(out, data)
         logger.info("wrote %s (%d bytes)", out, len(data))
         return out
     return _save_external(model, out, parent, provider, what)
 
 
-def _save_external(model: ir.Model, out: pathlib.Path, parent: pathlib.Path, provider: str, what: str) -> pathlib.Path:
+def _save_external(
+    model: ir.Model, out: pathlib.Path, parent: pathlib.Path, provider: str | None, what: str
+) -> pathlib.Path:
     data_name = out.name + ".data"
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=parent) as tmp:
         tmp_model = pathlib.Path(tmp) / out.name
@@ -201,7 +205,8 @@ def _save_external(model: ir.Model, out: pathlib.Path, parent: pathlib.Path, pro
             onnx.checker.check_model(str(tmp_model))
         except onnx.checker.ValidationError as exc:
             raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
-        make_session(tmp_model, provider, f"The {what}")
+        if provider is not None:
+            make_session(tmp_model, provider, f"The {what}")
         # Data first: the model file that appears last always finds its weights beside it.
         os.replace(pathlib.Path(tmp) / data_name, parent / data_name)
         os.replace(tmp_model, out)

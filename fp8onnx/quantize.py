@@ -29,6 +29,7 @@ from .passes import (
     ConvertFloat16Pass,
     FoldWeightTransformsPass,
     InsertQDQPass,
+    LowerGemmFloat8Pass,
     ShieldBiasPass,
     TensorQuant,
     UpgradeOpsetPass,
@@ -72,6 +73,7 @@ class QuantizeConfig:
     exclude: tuple[str, ...] = ()
     activation_matmuls: bool = False
     precision: str = "model"
+    native_gemm: bool = False
 
     def __post_init__(self):
         fmt = parse_format(self.format)
@@ -136,6 +138,7 @@ class QuantizeConfig:
             "exclude": list(self.exclude),
             "activation_matmuls": self.activation_matmuls,
             "precision": self.precision,
+            "native_gemm": self.native_gemm,
             "emulated": self.emulated,
         }
 
@@ -319,6 +322,10 @@ def quantize(
         ShieldBiasPass(shielded)(ir_model)
         prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
     modified = InsertQDQPass(targets, quant)(ir_model).modified
+    lowering = None
+    if modified and config.native_gemm:
+        lowering = LowerGemmFloat8Pass()
+        lowering(ir_model)
     if modified:
         ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
         if config.emulated:
@@ -327,7 +334,9 @@ def quantize(
     else:
         # Nothing to quantize: the output is the input graph as it was, not a rewritten copy.
         ir_model, prepared = load_model(model), []
-    save_model(ir_model, out, provider="cpu")
+    # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
+    check_on = "cpu" if not (lowering and lowering.lowered) else ("cuda" if provider == "cuda" else None)
+    save_model(ir_model, out, provider=check_on)
     result = QuantizeReport(
         model=str(model),
         output=str(out),
@@ -342,6 +351,9 @@ def quantize(
         input_bytes=_file_size(model),
         output_bytes=_file_size(out),
         modified=modified,
+        lowered=list(lowering.lowered) if lowering else [],
+        not_lowered=dict(lowering.skipped) if lowering else {},
+        runtime_checked=check_on,
     )
     if report is not None:
         write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")

@@ -62,6 +62,9 @@ class QuantizeReport:
     input_bytes: int
     output_bytes: int
     modified: bool
+    lowered: list[str] = dataclasses.field(default_factory=list)  # nodes now com.microsoft.GemmFloat8
+    not_lowered: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> why it kept Q/DQ
+    runtime_checked: str | None = "cpu"  # the EP the output was loaded on before writing (None: none)
 
     @property
     def quantized(self) -> list[NodeReport]:
@@ -99,6 +102,16 @@ class QuantizeReport:
         for reason, names in reasons.items():
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
             lines.append(f"  left alone: {shown}: {reason}")
+        if self.lowered or self.not_lowered:
+            lines.append(
+                f"  {len(self.lowered)} nodes lowered to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9)"
+            )
+            for name, why in self.not_lowered.items():
+                lines.append(f"  kept Q/DQ: {name}: {why}")
+        if self.runtime_checked is None:
+            lines.append(
+                "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker only)"
+            )
         if not self.modified and not self.quantized:
             lines.append("  nothing to quantize: the output is the input graph, unchanged")
         return "\n".join(lines)

@@ -8,6 +8,7 @@ from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
+from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
 from .shield_bias import ShieldBiasPass, bias_of
 from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
 
@@ -17,6 +18,8 @@ __all__ = [
     "ConvertFloat16Pass",
     "FoldWeightTransformsPass",
     "InsertQDQPass",
+    "LowerGemmFloat8Pass",
+    "MS_DOMAIN",
     "NODE_PREFIX",
     "ShieldBiasPass",
     "TARGET_OPSET",

@@ -1,0 +1,155 @@
+"""Lower quantized MatMul/Gemm to onnxruntime's ``com.microsoft.GemmFloat8`` (FP8 tensor cores, CUDA).
+
+A float8 Q/DQ graph runs on the CUDA EP as dequantize + FP16/FP32 GEMM; GemmFloat8 multiplies the
+float8 tensors themselves (cuBLASLt, compute capability >= 8.9). Semantics and the NumPy reference
+used by the CPU tests are in ``fp8onnx.gemm_float8_ref``.
+
+Rewrite cases, for a MatMul/Gemm whose input A is ``DequantizeLinear(QuantizeLinear(x))`` and whose
+weight is ``DequantizeLinear(W)`` of a per-tensor float8 initializer, both E4M3FN or both E5M2:
+  -> ``GemmFloat8(A8, W8t, "", scaleA, scaleB, 1)`` with transA=0, transB=1, rowMajor=0 (the TN
+     layout cuBLASLt needs for float8), float16 output; A8 is reshaped to 2-D when batched and the
+     result reshaped back; W8t is the float8 weight laid out [N, K]; a Gemm's bias becomes an Add
+     (times beta); a Cast restores the original output type. Scales are cast to float32.
+Left as Q/DQ, with the reason in ``skipped`` (node name -> reason): per-channel weight scales,
+weights that are not 2-D, Gemm with transA=1, FNUZ or emulated formats (no CUDA kernel), mixed
+E4M3/E5M2 (onnxruntime issue 20869), inputs not in the Q/DQ form above.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+__all__ = ["LowerGemmFloat8Pass", "MS_DOMAIN"]
+
+logger = logging.getLogger(__name__)
+MS_DOMAIN = "com.microsoft"
+_CUDA_FP8 = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
+
+
+def _dq_of(value: ir.Value) -> ir.Node | None:
+    producer = value.producer() if value is not None else None
+    return producer if producer is not None and producer.op_type == "DequantizeLinear" else None
+
+
+def _reason(node: ir.Node) -> str | None:
+    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+        return "Gemm with transA=1"
+    act_dq, w_dq = _dq_of(node.inputs[0]), _dq_of(node.inputs[1])
+    if act_dq is None or w_dq is None:
+        return "inputs are not both DequantizeLinear outputs"
+    q = act_dq.inputs[0].producer()
+    if q is None or q.op_type != "QuantizeLinear":
+        return "input A does not come from QuantizeLinear"
+    w8 = w_dq.inputs[0]
+    if w8.const_value is None or len(w8.shape) != 2:
+        return "the weight is not a 2-D float8 initializer"
+    if w_dq.inputs[1].const_value is None or w_dq.inputs[1].const_value.size != 1:
+        return "per-channel weight scales (GemmFloat8 takes one scale per input)"
+    fa, fw = act_dq.inputs[0].dtype, w8.dtype
+    if fa not in _CUDA_FP8 or fw not in _CUDA_FP8:
+        return "format without a CUDA float8 GEMM (only e4m3fn and e5m2)"
+    if fa != fw:
+        return "mixed E4M3/E5M2 inputs (onnxruntime issue 20869)"
+    return None
+
+
+class LowerGemmFloat8Pass(ir.passes.InPlacePass):
+    def __init__(self):
+        super().__init__()
+        self.lowered: list[str] = []
+        self.skipped: dict[str, str] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        for node in list(graph):
+            if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
+                continue
+            reason = _reason(node)
+            if reason:
+                if _dq_of(node.inputs[0]) or _dq_of(node.inputs[1]):
+                    self.skipped[node.name] = reason
+                continue
+            self._lower(graph, node)
+            self.lowered.append(node.name)
+        if self.lowered:
+            ir.passes.common.RemoveUnusedNodesPass()(model)
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+            logger.info("lowered %d MatMul/Gemm nodes to GemmFloat8", len(self.lowered))
+        return ir.passes.PassResult(model, modified=bool(self.lowered))
+
+    def _lower(self, graph: ir.Graph, node: ir.Node) -> None:
+        name = node.name
+        act_dq, w_dq = _dq_of(node.inputs[0]), _dq_of(node.inputs[1])
+        a8, a_scale = act_dq.inputs[0], act_dq.inputs[1]
+        w8, w_scale = w_dq.inputs[0], w_dq.inputs[1]
+        out = node.outputs[0]
+        k, n = w8.shape.dims  # MatMul weight [K, N]; Gemm: [K, N] or [N, K] with transB
+        if node.op_type == "Gemm" and node.attributes.get_int("transB", 0):
+            n, k = k, n
+            weight_nk = w8
+        else:
+            source = w8.const_value
+            tensor = ir.LazyTensor(
+                lambda s=source: ir.tensor(np.ascontiguousarray(s.numpy().T)), dtype=w8.dtype, shape=ir.Shape([n, k])
+            )
+            weight_nk = ir.Value(name=f"{w8.name}/nk", const_value=tensor, shape=ir.Shape([n, k]))
+            weight_nk.dtype = w8.dtype
+            if weight_nk.name not in graph.initializers:
+                graph.register_initializer(weight_nk)
+            weight_nk = graph.initializers[weight_nk.name]
+
+        def const(suffix, array):
+            value = ir.Value(name=f"{name}/{suffix}", const_value=ir.tensor(array), shape=ir.Shape(array.shape))
+            value.dtype = ir.DataType.from_numpy(array.dtype)
+            graph.register_initializer(value)
+            return value
+
+        new = []
+
+        def op(op_type, inputs, suffix, domain="", **attrs):
+            n_ = ir.node(op_type, inputs, attrs or None, domain=domain, name=f"{name}/{suffix}")
+            n_.outputs[0].name = f"{name}/{suffix}"
+            new.append(n_)
+            return n_.outputs[0]
+
+        def f32(scale):
+            return scale if scale.dtype == ir.DataType.FLOAT else op("Cast", [scale], f"{scale.name}_f32", to=1)
+
+        rank = len(a8.shape) if a8.shape is not None else 2
+        a2d = a8 if rank == 2 else op("Reshape", [a8, const("shape_2d", np.array([-1, k], np.int64))], "a_2d")
+        alpha = node.attributes.get_float("alpha", 1.0) if node.op_type == "Gemm" else 1.0
+        y = op(
+            "GemmFloat8",
+            [a2d, weight_nk, None, f32(a_scale), f32(w_scale), const("scale_y", np.array(1.0, np.float32))],
+            "gemm_float8",
+            domain=MS_DOMAIN,
+            transA=0,
+            transB=1,
+            alpha=float(alpha),
+            dtype=int(ir.DataType.FLOAT16),
+            rowMajor=0,
+        )
+        if rank != 2:
+            lead = op("Shape", [a8], "lead_dims", end=-1)
+            y = op(
+                "Reshape", [y, op("Concat", [lead, const("n", np.array([n], np.int64))], "out_shape", axis=0)], "y_nd"
+            )
+        if out.dtype is not None and out.dtype != ir.DataType.FLOAT16:
+            y = op("Cast", [y], "y_cast", to=int(out.dtype))
+        if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
+            bias = node.inputs[2]
+            beta = node.attributes.get_float("beta", 1.0)
+            if beta != 1.0:
+                bias = op("Mul", [bias, const("beta", np.array(beta, bias.dtype.numpy()))], "beta_c")
+            y = op("Add", [y, bias], "bias")
+        y.dtype, y.shape = out.dtype, out.shape
+        graph.insert_before(node, new)
+        out.replace_all_uses_with(y, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        old = out.name
+        out.name = f"{old}/replaced"
+        y.name = old

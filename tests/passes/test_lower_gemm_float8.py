@@ -1,0 +1,179 @@
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+import fp8onnx
+from fp8onnx.gemm_float8_ref import gemm_float8
+from fp8onnx.passes import LowerGemmFloat8Pass
+
+from helpers import SAMPLE, op_types, run_ort, sqnr_db
+
+
+class GemmFloat8(OpRun):
+    """onnx.reference stand-in for the CUDA kernel: the NumPy reference."""
+
+    op_domain = "com.microsoft"
+
+    def _run(
+        self,
+        a,
+        b,
+        c=None,
+        scale_a=None,
+        scale_b=None,
+        scale_y=None,
+        transA=0,
+        transB=0,
+        alpha=1.0,
+        beta=0.0,
+        dtype=10,
+        rowMajor=1,
+        **_,
+    ):
+        out = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+        return (
+            gemm_float8(
+                a,
+                b,
+                c,
+                scale_a,
+                scale_b,
+                scale_y,
+                trans_a=transA,
+                trans_b=transB,
+                alpha=alpha,
+                beta=beta,
+                out_dtype=out,
+            ),
+        )
+
+
+def run_lowered(proto, feed):
+    return ReferenceEvaluator(proto, new_ops=[GemmFloat8]).run(None, feed)
+
+
+def model_3d(path, gemm_trans_b=1):
+    rng = np.random.default_rng(0)
+    w_gemm = rng.standard_normal((8, 32) if gemm_trans_b else (32, 8)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm3d"),  # [b, s, 16] @ [16, 32]
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Reshape", ["r", "flat"], ["r2"], name="flatten"),
+        helper.make_node("Gemm", ["r2", "w2", "b2"], ["y"], name="gemm", transB=gemm_trans_b, alpha=0.5, beta=2.0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 5, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 8])],
+        [
+            numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32) * 0.3, "w1"),
+            numpy_helper.from_array(np.array([-1, 32], np.int64), "flat"),
+            numpy_helper.from_array(w_gemm * 0.3, "w2"),
+            numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b2"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("gemm_trans_b", [0, 1])
+def test_lowered_graph_matches_the_qdq_graph(tmp_path, fmt, gemm_trans_b):
+    path = model_3d(tmp_path / "m.onnx", gemm_trans_b)
+    x = np.random.default_rng(1).standard_normal((4, 5, 16)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", format=fmt, provider="cpu")
+    model = ir.load(tmp_path / "q.onnx")
+    lower = LowerGemmFloat8Pass()
+    assert lower(model).modified and lower.lowered == ["mm3d", "gemm"] and lower.skipped == {}
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    ops = op_types(proto)
+    assert ops.count("GemmFloat8") == 2 and "MatMul" not in ops and "Gemm" not in ops
+    assert ops.count("DequantizeLinear") == 0  # weights and activations go in as float8
+    gf8 = [n for n in proto.graph.node if n.op_type == "GemmFloat8"]
+    for n in gf8:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert (attrs["transA"], attrs["transB"], attrs["rowMajor"], attrs["dtype"]) == (0, 1, 0, TensorProto.FLOAT16)
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert inits[gf8[0].input[1]].dims == [32, 16]  # the weight laid out [N, K]
+    qdq = run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]
+    lowered = run_lowered(proto, {"x": x})[0]
+    assert lowered.dtype == np.float32 and lowered.shape == qdq.shape
+    # same float8 products; the only difference is the float16 output of each GEMM
+    assert sqnr_db(qdq, lowered) > 45
+    assert not LowerGemmFloat8Pass()(model).modified  # idempotent
+
+
+def test_what_cannot_be_lowered_keeps_qdq_with_a_reason(tmp_path):
+    path = model_3d(tmp_path / "m.onnx")
+    x = np.random.default_rng(1).standard_normal((4, 5, 16)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", per_channel=True, provider="cpu")
+    model = ir.load(tmp_path / "q.onnx")
+    lower = LowerGemmFloat8Pass()
+    assert not lower(model).modified
+    assert lower.skipped == {
+        "mm3d": "per-channel weight scales (GemmFloat8 takes one scale per input)",
+        "gemm": "per-channel weight scales (GemmFloat8 takes one scale per input)",
+    }
+    fp8onnx.quantize(path, tmp_path / "q2.onnx", tmp_path / "d.npz", format="e4m3fnuz", provider="cpu")
+    lower = LowerGemmFloat8Pass()
+    lower(ir.load(tmp_path / "q2.onnx"))
+    assert set(lower.skipped.values()) == {"format without a CUDA float8 GEMM (only e4m3fn and e5m2)"}
+
+
+def test_every_matmul_shape_of_the_sample_decoder(tmp_path):
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "q.onnx", SAMPLE / "calib.npz", provider="cpu")
+    model = ir.load(tmp_path / "q.onnx")
+    lower = LowerGemmFloat8Pass()
+    lower(model)
+    assert len(lower.lowered) == 29 and lower.skipped == {}
+    ids = np.load(SAMPLE / "eval.npz")["input_ids"][:4]
+    fp32 = run_ort(onnx.load(SAMPLE / "decoder.onnx"), {"input_ids": ids})[0]
+    qdq = run_ort(onnx.load(tmp_path / "q.onnx"), {"input_ids": ids})[0]
+    lowered = run_lowered(ir.to_proto(model), {"input_ids": ids})[0]
+    # Within the FP8 error: float16 GEMM outputs re-quantized downstream cost no more than 1 dB
+    # against FP32 than the Q/DQ graph's own error.
+    assert sqnr_db(fp32, lowered) > sqnr_db(fp32, qdq) - 1.0
+    assert (fp32.argmax(-1) == lowered.argmax(-1)).mean() > (fp32.argmax(-1) == qdq.argmax(-1)).mean() - 0.01
+
+
+# The decoder's causal mask (-1e9) is -inf in float16: onnx.reference warns while softmax handles it.
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_native_gemm_end_to_end(tmp_path):
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+
+    r = CliRunner().invoke(
+        main,
+        [
+            "quantize",
+            str(SAMPLE / "decoder.onnx"),
+            "--calib",
+            str(SAMPLE / "calib.npz"),
+            "--precision",
+            "fp16",
+            "--native-gemm",
+            "-o",
+            str(tmp_path / "n.onnx"),
+            "--provider",
+            "cpu",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert "29 nodes lowered to com.microsoft.GemmFloat8" in r.output
+    assert "not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP" in r.output
+    proto = onnx.load(tmp_path / "n.onnx")
+    assert op_types(proto).count("GemmFloat8") == 29
+    assert {o.domain: o.version for o in proto.opset_import}["com.microsoft"] == 1
+    ids = np.load(SAMPLE / "eval.npz")["input_ids"][:4]
+    fp32 = run_ort(onnx.load(SAMPLE / "decoder.onnx"), {"input_ids": ids})[0]
+    out = run_lowered(proto, {"input_ids": ids})[0]
+    assert out.dtype == np.float32 and (fp32.argmax(-1) == out.argmax(-1)).mean() > 0.9
