@@ -5,14 +5,15 @@ float8 tensors themselves (cuBLASLt, compute capability >= 8.9). Semantics and t
 used by the CPU tests are in ``fp8onnx.gemm_float8_ref``.
 
 Rewrite cases, for a MatMul/Gemm whose input A is ``DequantizeLinear(QuantizeLinear(x))`` and whose
-weight is ``DequantizeLinear(W)`` of a per-tensor float8 initializer, both E4M3FN or both E5M2:
+weight is ``DequantizeLinear(W)`` of a per-tensor float8 initializer, both E4M3FN:
   -> ``GemmFloat8(A8, W8t, "", scaleA, scaleB, 1)`` with transA=0, transB=1, rowMajor=0 (the TN
      layout cuBLASLt needs for float8), float16 output; A8 is reshaped to 2-D when batched and the
      result reshaped back; W8t is the float8 weight laid out [N, K]; a Gemm's bias becomes an Add
      (times beta); a Cast restores the original output type. Scales are cast to float32.
 Left as Q/DQ, with the reason in ``skipped`` (node name -> reason): per-channel weight scales,
 weights that are not 2-D, Gemm with transA=1, FNUZ or emulated formats (no CUDA kernel), mixed
-E4M3/E5M2 (onnxruntime issue 20869), inputs not in the Q/DQ form above.
+E4M3/E5M2 (onnxruntime issue 20869), E5M2 x E5M2 (not a cuBLASLt float8 combination), inputs not in
+the Q/DQ form above.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def _reason(node: ir.Node) -> str | None:
         return "format without a CUDA float8 GEMM (only e4m3fn and e5m2)"
     if fa != fw:
         return "mixed E4M3/E5M2 inputs (onnxruntime issue 20869)"
+    if fa == ir.DataType.FLOAT8E5M2:
+        return "E5M2 x E5M2 (cuBLASLt's float8 GEMM needs at least one E4M3 input)"
     return None
 
 
