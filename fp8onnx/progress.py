@@ -1,17 +1,24 @@
-"""Progress bars (tqdm to stderr) that library code can ask for and the CLI switches on."""
+"""Progress bars (tqdm to stderr) that library code can ask for and the CLI switches on.
+
+tqdm is a dependency, but a machine that only has the project on PYTHONPATH (the lent GPU machine)
+may lack it: then there is simply no bar.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-from tqdm import tqdm
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - exercised only where tqdm is missing
+    tqdm = None
 
 T = TypeVar("T")
 
 
 def progress_bar(items: Iterable[T], *, total: int | None, desc: str, unit: str, enable: bool) -> Iterator[T]:
-    if not enable:
+    if not enable or tqdm is None:
         yield from items
         return
     with tqdm(items, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True) as bar:

@@ -1,0 +1,202 @@
+"""GPU checks for fp8onnx on onnxruntime's CUDA EP: placement, accuracy, latency. Not run in CI.
+
+Run on a CUDA machine with onnxruntime-gpu (see ../shared/hooks/gpu/README.md):
+    python tests/gpu/run_gpu_checks.py --out "$OUT"
+``--cpu-dry-run`` runs the same steps on the CPU EP without the native GEMM, to check the script.
+
+1. Placement: every node of the FP16, FP8-QDQ and FP8-native (com.microsoft.GemmFloat8) sample
+   decoders, from onnxruntime's profiler, counted per execution provider (no silent CPU fallback).
+2. Accuracy: `fp8onnx compare` of FP32 vs FP16 vs FP8 (QDQ and native) on the sample decoder's
+   eval set, on the CUDA EP.
+3. Latency, warm-up then the median of many runs, one process: FP16 vs FP8-QDQ vs FP8-native for
+   the sample decoder at 64 x 64 = 4,096 tokens, and for a GEMM-bound stack at Llama-7B widths
+   (d=4096, ffn=11008, 2 blocks of QKV/O projections and SwiGLU MLP, random weights) at 4,096 rows.
+Writes gpu_checks.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def _ort():
+    import onnxruntime as ort
+
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # CUDA 13 libraries from the nvidia-* packages
+    return ort
+
+
+def session(path, provider, profile_dir=None):
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if profile_dir:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(pathlib.Path(profile_dir) / pathlib.Path(path).stem)
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
+    if provider == "cpu":
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
+    return ort.InferenceSession(str(path), so, providers=providers)
+
+
+def placement(path, provider, feed, tmp):
+    """{op_type: {provider: count}} from one profiled run."""
+    sess = session(path, provider, profile_dir=tmp)
+    sess.run(None, feed)
+    trace = json.loads(pathlib.Path(sess.end_profiling()).read_text())
+    counts: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
+    seen = set()
+    for event in trace:
+        args = event.get("args", {})
+        if event.get("cat") == "Node" and "provider" in args and event.get("name", "").endswith("_kernel_time"):
+            node = event["name"][: -len("_kernel_time")]
+            if node not in seen:
+                seen.add(node)
+                counts[args.get("op_name", "?")][args["provider"]] += 1
+    return {"session_providers": sess.get_providers(), "nodes": {k: dict(v) for k, v in counts.items()}}
+
+
+def latency_ms(path, provider, feed, warmup=10, runs=50):
+    sess = session(path, provider)
+    for _ in range(warmup):
+        sess.run(None, feed)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def gemm_stack(path, d=4096, ffn=11008, blocks=2, seed=0):
+    """x[rows, d] -> blocks of (QKV projection, output projection, SwiGLU MLP), random weights."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(seed)
+    nodes, inits, cur = [], [], "x"
+
+    def weight(name, k, n):
+        inits.append(numpy_helper.from_array((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32), name))
+        return name
+
+    for b in range(blocks):
+        qkv = f"b{b}_qkv"
+        nodes.append(helper.make_node("MatMul", [cur, weight(f"w{b}_qkv", d, 3 * d)], [qkv], name=qkv))
+        nodes.append(
+            helper.make_node(
+                "Split", [qkv], [f"b{b}_q", f"b{b}_k", f"b{b}_v"], name=f"b{b}_split", axis=-1, num_outputs=3
+            )
+        )
+        nodes.append(helper.make_node("Add", [f"b{b}_q", f"b{b}_v"], [f"b{b}_mix"], name=f"b{b}_mix"))
+        nodes.append(helper.make_node("MatMul", [f"b{b}_mix", weight(f"w{b}_o", d, d)], [f"b{b}_o"], name=f"b{b}_o"))
+        nodes.append(
+            helper.make_node("MatMul", [f"b{b}_o", weight(f"w{b}_gate", d, ffn)], [f"b{b}_g"], name=f"b{b}_gate")
+        )
+        nodes.append(helper.make_node("MatMul", [f"b{b}_o", weight(f"w{b}_up", d, ffn)], [f"b{b}_u"], name=f"b{b}_up"))
+        nodes.append(helper.make_node("Sigmoid", [f"b{b}_g"], [f"b{b}_sg"], name=f"b{b}_sig"))
+        nodes.append(helper.make_node("Mul", [f"b{b}_g", f"b{b}_sg"], [f"b{b}_silu"], name=f"b{b}_silu"))
+        nodes.append(helper.make_node("Mul", [f"b{b}_silu", f"b{b}_u"], [f"b{b}_h"], name=f"b{b}_h"))
+        nodes.append(
+            helper.make_node("MatMul", [f"b{b}_h", weight(f"w{b}_down", ffn, d)], [f"b{b}_y"], name=f"b{b}_down")
+        )
+        cur = f"b{b}_y"
+    nodes.append(helper.make_node("Identity", [cur], ["y"], name="out"))
+    graph = helper.make_graph(
+        nodes,
+        "gemm_stack",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", d])],
+        inits,
+    )
+    save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]),
+        path,
+        save_as_external_data=True,
+        location=pathlib.Path(path).name + ".data",
+    )
+    return path
+
+
+def variants(model, calib, tmp, provider, native):
+    """FP16 baseline, FP8-QDQ and FP8-native versions of ``model`` (FP16 graph around FP8 GEMMs)."""
+    import fp8onnx
+
+    out = {"fp16": tmp / f"{model.stem}.fp16.onnx", "fp8_qdq": tmp / f"{model.stem}.fp8.onnx"}
+    fp8onnx.convert_fp16(model, out["fp16"])
+    fp8onnx.quantize(model, out["fp8_qdq"], calib, precision="fp16", provider="cpu")
+    if native:
+        out["fp8_native"] = tmp / f"{model.stem}.fp8native.onnx"
+        report = fp8onnx.quantize(
+            model, out["fp8_native"], calib, precision="fp16", native_gemm=True, provider=provider
+        )
+        print(f"  native GEMM: {len(report.lowered)} nodes lowered, kept Q/DQ: {report.not_lowered}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--runs", type=int, default=50)
+    args = ap.parse_args()
+    ort = _ort()
+    provider = "cpu" if args.cpu_dry_run else "cuda"
+    native = not args.cpu_dry_run
+    print(f"onnxruntime {ort.__version__}, available providers {ort.get_available_providers()}")
+    if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        sys.exit("no CUDA EP in this onnxruntime")
+    import fp8onnx
+
+    sample = REPO / "models" / "decoder"
+    results: dict = {"onnxruntime": ort.__version__, "provider": provider}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = pathlib.Path(tmp_name)
+        models = variants(sample / "decoder.onnx", sample / "calib.npz", tmp, provider, native)
+        ids = np.load(sample / "eval.npz")["input_ids"]
+        feed_small = {"input_ids": ids[:4]}
+        results["placement"] = {k: placement(p, provider, feed_small, tmp) for k, p in models.items()}
+        for k, v in results["placement"].items():
+            print(f"placement {k}: session providers {v['session_providers']}; nodes {v['nodes']}")
+        cmp = fp8onnx.compare(
+            sample / "decoder.onnx",
+            [models["fp8_qdq"], *([models["fp8_native"]] if native else [])],
+            sample / "eval.npz",
+            provider=provider,
+        )
+        print(cmp.table())
+        results["accuracy"] = cmp.to_json()
+        tokens = {"input_ids": np.tile(ids, (1, 1))[:64]}  # 64 sequences x 64 bytes = 4,096 tokens
+        results["decoder_latency_ms"] = {k: latency_ms(p, provider, tokens, runs=args.runs) for k, p in models.items()}
+        stack = gemm_stack(tmp / "stack.onnx", *((512, 1376, 1) if args.cpu_dry_run else ()))
+        d = 512 if args.cpu_dry_run else 4096
+        rng = np.random.default_rng(1)
+        np.savez(tmp / "stack_calib.npz", x=rng.standard_normal((256, d)).astype(np.float32))
+        stack_models = variants(stack, tmp / "stack_calib.npz", tmp, provider, native)
+        x = {"x": rng.standard_normal((4096 if not args.cpu_dry_run else 256, d)).astype(np.float32)}
+        results["stack_latency_ms"] = {k: latency_ms(p, provider, x, runs=args.runs) for k, p in stack_models.items()}
+    for key in ("decoder_latency_ms", "stack_latency_ms"):
+        lat = results[key]
+        ratios = {k: lat["fp16"] / v for k, v in lat.items()}
+        results[key.replace("latency_ms", "speedup_vs_fp16")] = ratios
+        print(f"{key}: " + ", ".join(f"{k} {v:.2f} ms ({ratios[k]:.2f}x FP16)" for k, v in lat.items()))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_checks.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"wrote {out / 'gpu_checks.json'}")
+
+
+if __name__ == "__main__":
+    main()
