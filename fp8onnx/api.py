@@ -19,6 +19,7 @@ from .passes import ConvertFloat16Pass
 from .quantize import candidate_activations, prepare_model
 from .report import describe_config
 from .runtime import resolve_provider
+from .targets import check_tensorrt
 
 __all__ = ["calibrate", "convert_fp16", "inspect"]
 
@@ -118,6 +119,7 @@ def inspect(model: str | os.PathLike) -> dict:
         "weight_bytes_by_type": dict(by_type),
         "op_counts": dict(ops),
         "fp8onnx": json.loads(meta) if meta else None,
+        "tensorrt_problems": check_tensorrt(m),
     }
 
 
@@ -140,6 +142,11 @@ def inspect_summary(info: dict) -> str:
         fmts = ", ".join(sorted({t["format"] for t in group}))
         rng = f", scales {scales.min():.3g} .. {scales.max():.3g}" if scales.size else ""
         lines.append(f"  {len(group)} float8 {label} ({fmts}){rng}")
+    problems = info.get("tensorrt_problems", [])
+    lines.append(
+        "  TensorRT: "
+        + ("; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "") if problems else "no Q/DQ it would reject")
+    )
     sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(info["weight_bytes_by_type"].items()))
     lines.append(f"  initializers: {sizes}")
     return "\n".join(lines)

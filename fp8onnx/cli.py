@@ -144,6 +144,13 @@ def _csv(ctx, param, value):
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
 @_precision_option
 @click.option(
+    "--target",
+    type=click.Choice(["onnxruntime", "tensorrt"]),
+    default="onnxruntime",
+    show_default=True,
+    help="tensorrt: only what TensorRT's FP8 takes (E4M3FN, constant scales), checked on the result.",
+)
+@click.option(
     "--native-gemm",
     is_flag=True,
     help="Lower quantized MatMul/Gemm to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9).",
@@ -177,6 +184,7 @@ def quantize(
     activations,
     per_channel,
     precision,
+    target,
     native_gemm,
     op_types,
     exclude,
@@ -213,6 +221,7 @@ def quantize(
         per_channel=per_channel,
         precision=precision,
         native_gemm=native_gemm,
+        target=target,
         op_types=op_types,
         exclude=exclude,
         activation_matmuls=activation_matmuls,

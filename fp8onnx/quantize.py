@@ -39,6 +39,7 @@ from .passes import (
 from .report import NodeReport, QuantizeReport, TensorReport
 from .runtime import resolve_provider
 from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax, parse_scaling
+from .targets import TARGETS, check_tensorrt
 
 __all__ = ["QuantizeConfig", "plan", "quantize", "SUPPORTED_OP_TYPES"]
 
@@ -74,6 +75,7 @@ class QuantizeConfig:
     activation_matmuls: bool = False
     precision: str = "model"
     native_gemm: bool = False
+    target: str = "onnxruntime"
 
     def __post_init__(self):
         fmt = parse_format(self.format)
@@ -91,6 +93,18 @@ class QuantizeConfig:
             )
         if self.precision not in PRECISIONS:
             raise Fp8OnnxError(f"Unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        if self.target not in TARGETS:
+            raise Fp8OnnxError(f"Unknown --target {self.target!r}; choose one of {', '.join(TARGETS)}.")
+        if self.target == "tensorrt":
+            if Fp8Format.E4M3FN not in (self.weight_format, self.activation_format) or (
+                self.weight_format != self.activation_format
+            ):
+                raise Fp8OnnxError("--target tensorrt takes e4m3fn only (TensorRT's FP8 format).")
+            if self.activations == "dynamic" or self.native_gemm:
+                raise Fp8OnnxError(
+                    "--target tensorrt needs constant scales and standard Q/DQ: drop --activations dynamic and "
+                    "--native-gemm."
+                )
         if self.activations not in ACTIVATION_MODES:
             raise Fp8OnnxError(f"Unknown --activations {self.activations!r}; choose static or dynamic.")
         if self.scaling is Scaling.CONSTANT:
@@ -139,6 +153,7 @@ class QuantizeConfig:
             "activation_matmuls": self.activation_matmuls,
             "precision": self.precision,
             "native_gemm": self.native_gemm,
+            "target": self.target,
             "emulated": self.emulated,
         }
 
@@ -334,6 +349,7 @@ def quantize(
     else:
         # Nothing to quantize: the output is the input graph as it was, not a rewritten copy.
         ir_model, prepared = load_model(model), []
+    target_problems = check_tensorrt(ir_model) if config.target == "tensorrt" else []
     # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
     check_on = "cpu" if not (lowering and lowering.lowered) else ("cuda" if provider == "cuda" else None)
     save_model(ir_model, out, provider=check_on)
@@ -354,6 +370,7 @@ def quantize(
         lowered=list(lowering.lowered) if lowering else [],
         not_lowered=dict(lowering.skipped) if lowering else {},
         runtime_checked=check_on,
+        target_problems=target_problems,
     )
     if report is not None:
         write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")

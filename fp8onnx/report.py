@@ -65,6 +65,7 @@ class QuantizeReport:
     lowered: list[str] = dataclasses.field(default_factory=list)  # nodes now com.microsoft.GemmFloat8
     not_lowered: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> why it kept Q/DQ
     runtime_checked: str | None = "cpu"  # the EP the output was loaded on before writing (None: none)
+    target_problems: list[str] = dataclasses.field(default_factory=list)  # what --target would reject
 
     @property
     def quantized(self) -> list[NodeReport]:
@@ -112,6 +113,13 @@ class QuantizeReport:
             lines.append(
                 "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker only)"
             )
+        if self.config.get("target") == "tensorrt":
+            if self.target_problems:
+                lines.extend(f"  TensorRT would reject: {p}" for p in self.target_problems)
+            else:
+                lines.append(
+                    "  TensorRT rules (E4M3FN, zero points 0, constant scales, per-tensor activations): all met"
+                )
         if not self.modified and not self.quantized:
             lines.append("  nothing to quantize: the output is the input graph, unchanged")
         return "\n".join(lines)

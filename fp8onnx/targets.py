@@ -1,0 +1,75 @@
+"""What a deployment target accepts, checked on a finished model.
+
+TensorRT (explicit quantization, FP8): float8 QuantizeLinear/DequantizeLinear in E4M3FN only; zero points
+absent or zero; scales constant, positive and finite; activations quantized per tensor; weights
+float8 initializers with DequantizeLinear only, per tensor or per output channel; no custom-domain
+GEMMs. ``check_tensorrt`` lists every violation as "node: reason"; an empty list means none found.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["TARGETS", "check_tensorrt"]
+
+TARGETS = ("onnxruntime", "tensorrt")
+_FLOAT8 = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2FNUZ)
+
+
+def _scale_problem(scale: ir.Value | None) -> str | None:
+    if scale is None or scale.const_value is None:
+        return "scale is computed at run time; TensorRT needs constant scales (use static activations)"
+    arr = scale.const_value.numpy().astype(np.float64)
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        return "scale is not positive and finite"
+    return None
+
+
+def check_tensorrt(model: ir.Model) -> list[str]:
+    problems = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        where = node.name or node.op_type
+        if node.domain not in ("", "ai.onnx") and node.op_type == "GemmFloat8":
+            problems.append(f"{where}: com.microsoft.GemmFloat8 is onnxruntime-only (drop --native-gemm)")
+            continue
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        fp8 = node.outputs[0] if node.op_type == "QuantizeLinear" else node.inputs[0]
+        if fp8.dtype in _FLOAT8 and fp8.dtype != ir.DataType.FLOAT8E4M3FN:
+            problems.append(f"{where}: {fp8.dtype} - TensorRT's FP8 is E4M3FN only")
+        zero_point = node.inputs[2] if len(node.inputs) > 2 else None
+        if zero_point is not None and (
+            zero_point.const_value is None or np.any(zero_point.const_value.numpy().astype(np.float32))
+        ):
+            problems.append(f"{where}: non-zero zero point")
+        reason = _scale_problem(node.inputs[1])
+        if reason:
+            problems.append(f"{where}: {reason}")
+            continue
+        per_axis = node.inputs[1].const_value.size > 1
+        is_weight = node.op_type == "DequantizeLinear" and fp8.const_value is not None
+        if per_axis and not is_weight:
+            problems.append(f"{where}: activations must be quantized per tensor")
+        if per_axis and is_weight and not _axis_is_output_channel(node):
+            problems.append(f"{where}: per-channel weight scale is not along the output channel")
+    return problems
+
+
+def _axis_is_output_channel(dq: ir.Node) -> bool:
+    weight = dq.inputs[0]
+    rank = len(weight.shape)
+    axis = dq.attributes.get_int("axis", 1) % rank
+    for use in dq.outputs[0].uses():
+        consumer, index = use.node, use.idx
+        if consumer.op_type == "Conv":
+            expected = 0
+        elif consumer.op_type == "Gemm":
+            expected = 0 if consumer.attributes.get_int("transB", 0) else 1
+        elif consumer.op_type == "MatMul":
+            expected = rank - 1 if index == 1 else rank - 2
+        else:
+            return False
+        if axis != expected:
+            return False
+    return True
