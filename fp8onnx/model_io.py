@@ -131,12 +131,15 @@ def machine_memory() -> int:
 def check_memory(model: ir.Model, path: pathlib.Path) -> None:
     """Refuse a model whose declared weights could never be held in this machine's memory: the
     onnxruntime sessions that calibrate and check it would be killed for lack of memory instead."""
-    declared = sum(
-        v.const_value.nbytes
-        for graph in (model.graph, *model.graph.subgraphs())
-        for v in graph.initializers.values()
-        if v.const_value is not None
-    )
+    declared = 0
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for v in graph.initializers.values():
+            if v.const_value is None:
+                continue
+            try:
+                declared += v.const_value.nbytes
+            except (TypeError, ValueError) as exc:  # e.g. a corrupt data type
+                raise Fp8OnnxError(f"Tensor {v.name!r} of {str(path)!r} is malformed ({exc}).") from None
     total = machine_memory()
     if declared > total:
         raise Fp8OnnxError(
