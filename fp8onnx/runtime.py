@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from .errors import Fp8OnnxError
 
-__all__ = ["PROVIDERS", "resolve_provider", "make_session", "session_for_model", "inline_proto"]
+__all__ = ["PROVIDERS", "resolve_provider", "make_session", "session_for_model", "inline_proto", "median_latency_ms"]
 
 logger = logging.getLogger(__name__)
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -89,3 +89,18 @@ def session_for_model(
         path = pathlib.Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")
         return make_session(path, provider, what, arena=arena)
+
+
+def median_latency_ms(session: ort.InferenceSession, feed: dict, *, warmup: int = 3, runs: int = 20) -> float:
+    """Median wall time of ``session.run`` on ``feed`` after ``warmup`` runs, in milliseconds."""
+    import time
+
+    for _ in range(warmup):
+        session.run(None, feed)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e3 * times[len(times) // 2]

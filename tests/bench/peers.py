@@ -22,7 +22,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -84,20 +83,9 @@ def run_child(body: str, model: str, out: str, calib: str, batch: int) -> dict:
 
 
 def latency_ms(path: str, feed: dict, runs: int = 20) -> float:
-    import onnxruntime as ort
+    from fp8onnx.runtime import make_session, median_latency_ms
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.disable_quant_qdq", "1")
-    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    for _ in range(3):
-        sess.run(None, feed)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+    return median_latency_ms(make_session(path, "cpu"), feed, runs=runs)
 
 
 def machine() -> str:

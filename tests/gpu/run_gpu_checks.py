@@ -23,7 +23,6 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -70,15 +69,9 @@ def placement(path, provider, feed, tmp):
 
 
 def latency_ms(path, provider, feed, warmup=10, runs=50):
-    sess = session(path, provider)
-    for _ in range(warmup):
-        sess.run(None, feed)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+    from fp8onnx.runtime import median_latency_ms
+
+    return median_latency_ms(session(path, provider), feed, warmup=warmup, runs=runs)
 
 
 def gemm_stack(path, d=4096, ffn=11008, blocks=2, seed=0):
