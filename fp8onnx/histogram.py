@@ -35,10 +35,6 @@ class LogHistogram:
         if positive.size:
             self.counts += np.bincount(_bin_index(positive), minlength=_NBINS)
 
-    def merge(self, other: LogHistogram) -> None:
-        self.counts += other.counts
-        self.zeros += other.zeros
-
     @staticmethod
     def edges(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lower and upper edges of the given bins."""

@@ -305,33 +305,30 @@ def quantize(
 
     calibration = _activation_stats(ir_model, act_names, config, calib, stats, batch_size, provider, progress)
     quant: dict[str, TensorQuant] = {}
+    amax: dict[str, float | np.ndarray | None] = {}  # what each scale was derived from, for the report
     targets = []
-    nodes = []
     for d in decisions:
-        tensors = []
         for index, kind in d.inputs:
             value = d.node.inputs[index]
             if value.name not in quant:
-                quant[value.name] = (
-                    _weight_quant(d.node, index, value, config)
-                    if kind == "weight"
-                    else _activation_quant(value.name, calibration, config, in_main_graph(value, ir_model))
-                )
-            tq = quant[value.name]
-            tensors.append(
-                TensorReport(
-                    value.name,
-                    kind,
-                    tq.format.value,
-                    _jsonable(tq.scale),
-                    _jsonable(_amax_of(value, kind, tq, calibration)),
-                    tq.axis,
-                )
-            )
+                if kind == "weight":
+                    quant[value.name], amax[value.name] = _weight_quant(d.node, index, value, config)
+                else:
+                    visible = in_main_graph(value, ir_model)
+                    quant[value.name] = _activation_quant(value.name, calibration, config, visible)
+                    amax[value.name] = None if calibration is None else calibration.amax.get(value.name)
             targets.append((d.node, index))
-        nodes.append(NodeReport(d.node.name, d.node.op_type, True, None, tensors))
-
     _keep_conv_bias_in_int32_range(decisions, quant)
+    nodes = [
+        NodeReport(
+            d.node.name,
+            d.node.op_type,
+            True,
+            None,
+            [_tensor_report(d.node.inputs[i].name, kind, quant, amax) for i, kind in d.inputs],
+        )
+        for d in decisions
+    ]
     shielded = _bias_overflows(decisions, quant)
     if shielded:
         ShieldBiasPass(shielded)(ir_model)
@@ -481,23 +478,22 @@ def weight_axis(node: ir.Node, index: int, rank: int) -> int | None:
     return rank - 1 if index == 1 else rank - 2
 
 
-def _weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig) -> TensorQuant:
+def _weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig):
+    """(TensorQuant, amax) of a weight: its max is read once, per tensor or per output channel."""
     fmt = config.weight_format
     # Weights know their every value: percentile/mse clip activations only, weights keep their max.
     method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
     axis = weight_axis(node, index, len(value.shape)) if config.per_channel else None
-    if axis is None:
-        scale = amax_to_scale(weight_amax(value), fmt, method, margin=config.margin, constant=config.scale)
-        return TensorQuant(fmt, scale)
     amax = weight_amax(value, axis)
+    if axis is None:
+        return TensorQuant(fmt, amax_to_scale(amax, fmt, method, margin=config.margin, constant=config.scale)), amax
     scales = np.array([amax_to_scale(a, fmt, method, margin=config.margin) for a in amax], dtype=np.float64)
-    return TensorQuant(fmt, scales, axis)
+    return TensorQuant(fmt, scales, axis), amax
 
 
-def _amax_of(value: ir.Value, kind: str, tq: TensorQuant, stats: Stats | None):
-    if kind == "weight":
-        return weight_amax(value, tq.axis)
-    return None if stats is None else stats.amax.get(value.name)
+def _tensor_report(name: str, kind: str, quant: dict[str, TensorQuant], amax: dict) -> TensorReport:
+    tq = quant[name]
+    return TensorReport(name, kind, tq.format.value, _jsonable(tq.scale), _jsonable(amax[name]), tq.axis)
 
 
 def _jsonable(x):

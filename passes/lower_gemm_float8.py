@@ -24,11 +24,13 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from ..formats import Fp8Format
+
 __all__ = ["LowerGemmFloat8Pass", "MS_DOMAIN"]
 
 logger = logging.getLogger(__name__)
 MS_DOMAIN = "com.microsoft"
-_CUDA_FP8 = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
+_CUDA_FP8 = tuple(f.ir_type for f in Fp8Format if f.cuda_ok)
 
 
 def _dq_of(value: ir.Value) -> ir.Node | None:

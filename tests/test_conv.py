@@ -78,6 +78,11 @@ def test_conv_bias_survives_ort_bias_quantization(tmp_path):
     path = cnn(tmp_path / "m.onnx", scale=1e-4, bias=[-0.13, 0.5, 2.0, -1.0])
     x = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32) * 1e-4
     np.savez(tmp_path / "d.npz", x=x)
-    fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, provider="cpu")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, provider="cpu")
     ref = run_ort(onnx.load(path), {"x": x})[0]
     assert sqnr_db(ref, run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 6)
+    # the report shows the raised weight scale the model carries, not the one before raising
+    w1 = next(t for n in report.quantized for t in n.tensors if t.name == "w1")
+    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "q.onnx").graph.initializer}
+    assert w1.scale == pytest.approx(float(inits["fp8onnx/w1/scale"]))
+    assert w1.scale > w1.amax / 448 * 1.5
