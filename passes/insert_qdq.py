@@ -37,6 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..formats import Fp8Format, dequantize, quantize
+from ..scaling import SAFE_AMAX, amax_to_scale
 
 __all__ = ["InsertQDQPass", "TensorQuant", "scale_array", "emulated_rounding", "is_quantized", "NODE_PREFIX"]
 
@@ -162,7 +163,7 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.
     is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, ir.Shape([]))
     s = b.op(
         "Where",
-        [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(1 / fmt.fmax))],
+        [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(amax_to_scale(SAFE_AMAX, fmt)))],
         f"{prefix}/finite_scale",
         _F32,
         ir.Shape([]),
