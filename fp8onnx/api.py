@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 import onnx_ir as ir
 
-from .calibration import Stats, collect_amax
+from .calibration import WEIGHT_MEMORY, Stats, collect_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
 from .model_io import check_output_path, load_model, save_model
@@ -41,6 +41,7 @@ def calibrate(
     provider: str = "auto",
     precision: str = "model",
     progress: bool = False,
+    weight_memory: int = WEIGHT_MEMORY,
 ) -> Stats:
     """Absolute maxima and |x| histograms of every float activation input of every MatMul/Gemm,
     saved to ``output`` when given."""
@@ -53,7 +54,14 @@ def calibrate(
         raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")
     # Histograms too, so that one statistics file serves every --scaling method.
     stats = collect_amax(
-        ir_model, names, calib, batch_size=batch_size, provider=provider, histograms=True, progress=progress
+        ir_model,
+        names,
+        calib,
+        batch_size=batch_size,
+        provider=provider,
+        histograms=True,
+        progress=progress,
+        weight_memory=weight_memory,
     )
     if output is not None:
         stats.save(output)

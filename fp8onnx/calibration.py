@@ -4,13 +4,15 @@ The model is instrumented with ``AddAmaxOutputsPass`` so that onnxruntime return
 absolute maximum as one scalar per batch; only a running maximum is kept. With histograms
 (percentile and mse scaling), each batch's tensor is also read once into a fixed-bin
 :class:`~fp8onnx.histogram.LogHistogram` and dropped. Memory therefore does not depend on the
-number of calibration samples. Statistics are saved as JSON (``fp8onnx calibrate``) and reused by
-``fp8onnx quantize --stats``.
+number of calibration samples. A model whose weights exceed ``weight_memory`` runs layer by layer
+(:mod:`fp8onnx.segments`), so it does not depend on the model's size either. Statistics are saved
+as JSON (``fp8onnx calibrate``) and reused by ``fp8onnx quantize --stats``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -24,14 +26,17 @@ import onnx_ir as ir
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError
 from .histogram import LogHistogram
-from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
+from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
 from .progress import progress_bar
 from .runtime import session_for_model
+from .segments import run_segmented, weight_bytes
 
 __all__ = ["Stats", "collect_amax", "weight_amax"]
 
 logger = logging.getLogger(__name__)
 STATS_VERSION = 2
+# Models with more weights than this are calibrated layer by layer (see fp8onnx.segments).
+WEIGHT_MEMORY = 512 << 20
 
 
 @dataclasses.dataclass
@@ -94,6 +99,7 @@ def weight_amax(value: ir.Value, axis: int | None = None):
 
     A weight holding NaN or Inf is corrupt (or a trap): it is refused rather than quantized."""
     arr = np.abs(value.const_value.numpy().astype(np.float32))
+    release(value.const_value)  # read once: unmap it, so a large model never sits in memory whole
     if arr.size == 0:
         return 0.0 if axis is None else np.zeros(arr.shape[axis], np.float64)
     if not np.isfinite(arr).all():
@@ -102,6 +108,30 @@ def weight_amax(value: ir.Value, axis: int | None = None):
         return float(arr.max())
     others = tuple(i for i in range(arr.ndim) if i != axis % arr.ndim)
     return arr.max(axis=others).astype(np.float64)
+
+
+class _Running:
+    """Running per-tensor maximum (NaN/Inf batches counted and skipped) and histograms."""
+
+    def __init__(self, names: list[str], histograms: bool):
+        self.amax = dict.fromkeys(names, 0.0)
+        self.nonfinite: dict[str, int] = {}
+        self.hist = {n: LogHistogram() for n in names} if histograms else {}
+
+    def add(self, name: str, amax) -> None:
+        a = float(amax)
+        if math.isfinite(a):
+            self.amax[name] = max(self.amax[name], a)
+        else:
+            self.nonfinite[name] = self.nonfinite.get(name, 0) + 1
+
+    def add_outputs(self, values: dict[str, np.ndarray]) -> None:
+        """One batch's instrumented outputs (``t + AMAX_SUFFIX``, ``t + VALUE_SUFFIX``)."""
+        for key, array in values.items():
+            if key.endswith(AMAX_SUFFIX):
+                self.add(key[: -len(AMAX_SUFFIX)], array)
+            elif key.endswith(VALUE_SUFFIX):
+                self.hist[key[: -len(VALUE_SUFFIX)]].update(array)
 
 
 def collect_amax(
@@ -113,44 +143,56 @@ def collect_amax(
     provider: str = "auto",
     histograms: bool = False,
     progress: bool = False,
+    weight_memory: int = WEIGHT_MEMORY,
 ) -> Stats:
     """Run ``model`` over ``data`` (see :func:`fp8onnx.data.as_data`): running amax per tensor, and
-    with ``histograms`` a fixed-bin histogram of |x| per tensor."""
+    with ``histograms`` a fixed-bin histogram of |x| per tensor.
+
+    A model with more than ``weight_memory`` bytes of weights is run layer by layer
+    (:mod:`fp8onnx.segments`), holding at most about that much of its weights at once."""
     names = list(dict.fromkeys(tensor_names))
     stats = Stats(amax={n: 0.0 for n in names})
     if not names:
         return stats
     instrumented = model.clone()
     AddAmaxOutputsPass(names, values=histograms)(instrumented)
-    # ORT's arena kept growing over the first batches when whole tensors are fetched for histograms
-    # (peak RSS 12% higher at 1,024 than at 128 samples on all-MiniLM-L6-v2); without it RSS is flat.
-    session = session_for_model(instrumented, provider, "The calibration model", arena=not histograms)
-    outputs = [n + AMAX_SUFFIX for n in names]
-    if histograms:
-        stats.hist = {n: LogHistogram() for n in names}
-        outputs += [n + VALUE_SUFFIX for n in names]
-    running = np.zeros(len(names), dtype=np.float64)
+    outputs = [n + AMAX_SUFFIX for n in names] + ([n + VALUE_SUFFIX for n in names] if histograms else [])
+    running = _Running(names, histograms)
     source = as_data(data, input_specs(model))
-    batches = source.batches(batch_size)
     total = source.count_batches(batch_size)
-    for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
-        try:
-            values = session.run(outputs, batch.feed)
-        except Exception as exc:  # noqa: BLE001 - ORT raises several types
-            msg = str(exc).strip().splitlines()[0]
-            raise Fp8OnnxError(f"Calibration batch {stats.num_batches} failed in onnxruntime: {msg}") from None
-        current = np.array([float(v) for v in values[: len(names)]], dtype=np.float64)
-        for name, tensor in zip(names, values[len(names) :]):
-            stats.hist[name].update(tensor)
-        bad = ~np.isfinite(current)
-        for i in np.flatnonzero(bad):
-            stats.nonfinite[names[i]] = stats.nonfinite.get(names[i], 0) + 1
-        running = np.fmax(running, np.where(bad, 0.0, current))
-        stats.num_batches += 1
-        stats.num_samples += batch.size
+
+    def counted(batches):
+        for batch in batches:
+            stats.num_batches += 1
+            stats.num_samples += batch.size
+            yield batch
+
+    batches = counted(source.batches(batch_size))
+    if weight_bytes(model) > weight_memory:
+        bar = functools.partial(progress_bar, unit="batch", enable=progress)
+        run_segmented(
+            instrumented,
+            outputs,
+            (b.feed for b in batches),
+            lambda _, values: running.add_outputs(values),
+            budget=weight_memory,
+            provider=provider,
+            progress=lambda it, n, desc: bar(it, total=n, desc=desc),
+        )
+    else:
+        # ORT's arena kept growing over the first batches when whole tensors are fetched for histograms
+        # (peak RSS 12% higher at 1,024 than at 128 samples on all-MiniLM-L6-v2); without it RSS is flat.
+        session = session_for_model(instrumented, provider, "The calibration model", arena=not histograms)
+        for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
+            try:
+                values = session.run(outputs, batch.feed)
+            except Exception as exc:  # noqa: BLE001 - ORT raises several types
+                msg = str(exc).strip().splitlines()[0]
+                raise Fp8OnnxError(f"Calibration batch {stats.num_batches - 1} failed in onnxruntime: {msg}") from None
+            running.add_outputs(dict(zip(outputs, values)))
     if stats.num_batches == 0:
         raise Fp8OnnxError("The calibration data gave no batches.")
-    stats.amax = {n: float(a) for n, a in zip(names, running)}
+    stats.amax, stats.nonfinite, stats.hist = running.amax, running.nonfinite, running.hist
     for name, count in stats.nonfinite.items():
         logger.warning("tensor %r had NaN/Inf values in %d calibration batches; they were ignored", name, count)
     zero = [n for n, a in stats.amax.items() if a == 0.0 or not math.isfinite(a)]

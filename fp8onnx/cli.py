@@ -21,6 +21,7 @@ from . import __version__
 from .api import calibrate as api_calibrate
 from .api import convert_fp16, inspect_summary
 from .api import inspect as api_inspect
+from .calibration import WEIGHT_MEMORY
 from .compare import compare as api_compare
 from .errors import Fp8OnnxError
 from .formats import Fp8Format
@@ -79,6 +80,14 @@ def main(verbose: int, debug: bool) -> None:
 
 _batch_size_option = click.option(
     "--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Samples per onnxruntime run."
+)
+_weight_memory_option = click.option(
+    "--weight-memory",
+    type=click.IntRange(min=1),
+    default=WEIGHT_MEMORY >> 20,
+    show_default=True,
+    metavar="MiB",
+    help="Calibration holds at most about this much of the weights at once; larger models run layer by layer.",
 )
 _precision_option = click.option(
     "--precision",
@@ -161,6 +170,7 @@ def _csv(ctx, param, value):
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @_batch_size_option
+@_weight_memory_option
 @_provider_option
 @click.option(
     "--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON."
@@ -190,6 +200,7 @@ def quantize(
     exclude,
     activation_matmuls,
     batch_size,
+    weight_memory,
     provider,
     report,
     check_data,
@@ -237,6 +248,7 @@ def quantize(
         provider=provider,
         report=report,
         progress=True,
+        weight_memory=weight_memory << 20,
     )
     click.echo(result.summary())
     click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
@@ -251,10 +263,11 @@ def quantize(
 @click.option("--calib", required=True, type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
 @_batch_size_option
+@_weight_memory_option
 @_provider_option
 @_precision_option
 @_run
-def calibrate(model, calib, output, batch_size, provider, precision):
+def calibrate(model, calib, output, batch_size, weight_memory, provider, precision):
     """Record activation statistics of MODEL once, for later `quantize --stats`.
 
     \b
@@ -264,7 +277,14 @@ def calibrate(model, calib, output, batch_size, provider, precision):
       fp8onnx calibrate model.onnx --calib calib.npz --precision fp16 -o stats16.json  # for --precision fp16
     """
     stats = api_calibrate(
-        model, calib, output, batch_size=batch_size, provider=provider, precision=precision, progress=True
+        model,
+        calib,
+        output,
+        batch_size=batch_size,
+        provider=provider,
+        precision=precision,
+        progress=True,
+        weight_memory=weight_memory << 20,
     )
     click.echo(
         f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "

@@ -30,8 +30,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-# Protobuf cannot serialize a message over 2 GiB; larger models keep weights in a side file.
-EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+# Models with more weights than this are written with a side file of weights (``<name>.data``),
+# tensor by tensor, instead of one protobuf held whole in memory (protobuf's own limit is 2 GiB).
+EXTERNAL_DATA_THRESHOLD = 512 << 20
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -209,7 +210,9 @@ def _save_external(
         except onnx.checker.ValidationError as exc:
             raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
         if provider is not None:
-            make_session(tmp_model, provider, f"The {what}")
+            # Without optimizations: onnxruntime's CPU EP constant-folds each weight's
+            # DequantizeLinear back to float32, and a load check must not build the float model.
+            make_session(tmp_model, provider, f"The {what}", optimize=False)
         # Data first: the model file that appears last always finds its weights beside it.
         os.replace(pathlib.Path(tmp) / data_name, parent / data_name)
         os.replace(tmp_model, out)

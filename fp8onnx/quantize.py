@@ -21,7 +21,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from . import __version__
-from .calibration import Stats, collect_amax, weight_amax
+from .calibration import WEIGHT_MEMORY, Stats, collect_amax, weight_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE, Fp8Format, parse_format
 from .model_io import check_output_path, load_model, save_model, write_text_atomic
@@ -288,13 +288,16 @@ def quantize(
     provider: str = "auto",
     report: str | os.PathLike | None = None,
     progress: bool = False,
+    weight_memory: int = WEIGHT_MEMORY,
     **options,
 ) -> QuantizeReport:
     """Quantize the MatMul/Gemm nodes of ``model`` to float8 and write the result to ``output``.
 
     ``calib`` is a ``.npz`` file, a folder of them, or an iterable of feed dicts; ``stats`` a
     statistics file from :func:`fp8onnx.calibrate` (or a :class:`Stats`) used instead of running
-    calibration. Keyword ``options`` build a :class:`QuantizeConfig` when ``config`` is not given.
+    calibration. A model with more than ``weight_memory`` bytes of weights is calibrated layer by
+    layer (see :mod:`fp8onnx.segments`). Keyword ``options`` build a :class:`QuantizeConfig` when
+    ``config`` is not given.
     """
     config = config or QuantizeConfig(**options)
     out = check_output_path(output, model)
@@ -303,7 +306,8 @@ def quantize(
     decisions, skipped = plan(ir_model, config)
     act_names = activation_tensors(decisions, ir_model)
 
-    calibration = _activation_stats(ir_model, act_names, config, calib, stats, batch_size, provider, progress)
+    run = {"batch_size": batch_size, "provider": provider, "progress": progress, "weight_memory": weight_memory}
+    calibration = _activation_stats(ir_model, act_names, config, calib, stats, run)
     quant: dict[str, TensorQuant] = {}
     amax: dict[str, float | np.ndarray | None] = {}  # what each scale was derived from, for the report
     targets = []
@@ -374,7 +378,7 @@ def quantize(
     return result
 
 
-def _activation_stats(model, names, config, calib, stats, batch_size, provider, progress) -> Stats | None:
+def _activation_stats(model, names, config, calib, stats, run: dict) -> Stats | None:
     """Calibration statistics for static activation scales, or None when none are needed."""
     if config.activations == "dynamic":
         if stats is not None or calib is not None:
@@ -398,9 +402,7 @@ def _activation_stats(model, names, config, calib, stats, batch_size, provider, 
             "Activation scales need calibration: pass --calib DATA or --stats FILE "
             "(or --activations dynamic, or --scaling constant)."
         )
-    return collect_amax(
-        model, names, calib, batch_size=batch_size, provider=provider, histograms=hist, progress=progress
-    )
+    return collect_amax(model, names, calib, histograms=hist, **run)
 
 
 def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:

@@ -43,8 +43,10 @@ def resolve_provider(provider: str) -> str:
     return provider
 
 
-def _options(provider: str, arena: bool = True) -> ort.SessionOptions:
+def _options(provider: str, arena: bool = True, optimize: bool = True) -> ort.SessionOptions:
     so = ort.SessionOptions()
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     # Without the arena a session holds about half the memory at the same speed (measured on
     # all-MiniLM-L6-v2, CPU EP): what compare needs when it keeps many sessions open at once.
@@ -55,14 +57,20 @@ def _options(provider: str, arena: bool = True) -> ort.SessionOptions:
 
 
 def make_session(
-    model: bytes | str | os.PathLike, provider: str = "auto", what: str = "model", *, arena: bool = True
+    model: bytes | str | os.PathLike,
+    provider: str = "auto",
+    what: str = "model",
+    *,
+    arena: bool = True,
+    optimize: bool = True,
 ) -> ort.InferenceSession:
-    """An InferenceSession for serialized bytes or a path; failures name ``what``."""
+    """An InferenceSession for serialized bytes or a path; failures name ``what``. ``optimize=False``
+    turns graph optimizations off (a load check that must not fold weights, see ``save_model``)."""
     provider = resolve_provider(provider)
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
     try:
-        return ort.InferenceSession(src, _options(provider, arena), providers=providers)
+        return ort.InferenceSession(src, _options(provider, arena, optimize), providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first}") from None

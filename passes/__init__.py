@@ -4,6 +4,7 @@ Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``Pas
 ``modified`` says whether the model changed; running a pass twice changes nothing the second time.
 """
 
+from ._common import release
 from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
@@ -29,4 +30,5 @@ __all__ = [
     "bias_of",
     "default_opset",
     "is_quantized",
+    "release",
 ]

@@ -1,7 +1,9 @@
 """Make a model report the absolute maximum of chosen tensors, for streaming calibration.
 
 For each tensor ``t`` this adds ``Cast<float>(ReduceMax(Abs(t), keepdims=0))`` and exposes the scalar as
-a new graph output ``t + AMAX_SUFFIX``. Calibration then fetches only these scalars from each batch:
+a new graph output ``t + AMAX_SUFFIX``. The new nodes go right after the node that computes ``t``
+(first in the graph for a graph input), so a graph cut into segments for layer-by-layer calibration
+measures each tensor in the segment that computes it. Calibration then fetches only these scalars from each batch:
 no activation leaves the session, so memory does not grow with the number of samples.
 
 With ``values=True`` the tensor itself is also exposed, cast to float32, as ``t + VALUE_SUFFIX``:
@@ -20,6 +22,8 @@ import logging
 from collections.abc import Iterable
 
 import onnx_ir as ir
+
+from ._common import insert_at_definition
 
 __all__ = ["AddAmaxOutputsPass", "AMAX_SUFFIX", "VALUE_SUFFIX"]
 
@@ -61,14 +65,16 @@ class AddAmaxOutputsPass(ir.passes.InPlacePass):
             value = values.get(name)
             if value is None:
                 raise ValueError(f"tensor {name!r} is not produced in the main graph")
+            nodes = []
             if name + AMAX_SUFFIX not in existing:
                 abs_node = ir.node("Abs", [value], name=name + "__fp8onnx_abs")
                 red = ir.node("ReduceMax", [abs_node.outputs[0]], {"keepdims": 0}, name=name + "__fp8onnx_reducemax")
-                graph.extend([abs_node, red, _float_output(graph, red.outputs[0], name + AMAX_SUFFIX)])
-                added += 1
+                nodes += [abs_node, red, _float_output(graph, red.outputs[0], name + AMAX_SUFFIX)]
             if self.values and name + VALUE_SUFFIX not in existing:
-                graph.append(_float_output(graph, value, name + VALUE_SUFFIX))
+                nodes.append(_float_output(graph, value, name + VALUE_SUFFIX))
+            if nodes:
+                insert_at_definition(value, nodes)
                 added += 1
         if added:
-            logger.debug("added %d amax outputs", added)
+            logger.debug("instrumented %d tensors", added)
         return ir.passes.PassResult(model, modified=bool(added))

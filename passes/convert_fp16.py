@@ -4,6 +4,11 @@ The conversion itself is onnxruntime's ``onnxruntime.transformers.float16`` conv
 converters we tried it is the one whose results load and run on real exported models (SPEC §7).
 It keeps ops that have no float16 kernel in float32 (its default block list) and inserts Casts.
 
+Weights held in external data are not read in: the converter is given the graph with references
+to them (it only changes a tensor's declared type when it holds no bytes), and each weight it turns
+to float16 becomes a lazy tensor, converted with the converter's own rounding when the model is
+saved. So a model larger than memory converts too.
+
 Rewrite cases:
   float32 initializers or computed values present -> converted; a new model is returned
   nothing in float32 left (already converted)     -> unchanged (``modified`` is False)
@@ -11,12 +16,15 @@ Rewrite cases:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import onnx_ir as ir
-import onnx_ir.external_data
 import onnx_ir.passes.common
-from onnxruntime.transformers.float16 import convert_float_to_float16
+from onnx import helper
+from onnxruntime.transformers import float16 as ort_float16
+
+from ._common import release
 
 __all__ = ["ConvertFloat16Pass"]
 
@@ -41,11 +49,44 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not _has_float32_compute(model):
             return ir.passes.PassResult(model.clone(), modified=False)
-        source = model.clone()
-        ir.external_data.load_to_model(source)  # the converter reads raw tensor bytes from the proto
-        proto = convert_float_to_float16(ir.to_proto(source), keep_io_types=True, disable_shape_infer=False)
+        external = {
+            name: v.const_value
+            for name, v in model.graph.initializers.items()
+            if isinstance(v.const_value, ir.ExternalTensor)
+        }
+        with _value_info_from_dims():
+            proto = ort_float16.convert_float_to_float16(
+                ir.to_proto(model), keep_io_types=True, disable_shape_infer=False
+            )
         logger.info("converted the model to float16 (inputs and outputs kept as they were)")
         converted = ir.from_proto(proto)
+        for name, source in external.items():
+            value = converted.graph.initializers[name]
+            value.const_value = _float16_of(source) if value.dtype == ir.DataType.FLOAT16 else source
         # The converter appends its input Casts at the end of the node list.
         ir.passes.common.TopologicalSortPass()(converted)
         return ir.passes.PassResult(converted, modified=True)
+
+
+def _float16_of(source: ir.ExternalTensor) -> ir.LazyTensor:
+    """``source`` in float16, computed when saved, with the converter's own clamping."""
+
+    def evaluate():
+        try:
+            return ir.tensor(ort_float16.convert_np_to_float16(source.numpy()), name=source.name)
+        finally:
+            release(source)
+
+    return ir.LazyTensor(evaluate, dtype=ir.DataType.FLOAT16, shape=source.shape, name=source.name)
+
+
+@contextlib.contextmanager
+def _value_info_from_dims():
+    """The converter builds each converted weight's type from its data; a weight left in external
+    data has none in the proto, so it is built from the declared dims (the same type)."""
+    original = ort_float16.make_value_info_from_tensor
+    ort_float16.make_value_info_from_tensor = lambda t: helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+    try:
+        yield
+    finally:
+        ort_float16.make_value_info_from_tensor = original

@@ -38,6 +38,7 @@ import onnx_ir as ir
 
 from ..formats import Fp8Format, dequantize, quantize
 from ..scaling import SAFE_AMAX, amax_to_scale
+from ._common import insert_at_definition, release
 
 __all__ = ["InsertQDQPass", "TensorQuant", "scale_array", "emulated_rounding", "is_quantized", "NODE_PREFIX"]
 
@@ -180,23 +181,16 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.
     return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
 
 
-def _lazy(name: str, dtype: ir.DataType, shape, compute) -> ir.LazyTensor:
-    return ir.LazyTensor(lambda: ir.tensor(compute(), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
+def _lazy(name: str, dtype: ir.DataType, shape, source, compute) -> ir.LazyTensor:
+    """A tensor computed from ``source`` when the model is saved; ``source`` is unmapped afterwards."""
 
+    def evaluate():
+        try:
+            return ir.tensor(compute(source.numpy()), name=name)
+        finally:
+            release(source)
 
-def _insert_at_definition(value: ir.Value, nodes: list[ir.Node]) -> None:
-    """Right after the node that computes ``value``, or first in the graph that owns it (graph inputs,
-    initializers): every consumer, in that graph or in a subgraph under it, can then read the result."""
-    producer = value.producer()
-    if producer is not None:
-        producer.graph.insert_after(producer, nodes)
-        return
-    owner = value.graph
-    first = next(iter(owner), None)
-    if first is None:
-        owner.extend(nodes)
-    else:
-        owner.insert_before(first, nodes)
+    return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
 class InsertQDQPass(ir.passes.InPlacePass):
@@ -227,7 +221,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
                         new = self._weight(builder, value, tq)
                     else:
                         new = self._activation(builder, value, tq)
-                    _insert_at_definition(value, builder.take())
+                    insert_at_definition(value, builder.take())
                     replaced[value.name] = new
                 node.replace_input_with(index, new)
                 rewired += 1
@@ -253,7 +247,8 @@ class InsertQDQPass(ir.passes.InPlacePass):
                 name,
                 value.dtype,
                 source.shape,
-                lambda: dequantize(quantize(source.numpy(), scale32, tq.format), scale32, value.dtype.numpy()),
+                source,
+                lambda w: dequantize(quantize(w, scale32, tq.format), scale32, value.dtype.numpy()),
             )
             emulated = ir.Value(name=name, const_value=tensor, shape=ir.Shape(source.shape))
             emulated.dtype = value.dtype
@@ -263,9 +258,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         q_value = ir.Value(
             name=name,
             shape=ir.Shape(source.shape),
-            const_value=_lazy(
-                name, tq.format.ir_type, source.shape, lambda: quantize(source.numpy(), scale32, tq.format)
-            ),
+            const_value=_lazy(name, tq.format.ir_type, source.shape, source, lambda w: quantize(w, scale32, tq.format)),
         )
         q_value.dtype = tq.format.ir_type
         b.graph.register_initializer(q_value)

@@ -1,0 +1,34 @@
+"""Helpers shared by the passes."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+
+def insert_at_definition(value: ir.Value, nodes: list[ir.Node]) -> None:
+    """Right after the node that computes ``value``, or first in the graph that owns it (graph inputs,
+    initializers): every consumer, in that graph or in a subgraph under it, can then read the result."""
+    producer = value.producer()
+    if producer is not None:
+        producer.graph.insert_after(producer, nodes)
+        return
+    owner = value.graph
+    first = next(iter(owner), None)
+    if first is None:
+        owner.extend(nodes)
+    else:
+        owner.insert_before(first, nodes)
+
+
+def release(tensor) -> None:
+    """Unmap a memory-mapped (external-data) tensor, so that its pages leave this process's resident
+    memory; a large model is then never resident whole. Harmless for other tensors."""
+    if isinstance(tensor, ir.ExternalTensor):
+        try:
+            tensor.release()
+        except BufferError:  # a NumPy view of it is still alive somewhere: it stays mapped
+            logger.debug("tensor %r is still referenced; left mapped", tensor.name)

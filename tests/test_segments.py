@@ -1,0 +1,127 @@
+"""Layer-by-layer calibration (fp8onnx.segments): same statistics as the whole graph, bounded weights."""
+
+import hashlib
+import pathlib
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fp8onnx
+from fp8onnx.calibration import collect_amax
+from fp8onnx.models.build_llama import build, write_data
+from fp8onnx.quantize import QuantizeConfig, activation_tensors, plan, prepare_model
+from fp8onnx.segments import split
+
+from helpers import run_ort, sqnr_db
+
+DECODER = pathlib.Path(__file__).resolve().parents[1] / "models" / "decoder"
+
+
+def _stats(model, names, weight_memory, calib=DECODER / "calib.npz", **kw):
+    return collect_amax(model, names, calib, provider="cpu", histograms=True, weight_memory=weight_memory, **kw)
+
+
+def test_split_covers_every_node_once_within_budget():
+    model, _, _ = prepare_model(DECODER / "decoder.onnx")
+    budget = 200_000
+    segments = split(model.graph, budget, [])
+    assert len(segments) > 10
+    assert [n for s in segments for n in s.nodes] == list(model.graph)
+    produced_before: set[str] = {v.name for v in model.graph.inputs}
+    for seg in segments:
+        assert seg.nbytes <= budget or len(seg.nodes) == 1
+        assert all(v.name in produced_before for v in seg.inputs)  # read from graph inputs or earlier segments
+        produced_before |= {o.name for n in seg.nodes for o in n.outputs}
+
+
+def test_layer_by_layer_statistics_equal_the_whole_graph():
+    model, _, _ = prepare_model(DECODER / "decoder.onnx")
+    names = activation_tensors(plan(model, QuantizeConfig())[0], model)
+    whole = _stats(model, names, 1 << 30)
+    layered = _stats(model, names, 100_000)  # about one weight per segment
+    assert (layered.num_batches, layered.num_samples) == (whole.num_batches, whole.num_samples)
+    for name in names:
+        assert layered.amax[name] == pytest.approx(whole.amax[name], rel=1e-6), name
+        assert np.array_equal(layered.hist[name].counts, whole.hist[name].counts), name
+
+
+def test_quantized_model_is_identical_either_way(tmp_path):
+    calib = DECODER / "calib.npz"
+    fp8onnx.quantize(DECODER / "decoder.onnx", tmp_path / "whole.onnx", calib, provider="cpu")
+    fp8onnx.quantize(DECODER / "decoder.onnx", tmp_path / "layered.onnx", calib, provider="cpu", weight_memory=50_000)
+    assert (tmp_path / "whole.onnx").read_bytes() == (tmp_path / "layered.onnx").read_bytes()
+
+
+def test_tensors_captured_by_a_subgraph_cross_the_cut(tmp_path):
+    """An If branch reads ``a``, computed by an earlier segment: it must be handed over."""
+    rng = np.random.default_rng(0)
+    branch = lambda name, op: helper.make_graph(  # noqa: E731
+        [helper.make_node(op, ["a"], [f"{name}_a"]), helper.make_node("MatMul", [f"{name}_a", "w2"], [f"{name}_y"])],
+        name,
+        [],
+        [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, ["b", 8])],
+    )
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["a"], name="first"),
+        helper.make_node(
+            "If", ["cond"], ["y"], name="if", then_branch=branch("t", "Relu"), else_branch=branch("e", "Neg")
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 8])],
+        [
+            numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w1"),
+            numpy_helper.from_array(rng.standard_normal((64, 8)).astype(np.float32), "w2"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(model, tmp_path / "if.onnx")
+    feeds = [{"x": rng.standard_normal((4, 64)).astype(np.float32), "cond": np.array(c)} for c in (True, False)]
+    ir_model, _, _ = prepare_model(tmp_path / "if.onnx")
+    whole = collect_amax(ir_model, ["x", "a"], feeds, provider="cpu", weight_memory=1 << 30)
+    layered = collect_amax(ir_model, ["x", "a"], feeds, provider="cpu", weight_memory=4096)
+    assert len(split(ir_model.graph, 4096, [])) == 2
+    assert layered.amax == pytest.approx(whole.amax, rel=1e-6)
+
+
+def test_external_data_model_layer_by_layer(tmp_path, monkeypatch):
+    """A Llama-style model with its weights in a side file, quantized segment by segment: valid
+    output, close to FP32, input untouched, no temporary files left."""
+    path = build(tmp_path / "tiny", layers=2, dim=64, heads=4, ffn=160, vocab=300)
+    write_data(tmp_path / "tiny", vocab=300, seq=16, calib=8, evals=4)
+    data_file = path.with_name(path.name + ".data")
+    before = hashlib.sha256(data_file.read_bytes()).hexdigest()
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spill))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    out = tmp_path / "q.onnx"
+    report = fp8onnx.quantize(path, out, tmp_path / "tiny" / "calib.npz", provider="cpu", weight_memory=60_000)
+    assert len(report.quantized) == 2 * 7 + 1
+    assert hashlib.sha256(data_file.read_bytes()).hexdigest() == before
+    assert list(spill.iterdir()) == []
+    q = onnx.load(out)
+    onnx.checker.check_model(q, full_check=True)
+    assert sum(t.data_type == TensorProto.FLOAT8E4M3FN for t in q.graph.initializer) == 15
+    feed = {"input_ids": np.load(tmp_path / "tiny" / "eval.npz")["input_ids"]}
+    (ref,), (got,) = run_ort(onnx.load(path), feed), run_ort(q, feed)
+    assert sqnr_db(ref, got) > 20
+
+
+def test_weights_are_unmapped_after_reading(tmp_path):
+    path = build(tmp_path / "tiny", layers=1, dim=64, heads=4, ffn=160, vocab=300)
+    model = ir.load(path)
+    from fp8onnx.calibration import weight_amax
+
+    value = model.graph.initializers["layers.0.mlp.up_proj.weight"]
+    assert weight_amax(value) > 0
+    assert value.const_value.raw is None  # the memory map is closed
