@@ -1,6 +1,7 @@
 """Accuracy of candidate models against a reference (FP32) and its FP16 baseline, on the same data.
 
-Per output, streamed batch by batch (nothing but running sums is kept):
+Per output, streamed batch by batch, one model at a time (running sums are kept; the reference's
+outputs wait on disk):
   cosine similarity of each row (vectors along the last axis): mean and min;
   relative L2 error ||c - r|| / ||r||; maximum absolute error;
   top-1 agreement (argmax over the last axis) when the output looks like logits;
@@ -14,11 +15,12 @@ relative loss within 1%.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -28,6 +30,7 @@ from .model_io import load_model
 from .passes import ConvertFloat16Pass
 from .progress import progress_bar
 from .runtime import make_session, resolve_provider, session_for_model
+from .segments import Spill
 
 __all__ = ["compare", "CompareResult", "RowResult", "LLM_RATIO", "PTQ_REL_LOSS"]
 
@@ -199,93 +202,127 @@ def compare(
     progress: bool = False,
 ) -> CompareResult:
     """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``
-    (at most about ``max_samples`` samples: whole batches until that many are seen)."""
+    (at most about ``max_samples`` samples: whole batches until that many are seen).
+
+    One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
+    batch by batch for each other model, so memory holds one session, whatever the models' size."""
     provider = resolve_provider(provider)
     ref_model = load_model(reference)
-    specs = input_specs(ref_model)
-    source = as_data(data, specs)
-    sessions = {
-        "FP32 (reference)": make_session(
-            pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False
-        )
-    }
-    paths: dict[str, str | None] = {"FP32 (reference)": str(reference)}
+    out_names = [v.name for v in ref_model.graph.outputs]
+    # name -> (path or None, builder of its session); checked up front, before the long runs
+    models: dict[str, tuple[str | None, Callable[[], object]]] = {}
     if fp16:
-        try:
-            fp16_model = ConvertFloat16Pass()(ref_model).model
-        except Exception as exc:  # noqa: BLE001 - the converter raises many types on odd graphs
-            raise Fp8OnnxError(
-                f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); rerun with --no-fp16."
-            ) from None
-        sessions["FP16"] = session_for_model(
-            fp16_model,
-            provider,
-            f"The FP16 baseline (rerun with --no-fp16 to skip it) of {str(reference)!r}",
-            arena=False,
-        )
-        paths["FP16"] = None
+        models["FP16"] = (None, lambda: _fp16_session(ref_model, reference, provider))
     for cand in candidates:
-        load_model(cand)  # a clear error for a missing or unreadable file
+        theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
         name = pathlib.Path(cand).name
-        while name in sessions:
+        while name in models or name == _REFERENCE:
             name += "'"
-        sessions[name] = make_session(pathlib.Path(cand), provider, f"Candidate model {str(cand)!r}", arena=False)
-        paths[name] = str(cand)
-    out_names = [o.name for o in sessions["FP32 (reference)"].get_outputs()]
-    for name, sess in sessions.items():
-        theirs = [o.name for o in sess.get_outputs()]
         if theirs != out_names:
             raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
-
-    stats = {name: {o: _OutputStats() for o in out_names} for name in sessions}
-    correct = {name: 0 for name in sessions}
-    labelled = 0
-    samples = batches = 0
+        models[name] = (str(cand), functools.partial(_session, cand, provider))
+    source = as_data(data, input_specs(ref_model))
     total = source.count_batches(batch_size)
     if max_samples is not None and total is not None:
         total = min(total, -(-max_samples // batch_size))
-    for batch in progress_bar(
-        source.batches(batch_size), total=total, desc="evaluating", unit="batch", enable=progress
-    ):
-        outputs = {}
-        for name, sess in sessions.items():
-            try:
-                outputs[name] = sess.run(None, batch.feed)
-            except Exception as exc:  # noqa: BLE001
-                msg = str(exc).strip().splitlines()[0]
-                raise Fp8OnnxError(f"Model {name!r} failed on batch {batches} in onnxruntime: {msg}") from None
-        ref = outputs["FP32 (reference)"]
-        label_out = None
-        if batch.labels is not None:
-            label_out = next((i for i, r in enumerate(ref) if r.ndim >= 2 and r.shape[:-1] == batch.labels.shape), None)
-            if label_out is None:
-                raise Fp8OnnxError(
-                    f"Data 'labels' of shape {batch.labels.shape} match no output's leading shape "
-                    f"({', '.join(f'{n} {r.shape}' for n, r in zip(out_names, ref))})."
-                )
-            labelled += batch.labels.size
-        for name, outs in outputs.items():
-            for o, r, c in zip(out_names, ref, outs):
-                stats[name][o].update(r, c, _looks_like_logits(o, r.shape, batch.labels))
-            if label_out is not None:
-                correct[name] += int((outs[label_out].argmax(axis=-1) == batch.labels).sum())
-        samples += batch.size
-        batches += 1
-        if max_samples is not None and samples >= max_samples:
-            break
-    if batches == 0:
-        raise Fp8OnnxError("The evaluation data gave no batches.")
 
-    rows = []
-    for name in sessions:
-        outs = {o: s.to_json() for o, s in stats[name].items()}
-        acc = correct[name] / labelled if labelled else None
-        rows.append(RowResult(name, paths[name], outs, acc))
+    spill = Spill()
+    try:
+        session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
+        ref_stats = {o: _OutputStats() for o in out_names}
+        ref_correct = labelled = samples = batches = 0
+        bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
+        for batch in bar:
+            ref = _run(session, _REFERENCE, batch.feed, batches)
+            label_out = _label_output(ref, out_names, batch.labels)
+            for o, r in zip(out_names, ref):
+                ref_stats[o].update(r, r, _looks_like_logits(o, r.shape, batch.labels))
+                spill.save(f"out/{o}", batches, r)
+            for k, v in batch.feed.items():
+                spill.save(f"in/{k}", batches, v)
+            if label_out is not None:
+                labelled += batch.labels.size
+                ref_correct += int((ref[label_out].argmax(axis=-1) == batch.labels).sum())
+                spill.save("labels", batches, batch.labels)
+            samples += batch.size
+            batches += 1
+            if max_samples is not None and samples >= max_samples:
+                break
+        del session
+        if batches == 0:
+            raise Fp8OnnxError("The evaluation data gave no batches.")
+        feed_names = list(batch.feed)
+        label_out = _label_output(ref, out_names, batch.labels)
+        rows = [RowResult(_REFERENCE, str(reference), _to_json(ref_stats), _accuracy(ref_correct, labelled))]
+        for name, (path, build) in models.items():
+            session = build()
+            stats = {o: _OutputStats() for o in out_names}
+            correct = 0
+            for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
+                outs = _run(session, name, {k: spill.load(f"in/{k}", b) for k in feed_names}, b)
+                labels = None if label_out is None else spill.load("labels", b)
+                for o, c in zip(out_names, outs):
+                    r = spill.load(f"out/{o}", b)
+                    stats[o].update(r, c, _looks_like_logits(o, r.shape, labels))
+                if labels is not None:
+                    correct += int((outs[label_out].argmax(axis=-1) == labels).sum())
+            del session
+            rows.append(RowResult(name, path, _to_json(stats), _accuracy(correct, labelled)))
+    finally:
+        spill.close()
     _headline(rows, out_names[0], fp16)
     return CompareResult(
         str(reference), str(data) if isinstance(data, (str, os.PathLike)) else "feeds", samples, batches, provider, rows
     )
+
+
+_REFERENCE = "FP32 (reference)"
+
+
+def _session(path, provider: str):
+    return make_session(pathlib.Path(path), provider, f"Candidate model {str(path)!r}", arena=False)
+
+
+def _fp16_session(ref_model, reference, provider: str):
+    try:
+        fp16_model = ConvertFloat16Pass()(ref_model).model
+    except Exception as exc:  # noqa: BLE001 - the converter raises many types on odd graphs
+        raise Fp8OnnxError(
+            f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); rerun with --no-fp16."
+        ) from None
+    return session_for_model(
+        fp16_model, provider, f"The FP16 baseline (rerun with --no-fp16 to skip it) of {str(reference)!r}", arena=False
+    )
+
+
+def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:
+    try:
+        return session.run(None, feed)
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc).strip().splitlines()[0]
+        raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {msg}") from None
+
+
+def _label_output(ref: list[np.ndarray], out_names: list[str], labels: np.ndarray | None) -> int | None:
+    """Index of the output the labels score (its leading shape is theirs), or None without labels."""
+    if labels is None:
+        return None
+    found = next((i for i, r in enumerate(ref) if r.ndim >= 2 and r.shape[:-1] == labels.shape), None)
+    if found is None:
+        raise Fp8OnnxError(
+            f"Data 'labels' of shape {labels.shape} match no output's leading shape "
+            f"({', '.join(f'{n} {r.shape}' for n, r in zip(out_names, ref))})."
+        )
+    return found
+
+
+def _to_json(stats: dict) -> dict:
+    return {o: s.to_json() for o, s in stats.items()}
+
+
+def _accuracy(correct: int, labelled: int) -> float | None:
+    return correct / labelled if labelled else None
 
 
 def _headline(rows: list[RowResult], first: str, fp16: bool) -> None:

@@ -32,7 +32,7 @@ from .errors import Fp8OnnxError
 from .passes import release
 from .runtime import make_session
 
-__all__ = ["Segment", "split", "run_segmented", "weight_bytes", "FEED_BYTES"]
+__all__ = ["Segment", "Spill", "split", "run_segmented", "weight_bytes", "FEED_BYTES"]
 
 logger = logging.getLogger(__name__)
 # Initializers this big or bigger are fed at run time (memory-mapped) rather than copied into a session.
@@ -169,8 +169,8 @@ def _segment_proto(model: ir.Model, seg: Segment, first_feed: dict[str, np.ndarr
     return proto
 
 
-class _Spill:
-    """Tensors crossing a cut, one .npy file per (tensor, batch) in a temporary folder."""
+class Spill:
+    """Arrays kept on disk between passes, one .npy file per (name, batch) in a temporary folder."""
 
     def __init__(self):
         self.root = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-segments-"))
@@ -185,7 +185,7 @@ class _Spill:
             np.save(self._path(name, batch), array, allow_pickle=False)
         except OSError as exc:
             raise Fp8OnnxError(
-                f"Cannot write calibration activations to {str(self.root)!r}: {exc.strerror or exc} "
+                f"Cannot write intermediate arrays to {str(self.root)!r}: {exc.strerror or exc} "
                 "(set TMPDIR to a folder with more space)."
             ) from None
         self.nbytes += array.nbytes
@@ -218,7 +218,7 @@ def run_segmented(
     logger.info(
         "running %d segments of at most %.1f MB of weights each", len(segments), max(s.nbytes for s in segments) / 1e6
     )
-    spill = _Spill()
+    spill = Spill()
     try:
         graph_inputs = {v.name for v in model.graph.inputs}
         num_batches = 0
