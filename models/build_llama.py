@@ -95,7 +95,7 @@ def rotary(w: _Writer, x: str, prefix: str) -> str:
 
 
 def build(
-    out: pathlib.Path, *, layers: int, dim: int, heads: int, ffn: int, vocab: int, seed: int = 0
+    out: pathlib.Path, *, layers: int, dim: int, heads: int, ffn: int, vocab: int, seed: int = 0, opset: int = OPSET
 ) -> pathlib.Path:
     """Write ``out/<name>.onnx`` and its ``.data`` file; returns the model path."""
     out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ def build(
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])],
         initializer=w.inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="fp8onnx-models")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="fp8onnx-models")
     model.ir_version = 10
     model.metadata_props.add(key="fp8onnx_sample", value=f"random weights, {w.params} parameters")
     onnx.save(model, model_path)
@@ -188,10 +188,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--opset", type=int, default=OPSET, help="18 (as torch exports) or later")
     ap.add_argument("--out", type=pathlib.Path, default=OUT)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    path = build(args.out, layers=args.layers, dim=args.dim, heads=args.heads, ffn=args.ffn, vocab=args.vocab)
+    path = build(
+        args.out, layers=args.layers, dim=args.dim, heads=args.heads, ffn=args.ffn, vocab=args.vocab, opset=args.opset
+    )
     write_data(args.out, args.vocab, args.seq, args.calib, args.eval)
     size = path.stat().st_size + path.with_name(path.name + ".data").stat().st_size
     print(f"wrote {path} ({size / 1e9:.2f} GB) and its data in {time.perf_counter() - t0:.0f} s")

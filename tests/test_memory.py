@@ -18,3 +18,25 @@ def test_calibration_memory_is_flat_in_sample_count(command, samples):
     out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, check=True).stdout
     ratio = float(re.search(r"peak RSS ratio .*: ([0-9.]+)", out).group(1))
     assert ratio <= 1.10, out
+
+
+# A model with its weights in external data, quantized layer by layer: the process never holds
+# anything near the whole FP32 model (544 MB here; the budget is 64 MiB of weights at a time).
+@pytest.mark.slow
+def test_layer_by_layer_quantize_stays_below_the_fp32_size(tmp_path):
+    from fp8onnx.models.build_llama import build, write_data
+
+    path = build(tmp_path / "m", layers=8, dim=1024, heads=8, ffn=2816, vocab=16000)
+    write_data(tmp_path / "m", vocab=16000, seq=64, calib=16, evals=2)
+    fp32 = path.stat().st_size + path.with_name(path.name + ".data").stat().st_size
+    code = (
+        "import resource, sys; from fp8onnx.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    args = ["quantize", str(path), "-o", str(tmp_path / "q.onnx"), "--calib", str(tmp_path / "m" / "calib.npz")]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args, "--weight-memory", "64"], capture_output=True, text=True, check=True
+    ).stdout
+    peak = int(out.strip().splitlines()[-1])
+    assert peak < 0.75 * fp32, (peak, fp32)

