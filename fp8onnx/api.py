@@ -14,7 +14,7 @@ import onnx_ir as ir
 from .calibration import WEIGHT_MEMORY, Stats, collect_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
-from .model_io import check_output_path, load_model, save_model
+from .model_io import EXTERNAL_META, check_output_path, load_model, save_model
 from .passes import ConvertFloat16Pass
 from .quantize import candidate_activations, prepare_model
 from .report import describe_config
@@ -71,8 +71,9 @@ def calibrate(
 def convert_fp16(model: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
     """Write the FP16 baseline of ``model`` (inputs and outputs stay as they were)."""
     out = check_output_path(output, model)
-    converted = ConvertFloat16Pass()(load_model(model)).model
-    return save_model(converted, out, what="FP16 model")
+    source = load_model(model)
+    converted = ConvertFloat16Pass()(source).model
+    return save_model(converted, out, what="FP16 model", external_data=source.meta[EXTERNAL_META])
 
 
 def inspect(model: str | os.PathLike) -> dict:

@@ -21,6 +21,7 @@ from .errors import Fp8OnnxError
 from .runtime import inline_proto, make_session
 
 __all__ = [
+    "EXTERNAL_META",
     "load_model",
     "check_external_data",
     "save_model",
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 # Models with more weights than this are written with a side file of weights (``<name>.data``),
 # tensor by tensor, instead of one protobuf held whole in memory (protobuf's own limit is 2 GiB).
 EXTERNAL_DATA_THRESHOLD = 512 << 20
+# Set by load_model: whether the model read had its weights in external data (its output keeps that form).
+EXTERNAL_META = "fp8onnx.external_data"
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -52,6 +55,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         ) from None
     _check_names(model, path)
     check_external_data(model, path)
+    model.meta[EXTERNAL_META] = any(True for _ in _external_tensors(model))
     check_memory(model, path)
     try:
         onnx.checker.check_model(str(path))
@@ -177,13 +181,22 @@ def _weight_bytes(model: ir.Model) -> int:
 
 
 def save_model(
-    model: ir.Model, out: str | os.PathLike, *, provider: str | None = "cpu", what: str = "output model"
+    model: ir.Model,
+    out: str | os.PathLike,
+    *,
+    provider: str | None = "cpu",
+    what: str = "output model",
+    external_data: bool = False,
 ) -> pathlib.Path:
     """Check ``model`` with onnx.checker and an onnxruntime session on ``provider`` (None: no session,
-    for graphs whose ops only another EP has), then write it atomically to ``out``."""
+    for graphs whose ops only another EP has), then write it atomically to ``out``: as one file, or
+    with its weights in ``<out>.data`` when ``external_data`` is set or they exceed 512 MiB.
+
+    The session is created without graph optimizations: it checks that every node loads, and on the
+    CPU EP constant folding would turn each weight's DequantizeLinear back into a float32 copy."""
     out = pathlib.Path(out)
     parent = out.resolve().parent
-    if _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+    if not external_data and _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         proto = inline_proto(model)
         try:
             onnx.checker.check_model(proto)
@@ -191,7 +204,7 @@ def save_model(
             raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
         data = proto.SerializeToString()
         if provider is not None:
-            make_session(data, provider, f"The {what}")
+            make_session(data, provider, f"The {what}", optimize=False)
         write_bytes_atomic(out, data)
         logger.info("wrote %s (%d bytes)", out, len(data))
         return out
@@ -210,8 +223,6 @@ def _save_external(
         except onnx.checker.ValidationError as exc:
             raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
         if provider is not None:
-            # Without optimizations: onnxruntime's CPU EP constant-folds each weight's
-            # DequantizeLinear back to float32, and a load check must not build the float model.
             make_session(tmp_model, provider, f"The {what}", optimize=False)
         # Data first: the model file that appears last always finds its weights beside it.
         os.replace(pathlib.Path(tmp) / data_name, parent / data_name)

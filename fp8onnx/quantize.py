@@ -24,7 +24,7 @@ from . import __version__
 from .calibration import WEIGHT_MEMORY, Stats, collect_amax, weight_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE, Fp8Format, parse_format
-from .model_io import check_output_path, load_model, save_model, write_text_atomic
+from .model_io import EXTERNAL_META, check_output_path, load_model, save_model, write_text_atomic
 from .passes import (
     ConvertFloat16Pass,
     FoldWeightTransformsPass,
@@ -253,6 +253,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     if precision not in PRECISIONS:
         raise Fp8OnnxError(f"Unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
     model = load_model(path)
+    external = model.meta[EXTERNAL_META]
     upgrade = UpgradeOpsetPass()
     steps = [
         (upgrade, None),
@@ -274,6 +275,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
         done.insert(0, f"upgraded opset {upgrade.from_version} -> {upgrade.target}")
     # Types of intermediate tensors decide what can be quantized and the scales' dtype.
     ir.passes.common.ShapeInferencePass()(model)
+    model.meta[EXTERNAL_META] = external  # ConvertFloat16Pass returns a new model
     return model, upgrade.from_version, done
 
 
@@ -353,7 +355,8 @@ def quantize(
     target_problems = check_tensorrt(ir_model) if config.target == "tensorrt" else []
     # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
     check_on = "cpu" if not (lowering and lowering.lowered) else ("cuda" if provider == "cuda" else None)
-    save_model(ir_model, out, provider=check_on)
+    # Weights that came in a side file go out in one too: written tensor by tensor, never whole.
+    save_model(ir_model, out, provider=check_on, external_data=ir_model.meta.get(EXTERNAL_META, False))
     result = QuantizeReport(
         model=str(model),
         output=str(out),

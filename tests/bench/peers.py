@@ -384,11 +384,14 @@ def markdown(r: dict) -> str:
         "|---" * (1 + len(tools) + len(peers)) + "|",
     ]
     for label, key, spec in rows:
-        cells = [_cell(r["tools"][t], key, spec) for t in tools]
+        cells = [
+            _cell(r["tools"][t], key, spec) + (" (failed)" if "error" in r["tools"][t] and key in r["tools"][t] else "")
+            for t in tools
+        ]
         ratios = []
         for p in peers:
             b = r["tools"][p]
-            ok = spec != ".2%" and a.get(key) is not None and b.get(key)
+            ok = spec != ".2%" and a.get(key) is not None and b.get(key) and "error" not in b
             ratios.append(f"{a[key] / b[key]:.2f}" if ok else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     floor = r["floor_fp32_pass"].get("wall_s")
@@ -428,6 +431,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", metavar="MODEL CALIB EVAL")
     ap.add_argument("--all", action="store_true", help="the three models of the suite")
+    ap.add_argument("--render", action="store_true", help="only rewrite DIR/summary.md from DIR/summary.json")
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     ap.add_argument("--batch-size", type=int, default=16)
@@ -447,6 +451,10 @@ def main() -> None:
         "memory_limit": args.memory_limit,
         "timeout": args.timeout,
     }
+    if args.render:
+        results = json.loads((args.out / "summary.json").read_text())
+        (args.out / "summary.md").write_text("\n".join(markdown(r) for r in results))
+        return
     if not args.all:
         if len(args.paths) != 3:
             ap.error("give MODEL CALIB EVAL, or --all")
