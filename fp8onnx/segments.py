@@ -247,11 +247,13 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
     if progress is not None:
         batches = progress(batches, num_batches, f"segment {index + 1}/{count}")
     session = None
+    weights = {}  # read once per segment: views of the memory-mapped file (or computed once, if lazy)
     for b in batches:
         feed = {v.name: spill.load(v.name, b) for v in seg.inputs}
         if session is None:
             session = make_session(_segment_proto(model, seg, feed).SerializeToString(), provider, what)
-        feed.update((v.name, v.const_value.numpy()) for v in seg.weights)
+            weights = {v.name: v.const_value.numpy() for v in seg.weights}
+        feed.update(weights)
         try:
             values = session.run(names, feed)
         except Exception as exc:  # noqa: BLE001 - ORT raises several types
@@ -262,6 +264,6 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
         for name, array in zip(names, values):
             if name in seg.later:
                 spill.save(name, b, array)
-    del session
+    del session, weights
     for v in seg.weights:
         release(v.const_value)
