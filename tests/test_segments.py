@@ -37,21 +37,27 @@ def test_split_covers_every_node_once_within_budget():
         produced_before |= {o.name for n in seg.nodes for o in n.outputs}
 
 
-def test_layer_by_layer_statistics_equal_the_whole_graph():
-    model, _, _ = prepare_model(DECODER / "decoder.onnx")
-    names = activation_tensors(plan(model, QuantizeConfig())[0], model)
+# In float16 the last bits differ (up to 9e-4 relative on the decoder; both runs deterministic, the same
+# with graph optimizations off). Presumed cause: the CPU EP runs float16 nodes it has no float16
+# kernel for in float32 and casts only at the edges of such runs, while a cut stores the crossing
+# tensor as the float16 the graph declares.
+@pytest.mark.parametrize("precision, rel", [("model", 1e-6), ("fp16", 1e-3)])
+def test_layer_by_layer_statistics_equal_the_whole_graph(precision, rel):
+    model, _, _ = prepare_model(DECODER / "decoder.onnx", precision)
+    names = activation_tensors(plan(model, QuantizeConfig(precision=precision))[0], model)
     whole = _stats(model, names, 1 << 30)
     layered = _stats(model, names, 100_000)  # about one weight per segment
     assert (layered.num_batches, layered.num_samples) == (whole.num_batches, whole.num_samples)
     for name in names:
-        assert layered.amax[name] == pytest.approx(whole.amax[name], rel=1e-6), name
-        assert np.array_equal(layered.hist[name].counts, whole.hist[name].counts), name
+        assert layered.amax[name] == pytest.approx(whole.amax[name], rel=rel), name
+        if precision == "model":
+            assert np.array_equal(layered.hist[name].counts, whole.hist[name].counts), name
 
 
 def test_quantized_model_is_identical_either_way(tmp_path):
-    calib = DECODER / "calib.npz"
-    fp8onnx.quantize(DECODER / "decoder.onnx", tmp_path / "whole.onnx", calib, provider="cpu")
-    fp8onnx.quantize(DECODER / "decoder.onnx", tmp_path / "layered.onnx", calib, provider="cpu", weight_memory=50_000)
+    calib, src = DECODER / "calib.npz", DECODER / "decoder.onnx"
+    fp8onnx.quantize(src, tmp_path / "whole.onnx", calib, provider="cpu")
+    fp8onnx.quantize(src, tmp_path / "layered.onnx", calib, provider="cpu", weight_memory=50_000)
     assert (tmp_path / "whole.onnx").read_bytes() == (tmp_path / "layered.onnx").read_bytes()
 
 
