@@ -197,12 +197,11 @@ def save_model(
     out = pathlib.Path(out)
     parent = out.resolve().parent
     if not external_data and _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
-        proto = inline_proto(model)
+        data = inline_proto(model).SerializeToString()  # serialized once: checker, session and file share it
         try:
-            onnx.checker.check_model(proto)
+            onnx.checker.check_model(data)
         except onnx.checker.ValidationError as exc:
             raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
-        data = proto.SerializeToString()
         if provider is not None:
             make_session(data, provider, f"The {what}", optimize=False)
         write_bytes_atomic(out, data)
