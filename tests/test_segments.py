@@ -131,3 +131,19 @@ def test_weights_are_unmapped_after_reading(tmp_path):
     value = model.graph.initializers["layers.0.mlp.up_proj.weight"]
     assert weight_amax(value) > 0
     assert value.const_value.raw is None  # the memory map is closed
+
+
+def test_a_full_temporary_folder_is_one_sentence(monkeypatch):
+    """Tensors crossing a cut go to TMPDIR; when it is full the error says so and where."""
+    import errno
+
+    from fp8onnx.errors import Fp8OnnxError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model, _, _ = prepare_model(DECODER / "decoder.onnx")
+    names = activation_tensors(plan(model, QuantizeConfig())[0], model)
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(Fp8OnnxError, match=r"Cannot write intermediate arrays to .*No space left on device.*TMPDIR"):
+        collect_amax(model, names, DECODER / "calib.npz", provider="cpu", weight_memory=100_000)
