@@ -28,8 +28,8 @@ from .errors import Fp8OnnxError
 from .histogram import LogHistogram
 from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
 from .progress import progress_bar
-from .runtime import session_for_model
-from .segments import run_segmented, weight_bytes
+from .runtime import session_for_model, weight_bytes
+from .segments import run_segmented
 
 __all__ = ["Stats", "collect_amax", "weight_amax"]
 

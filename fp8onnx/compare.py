@@ -252,7 +252,6 @@ def compare(
         if batches == 0:
             raise Fp8OnnxError("The evaluation data gave no batches.")
         feed_names = list(batch.feed)
-        label_out = _label_output(ref, out_names, batch.labels)
         rows = [RowResult(_REFERENCE, str(reference), _to_json(ref_stats), _accuracy(ref_correct, labelled))]
         for name, (path, build) in models.items():
             session = build()

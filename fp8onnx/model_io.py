@@ -18,7 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from .errors import Fp8OnnxError
-from .runtime import inline_proto, make_session
+from .runtime import inline_proto, make_session, weight_bytes
 
 __all__ = [
     "EXTERNAL_META",
@@ -176,10 +176,6 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> pat
     return out
 
 
-def _weight_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-
-
 def save_model(
     model: ir.Model,
     out: str | os.PathLike,
@@ -196,7 +192,7 @@ def save_model(
     CPU EP constant folding would turn each weight's DequantizeLinear back into a float32 copy."""
     out = pathlib.Path(out)
     parent = out.resolve().parent
-    if not external_data and _weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+    if not external_data and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         data = inline_proto(model).SerializeToString()  # serialized once: checker, session and file share it
         try:
             onnx.checker.check_model(data)

@@ -18,7 +18,15 @@ import onnxruntime as ort
 
 from .errors import Fp8OnnxError
 
-__all__ = ["PROVIDERS", "resolve_provider", "make_session", "session_for_model", "inline_proto", "median_latency_ms"]
+__all__ = [
+    "PROVIDERS",
+    "resolve_provider",
+    "make_session",
+    "session_for_model",
+    "inline_proto",
+    "median_latency_ms",
+    "weight_bytes",
+]
 
 logger = logging.getLogger(__name__)
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -86,12 +94,16 @@ def inline_proto(model: ir.Model):
     return ir.to_proto(clone)
 
 
+def weight_bytes(model: ir.Model) -> int:
+    """Bytes of the main graph's initializers."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
 def session_for_model(
     model: ir.Model, provider: str = "auto", what: str = "model", *, arena: bool = True
 ) -> ort.InferenceSession:
     """A session for an in-memory model; large models go through a temporary file."""
-    size = sum(t.const_value.nbytes for t in model.graph.initializers.values() if t.const_value is not None)
-    if size < _INLINE_LIMIT:
+    if weight_bytes(model) < _INLINE_LIMIT:
         return make_session(inline_proto(model).SerializeToString(), provider, what, arena=arena)
     with tempfile.TemporaryDirectory(prefix="fp8onnx-") as tmp:
         path = pathlib.Path(tmp) / "model.onnx"

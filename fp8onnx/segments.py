@@ -32,7 +32,7 @@ from .errors import Fp8OnnxError
 from .passes import release
 from .runtime import make_session
 
-__all__ = ["Segment", "Spill", "split", "run_segmented", "weight_bytes", "FEED_BYTES"]
+__all__ = ["Segment", "Spill", "split", "run_segmented", "FEED_BYTES"]
 
 logger = logging.getLogger(__name__)
 # Initializers this big or bigger are fed at run time (memory-mapped) rather than copied into a session.
@@ -47,11 +47,6 @@ _FEEDABLE = {
     ir.DataType.INT32,
     ir.DataType.INT64,
 }
-
-
-def weight_bytes(model: ir.Model) -> int:
-    """Bytes of the main graph's initializers."""
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
 @dataclasses.dataclass

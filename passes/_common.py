@@ -24,6 +24,19 @@ def insert_at_definition(value: ir.Value, nodes: list[ir.Node]) -> None:
         owner.insert_before(first, nodes)
 
 
+def derived_tensor(source, compute, dtype: ir.DataType, shape, name: str) -> ir.LazyTensor:
+    """``compute(source as NumPy)``, evaluated only when the model is saved (one tensor at a time);
+    ``source`` is unmapped right after, so a large model is never resident whole."""
+
+    def evaluate():
+        try:
+            return ir.tensor(compute(source.numpy()), name=name)
+        finally:
+            release(source)
+
+    return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+
 def release(tensor) -> None:
     """Unmap a memory-mapped (external-data) tensor, so that its pages leave this process's resident
     memory; a large model is then never resident whole. Harmless for other tensors."""

@@ -3,8 +3,8 @@
 For each tensor ``t`` this adds ``Cast<float>(ReduceMax(Abs(t), keepdims=0))`` and exposes the scalar as
 a new graph output ``t + AMAX_SUFFIX``. The new nodes go right after the node that computes ``t``
 (first in the graph for a graph input), so a graph cut into segments for layer-by-layer calibration
-measures each tensor in the segment that computes it. Calibration then fetches only these scalars from each batch:
-no activation leaves the session, so memory does not grow with the number of samples.
+measures each tensor in the segment that computes it. Calibration then fetches only these scalars
+from each batch: no activation leaves the session, so memory does not grow with the number of samples.
 
 With ``values=True`` the tensor itself is also exposed, cast to float32, as ``t + VALUE_SUFFIX``:
 histogram calibration (percentile, mse) reads one batch of it at a time and keeps only counts.

@@ -24,7 +24,7 @@ import onnx_ir.passes.common
 from onnx import helper
 from onnxruntime.transformers import float16 as ort_float16
 
-from ._common import release
+from ._common import derived_tensor
 
 __all__ = ["ConvertFloat16Pass"]
 
@@ -62,22 +62,14 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
         converted = ir.from_proto(proto)
         for name, source in external.items():
             value = converted.graph.initializers[name]
-            value.const_value = _float16_of(source) if value.dtype == ir.DataType.FLOAT16 else source
+            if value.dtype == ir.DataType.FLOAT16:  # converted: done when saved, with the converter's clamping
+                source = derived_tensor(
+                    source, ort_float16.convert_np_to_float16, ir.DataType.FLOAT16, source.shape, source.name
+                )
+            value.const_value = source
         # The converter appends its input Casts at the end of the node list.
         ir.passes.common.TopologicalSortPass()(converted)
         return ir.passes.PassResult(converted, modified=True)
-
-
-def _float16_of(source: ir.ExternalTensor) -> ir.LazyTensor:
-    """``source`` in float16, computed when saved, with the converter's own clamping."""
-
-    def evaluate():
-        try:
-            return ir.tensor(ort_float16.convert_np_to_float16(source.numpy()), name=source.name)
-        finally:
-            release(source)
-
-    return ir.LazyTensor(evaluate, dtype=ir.DataType.FLOAT16, shape=source.shape, name=source.name)
 
 
 @contextlib.contextmanager

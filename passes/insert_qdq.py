@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from ..formats import Fp8Format, dequantize, quantize
 from ..scaling import SAFE_AMAX, amax_to_scale
-from ._common import insert_at_definition, release
+from ._common import derived_tensor, insert_at_definition
 
 __all__ = ["InsertQDQPass", "TensorQuant", "scale_array", "emulated_rounding", "is_quantized", "NODE_PREFIX"]
 
@@ -181,18 +181,6 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.
     return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
 
 
-def _lazy(name: str, dtype: ir.DataType, shape, source, compute) -> ir.LazyTensor:
-    """A tensor computed from ``source`` when the model is saved; ``source`` is unmapped afterwards."""
-
-    def evaluate():
-        try:
-            return ir.tensor(compute(source.numpy()), name=name)
-        finally:
-            release(source)
-
-    return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
-
-
 class InsertQDQPass(ir.passes.InPlacePass):
     def __init__(self, targets: Iterable[tuple[ir.Node | str, int]], quant: Mapping[str, TensorQuant]):
         """``targets``: (node or node name, input index) pairs, in the main graph or in subgraphs;
@@ -243,12 +231,12 @@ class InsertQDQPass(ir.passes.InPlacePass):
         scale32 = scale_b.astype(np.float32)
         if not tq.format.deployable:
             name = f"{NODE_PREFIX}{value.name}/{tq.format.value}_emulated"
-            tensor = _lazy(
-                name,
-                value.dtype,
-                source.shape,
+            tensor = derived_tensor(
                 source,
                 lambda w: dequantize(quantize(w, scale32, tq.format), scale32, value.dtype.numpy()),
+                value.dtype,
+                source.shape,
+                name,
             )
             emulated = ir.Value(name=name, const_value=tensor, shape=ir.Shape(source.shape))
             emulated.dtype = value.dtype
@@ -258,7 +246,9 @@ class InsertQDQPass(ir.passes.InPlacePass):
         q_value = ir.Value(
             name=name,
             shape=ir.Shape(source.shape),
-            const_value=_lazy(name, tq.format.ir_type, source.shape, source, lambda w: quantize(w, scale32, tq.format)),
+            const_value=derived_tensor(
+                source, lambda w: quantize(w, scale32, tq.format), tq.format.ir_type, source.shape, name
+            ),
         )
         q_value.dtype = tq.format.ir_type
         b.graph.register_initializer(q_value)
