@@ -14,7 +14,8 @@ import onnx_ir as ir
 from .calibration import WEIGHT_MEMORY, Stats, collect_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
-from .model_io import EXTERNAL_META, check_output_path, load_model, save_model
+from .guard import as_path, check_paths, model_reads, model_writes
+from .model_io import EXTERNAL_META, load_model, save_model
 from .passes import ConvertFloat16Pass
 from .quantize import candidate_activations, prepare_model
 from .report import describe_config
@@ -45,8 +46,11 @@ def calibrate(
 ) -> Stats:
     """Absolute maxima and |x| histograms of every float activation input of every MatMul/Gemm,
     saved to ``output`` when given."""
-    if output is not None:
-        check_output_path(output, model)
+    reads = model_reads("the input model", model)
+    check_paths(
+        reads + [("the calibration data", as_path(calib))],
+        [("the statistics file", output)],
+    )
     provider = resolve_provider(provider)
     ir_model, _, _ = prepare_model(model, precision)
     names = candidate_activations(ir_model)
@@ -70,7 +74,8 @@ def calibrate(
 
 def convert_fp16(model: str | os.PathLike, output: str | os.PathLike) -> pathlib.Path:
     """Write the FP16 baseline of ``model`` (inputs and outputs stay as they were)."""
-    out = check_output_path(output, model)
+    check_paths(model_reads("the input model", model), model_writes("the output model", output))
+    out = pathlib.Path(output)
     source = load_model(model)
     converted = ConvertFloat16Pass()(source).model
     return save_model(converted, out, what="FP16 model", external_data=source.meta[EXTERNAL_META])

@@ -1,7 +1,9 @@
 """The ``fp8onnx`` command line: a thin layer over the Python API that prints and sets exit codes.
 
 Exit codes: 0 success; 2 bad usage or bad input (one sentence naming the file, tensor or node);
-1 an internal error (a bug: run with --debug for the traceback, and report it).
+1 an internal error (a bug: run with --debug for the traceback, and report it); 128 + N when
+stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP). SIGTERM and SIGHUP unwind like Ctrl-C,
+so every temporary file and spill folder is removed and a previous output stays as it was.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import logging
 import math
 import pathlib
+import signal
 import sys
 import tempfile
 import time
@@ -25,7 +28,9 @@ from .calibration import WEIGHT_MEMORY
 from .compare import compare as api_compare
 from .errors import Fp8OnnxError
 from .formats import Fp8Format
+from .guard import check_paths, model_reads, model_writes
 from .model_io import write_text_atomic
+from .progress import close_all
 from .quantize import DEFAULT_OP_TYPES, QuantizeConfig
 from .quantize import quantize as api_quantize
 from .runtime import PROVIDERS
@@ -33,6 +38,35 @@ from .scaling import Scaling
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM/SIGHUP: the stack unwinds as on Ctrl-C (finally blocks and
+    context managers remove temporary files), then the command exits with 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    # Further TERM/HUP would interrupt the cleanup that is about to run; it is short, so they wait.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+def _install_signal_handlers(ctx: click.Context) -> None:
+    """SIGTERM (timeout, docker stop, CI, Slurm) and SIGHUP get the cleanup Ctrl-C gets, unless the
+    embedding program installed handlers of its own; the previous handlers return when the command ends."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous = signal.getsignal(sig)
+            if previous == signal.SIG_DFL:
+                signal.signal(sig, _stop)
+                ctx.call_on_close(lambda sig=sig, previous=previous: signal.signal(sig, previous))
+        except ValueError:  # not the main thread: leave it
+            pass
 
 
 def _run(fn):
@@ -44,14 +78,16 @@ def _run(fn):
         debug = ctx.find_root().params.get("debug", False)
         try:
             return fn(*args, **kwargs)
-        except Fp8OnnxError as exc:
-            click.echo(f"fp8onnx: error: {exc}", err=True)
-            ctx.exit(2)
-        except KeyboardInterrupt:
-            click.echo("fp8onnx: interrupted", err=True)
-            ctx.exit(130)
-        except Exception as exc:  # noqa: BLE001 - last line of defence for the user
-            if debug:
+        except BaseException as exc:
+            close_all()  # a bar the error left mid-way would share the message's line
+            if isinstance(exc, Fp8OnnxError):
+                click.echo(f"fp8onnx: error: {exc}", err=True)
+                ctx.exit(2)
+            if isinstance(exc, KeyboardInterrupt):
+                signum = getattr(exc, "signum", signal.SIGINT)
+                click.echo(f"fp8onnx: interrupted ({signal.Signals(signum).name})", err=True)
+                ctx.exit(128 + signum)
+            if debug or not isinstance(exc, Exception):  # click's own exits pass through
                 raise
             click.echo(
                 f"fp8onnx: internal error: {type(exc).__name__}: {exc} (rerun with --debug and report it)", err=True
@@ -74,6 +110,7 @@ def main(verbose: int, debug: bool) -> None:
       fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
       fp8onnx compare model.onnx model.fp8.onnx --data eval.npz
     """
+    _install_signal_handlers(click.get_current_context())
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
@@ -221,6 +258,10 @@ def quantize(
     """
     if calib and stats:
         raise Fp8OnnxError("Give either --calib or --stats, not both.")
+    # The library guards what it reads itself; --check's data is read only here.
+    check_paths(
+        [("the evaluation data", check_data)], model_writes("the output model", output) + [("the report", report)]
+    )
     config = QuantizeConfig(
         format=fmt,
         weight_format=weight_format,
@@ -311,6 +352,10 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
     Example:
       fp8onnx compare model.onnx model.fp8.onnx model.pow2.onnx --data eval.npz --json cmp.json
     """
+    reads = model_reads("the reference model", reference)
+    for cand in candidates:
+        reads += model_reads(f"the candidate model {cand!r}", cand)
+    check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out)])
     result = api_compare(
         reference, candidates, data, fp16=not no_fp16, batch_size=batch_size, provider=provider, progress=True
     )
@@ -340,11 +385,16 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
     Example:
       fp8onnx study model.onnx --calib calib.npz --data eval.npz --json study.json --csv study.csv --plot plots/
     """
+    from .study import PLOT_FILES, write_outputs, write_plots
     from .study import study as run_study
-    from .study import write_outputs, write_plots
 
     if plot_dir and not pathlib.Path(plot_dir).is_dir():
         raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
+    plots = [(f"the plot {name}", pathlib.Path(plot_dir) / name) for name in PLOT_FILES] if plot_dir else []
+    check_paths(
+        model_reads("the input model", model) + [("the calibration data", calib), ("the evaluation data", data)],
+        [("the JSON output", json_out), ("the CSV output", csv_out), *plots],
+    )
     t0 = time.perf_counter()
     result = run_study(
         model, calib, data, batch_size=batch_size, max_samples=max_samples, provider=provider, progress=True
@@ -372,6 +422,10 @@ def inspect(model, as_json, plot_dir):
       fp8onnx inspect model.fp8.onnx --json > info.json
       fp8onnx inspect model.fp8.onnx --plot plots/
     """
+    if plot_dir:
+        check_paths(
+            model_reads("the input model", model), [("the plot", pathlib.Path(plot_dir) / "scale_exponents.png")]
+        )
     info = api_inspect(model)
     click.echo(json.dumps(info, indent=1) if as_json else inspect_summary(info))
     if plot_dir:

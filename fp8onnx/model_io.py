@@ -18,6 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from .errors import Fp8OnnxError
+from .guard import side_file
 from .runtime import inline_proto, make_session, weight_bytes
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "load_model",
     "check_external_data",
     "save_model",
-    "check_output_path",
     "write_bytes_atomic",
     "write_text_atomic",
 ]
@@ -159,23 +159,6 @@ def _inside(candidate: str | os.PathLike, folder: pathlib.Path) -> bool:
     return candidate == base or candidate.startswith(base.rstrip(os.sep) + os.sep)
 
 
-def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> pathlib.Path:
-    """Refuse an output path that is an input, or whose folder is missing or not writable."""
-    out = pathlib.Path(out)
-    for src in inputs:
-        src = pathlib.Path(src)
-        if out.resolve() == src.resolve() or (out.exists() and src.exists() and os.path.samefile(out, src)):
-            raise Fp8OnnxError(f"Output path {str(out)!r} is the input model; choose another path.")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        raise Fp8OnnxError(f"Output folder {str(parent)!r} does not exist.")
-    if not os.access(parent, os.W_OK):
-        raise Fp8OnnxError(f"Output folder {str(parent)!r} is not writable.")
-    if out.is_dir():
-        raise Fp8OnnxError(f"Output path {str(out)!r} is a folder; give a file name.")
-    return out
-
-
 def save_model(
     model: ir.Model,
     out: str | os.PathLike,
@@ -209,7 +192,7 @@ def save_model(
 def _save_external(
     model: ir.Model, out: pathlib.Path, parent: pathlib.Path, provider: str | None, what: str
 ) -> pathlib.Path:
-    data_name = out.name + ".data"
+    data_name = side_file(out).name
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=parent) as tmp:
         tmp_model = pathlib.Path(tmp) / out.name
         ir.save(model, tmp_model, external_data=data_name)

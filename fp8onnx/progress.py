@@ -6,6 +6,7 @@ may lack it: then there is simply no bar.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -15,6 +16,7 @@ except ImportError:  # pragma: no cover - exercised only where tqdm is missing
     tqdm = None
 
 T = TypeVar("T")
+_open = weakref.WeakSet()  # bars whose loop has not ended (an error may have left it mid-way)
 
 
 def progress_bar(items: Iterable[T], *, total: int | None, desc: str, unit: str, enable: bool) -> Iterator[T]:
@@ -22,4 +24,11 @@ def progress_bar(items: Iterable[T], *, total: int | None, desc: str, unit: str,
         yield from items
         return
     with tqdm(items, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True) as bar:
+        _open.add(bar)
         yield from bar
+
+
+def close_all() -> None:
+    """Clear every bar still on screen, so that a message printed next starts on a clean line."""
+    for bar in list(_open):
+        bar.close()

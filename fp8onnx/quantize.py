@@ -24,7 +24,8 @@ from . import __version__
 from .calibration import WEIGHT_MEMORY, Stats, collect_amax, weight_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE, Fp8Format, parse_format
-from .model_io import EXTERNAL_META, check_output_path, load_model, save_model, write_text_atomic
+from .guard import as_path, check_paths, model_reads, model_writes, side_file
+from .model_io import EXTERNAL_META, load_model, save_model, write_text_atomic
 from .passes import (
     ConvertFloat16Pass,
     FoldWeightTransformsPass,
@@ -302,7 +303,12 @@ def quantize(
     ``config`` is not given.
     """
     config = config or QuantizeConfig(**options)
-    out = check_output_path(output, model)
+    check_paths(
+        model_reads("the input model", model)
+        + [("the calibration data", as_path(calib)), ("the statistics file", as_path(stats))],
+        model_writes("the output model", output) + [("the report", report)],
+    )
+    out = pathlib.Path(output)
     provider = resolve_provider(provider)
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
     decisions, skipped = plan(ir_model, config)
@@ -507,5 +513,5 @@ def _jsonable(x):
 
 def _file_size(path) -> int:
     path = pathlib.Path(path)
-    data = path.with_name(path.name + ".data")
+    data = side_file(path)
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)

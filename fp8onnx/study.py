@@ -224,13 +224,14 @@ def write_outputs(result: StudyResult, json_path=None, csv_path=None) -> None:
         write_text_atomic(csv_path, result.to_csv())
 
 
+PLOT_FILES = ("constant_scale_window.png", "scale_exponents.png")
+
+
 def write_plots(result: StudyResult, folder: str | os.PathLike) -> list[pathlib.Path]:
     """Accuracy against constant scale (the paper's window) and the per-tensor scale exponents."""
     const = sorted((r.config["scale"], r.value) for r in result.rows if r.group == "constant" and r.value is not None)
     amax = next((r.value for r in result.rows if r.label == "e4m3fn amax"), None)
     return [
-        plots.constant_window(
-            const, amax, result.fp16, result.metric, pathlib.Path(folder) / "constant_scale_window.png"
-        ),
-        plots.scale_exponents(result.scale_exponents, pathlib.Path(folder) / "scale_exponents.png"),
+        plots.constant_window(const, amax, result.fp16, result.metric, pathlib.Path(folder) / PLOT_FILES[0]),
+        plots.scale_exponents(result.scale_exponents, pathlib.Path(folder) / PLOT_FILES[1]),
     ]

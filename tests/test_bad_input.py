@@ -204,7 +204,7 @@ CASES = [
     (
         "output is the input",
         ["quantize", "{t}/m.onnx", "-o", "{t}/m.onnx", "--calib", "{t}/d.npz"],
-        "is the input model",
+        "would overwrite the input model",
     ),
     (
         "output folder missing",
@@ -219,7 +219,7 @@ CASES = [
     (
         "stats output is the input",
         ["calibrate", "{t}/m.onnx", "--calib", "{t}/d.npz", "-o", "{t}/m.onnx"],
-        "is the input model",
+        "would overwrite the input model",
     ),
     # options
     ("unknown format", QC + ["--format", "e3m5"], "Invalid value for '--format'"),

@@ -65,7 +65,7 @@ def test_quantize_compare_inspect_fp16_calibrate(tmp_path):
     [
         (["quantize", "{m}", "-o", "{t}/q.onnx"], "Activation scales need calibration"),
         (["quantize", "{t}/none.onnx", "--calib", "{d}", "-o", "{t}/q.onnx"], "none.onnx' does not exist"),
-        (["quantize", "{m}", "--calib", "{d}", "-o", "{m}"], "is the input model"),
+        (["quantize", "{m}", "--calib", "{d}", "-o", "{m}"], "would overwrite the input model"),
         (["quantize", "{m}", "--calib", "{t}/none.npz", "-o", "{t}/q.onnx"], "none.npz' does not exist"),
         (["quantize", "{m}", "--calib", "{d}", "--stats", "{d}", "-o", "{t}/q.onnx"], "either --calib or --stats"),
         (["quantize", "{m}", "--scaling", "constant", "-o", "{t}/q.onnx"], "needs a positive finite --scale"),

@@ -190,7 +190,7 @@ def test_bad_options(mlp, tmp_path, kwargs, message):
 
 def test_bad_paths(mlp, tmp_path):
     path, data = mlp
-    with pytest.raises(Fp8OnnxError, match="is the input model"):
+    with pytest.raises(Fp8OnnxError, match="would overwrite the input model"):
         fp8onnx.quantize(path, path, data)
     with pytest.raises(Fp8OnnxError, match="Output folder .* does not exist"):
         fp8onnx.quantize(path, tmp_path / "nope" / "q.onnx", data)
