@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError
-from .histogram import LogHistogram
+from .histogram import NUM_BINS, LogHistogram
 from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
 from .progress import progress_bar
 from .runtime import session_for_model, weight_bytes
@@ -66,32 +66,77 @@ class Stats:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Stats:
+        """Read a statistics file, validated against its schema before anything is built from it:
+        every problem is one sentence with the key path (e.g. ``amax['x']``)."""
         path = pathlib.Path(path)
+        where = f"Statistics file {str(path)!r}"
+        if path.exists() and not path.is_file():
+            raise Fp8OnnxError(f"{where} is not a regular file.")
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise Fp8OnnxError(f"Statistics file {str(path)!r} does not exist.") from None
+            raise Fp8OnnxError(f"{where} does not exist.") from None
+        except RecursionError:
+            raise Fp8OnnxError(f"{where} is not readable JSON (nested too deeply).") from None
         except (OSError, ValueError) as exc:
-            raise Fp8OnnxError(f"Statistics file {str(path)!r} is not readable JSON ({exc}).") from None
+            raise Fp8OnnxError(f"{where} is not readable JSON ({exc}).") from None
         if not isinstance(doc, dict) or doc.get("fp8onnx_stats_version") != STATS_VERSION:
-            raise Fp8OnnxError(f"Statistics file {str(path)!r} was not written by `fp8onnx calibrate`.")
-        amax = doc.get("amax")
-        if not isinstance(amax, dict) or not all(isinstance(v, (int, float)) for v in amax.values()):
-            raise Fp8OnnxError(f"Statistics file {str(path)!r} has no valid 'amax' table.")
+            raise Fp8OnnxError(f"{where} was not written by `fp8onnx calibrate`.")
+        check = _Schema(where)
+        amax = check.mapping(doc, "amax", check.amax, required=True)
         return cls(
-            amax={str(k): float(v) for k, v in amax.items()},
-            num_batches=int(doc.get("num_batches", 0)),
-            num_samples=int(doc.get("num_samples", 0)),
-            nonfinite={str(k): int(v) for k, v in doc.get("nonfinite_batches", {}).items()},
-            hist=_load_histograms(doc.get("histograms", {}), path),
+            amax=amax,
+            num_batches=check.count(doc, "num_batches"),
+            num_samples=check.count(doc, "num_samples"),
+            nonfinite=check.mapping(doc, "nonfinite_batches", check.count_value),
+            hist=check.mapping(doc, "histograms", check.histogram),
         )
 
 
-def _load_histograms(doc, path: pathlib.Path) -> dict[str, LogHistogram]:
-    try:
-        return {str(k): LogHistogram.from_json(v) for k, v in doc.items()}
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise Fp8OnnxError(f"Statistics file {str(path)!r} has a malformed histogram ({exc}).") from None
+class _Schema:
+    """Type checks of a statistics document; errors name the file and the key path."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, key: str, what: str, value) -> None:
+        shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+        raise Fp8OnnxError(f"{self.where}: {key} must be {what}, got {shown[:60]}.")
+
+    def count_value(self, value, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.fail(key, "a non-negative integer", value)
+        return value
+
+    def count(self, doc: dict, key: str) -> int:
+        return self.count_value(doc.get(key, 0), key)
+
+    def amax(self, value, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            self.fail(key, "a finite non-negative number", value)
+        return float(value)
+
+    def histogram(self, value, key: str) -> LogHistogram:
+        if not isinstance(value, dict):
+            self.fail(key, "a mapping with zeros, bins and counts", value)
+        self.count_value(value.get("zeros"), f"{key}['zeros']")
+        bins, counts = value.get("bins"), value.get("counts")
+        for name, items in (("bins", bins), ("counts", counts)):
+            if not isinstance(items, list):
+                self.fail(f"{key}[{name!r}]", "a list of integers", items)
+            for i, item in enumerate(items):
+                self.count_value(item, f"{key}[{name!r}][{i}]")
+        if len(bins) != len(counts):
+            self.fail(f"{key}['counts']", f"as long as {key}['bins'] ({len(bins)})", len(counts))
+        if any(b >= NUM_BINS for b in bins) or len(set(bins)) != len(bins):
+            self.fail(f"{key}['bins']", f"distinct bin indices below {NUM_BINS}", max(bins))
+        return LogHistogram.from_json(value)
+
+    def mapping(self, doc: dict, key: str, item, required: bool = False) -> dict:
+        value = doc.get(key, None if required else {})
+        if not isinstance(value, dict):
+            self.fail(key, "a mapping of tensor name to value", value)
+        return {str(k): item(v, f"{key}[{k!r}]") for k, v in value.items()}
 
 
 def weight_amax(value: ir.Value, axis: int | None = None):

@@ -26,7 +26,7 @@ from .api import convert_fp16, inspect_summary
 from .api import inspect as api_inspect
 from .calibration import WEIGHT_MEMORY
 from .compare import compare as api_compare
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
 from .model_io import write_text_atomic
@@ -81,7 +81,7 @@ def _run(fn):
         except BaseException as exc:
             close_all()  # a bar the error left mid-way would share the message's line
             if isinstance(exc, Fp8OnnxError):
-                click.echo(f"fp8onnx: error: {exc}", err=True)
+                click.echo(f"fp8onnx: error: {printable(exc)}", err=True)
                 ctx.exit(2)
             if isinstance(exc, KeyboardInterrupt):
                 signum = getattr(exc, "signum", signal.SIGINT)
@@ -111,8 +111,42 @@ def main(verbose: int, debug: bool) -> None:
       fp8onnx compare model.onnx model.fp8.onnx --data eval.npz
     """
     _install_signal_handlers(click.get_current_context())
+    _configure_logging(click.get_current_context(), verbose, debug)
+
+
+# Libraries whose warnings concern their own steps (e.g. onnx_ir: "shape inference failed", with a
+# traceback), not the user's result: shown from -v on, one line each like fp8onnx's own.
+_THIRD_PARTY = ("onnx_ir", "onnxscript", "onnx", "onnxruntime")
+
+
+class _OneLine(logging.Formatter):
+    """``LEVEL logger: first line of the message``; tracebacks only with --debug."""
+
+    def __init__(self, debug: bool):
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.debug:
+            return super().format(record)
+        lines = record.getMessage().strip().splitlines()
+        return f"{record.levelname} {record.name}: {printable(lines[0] if lines else '')}"
+
+
+def _configure_logging(ctx: click.Context, verbose: int, debug: bool) -> None:
+    """One handler on the root logger for the command's duration (removed when it ends)."""
     level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(debug))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    ctx.call_on_close(lambda: root.removeHandler(handler))
+    root.setLevel(level)
+    for name in _THIRD_PARTY:
+        logging.getLogger(name).setLevel(level if verbose or debug else logging.ERROR)
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3 if verbose < 2 else 2)  # its C++ warnings go to stderr directly
 
 
 _batch_size_option = click.option(

@@ -10,7 +10,14 @@ Two layouts, told apart by each array's rank against the model input's declared 
 
 ``labels`` travels with the batches (for task accuracy in compare); keys starting with ``_`` are
 free metadata; any other key that is not a model input is ignored with a log note.
-Files are opened with ``allow_pickle=False``: object arrays are refused, never unpickled.
+A plain ``.npy`` file is accepted for a model with one input: it is that input's array.
+Files are opened with ``allow_pickle=False``: object arrays are refused, never unpickled. Every
+member's header is checked against the bytes the member really holds before anything is read, so a
+corrupt or hostile file is one sentence, not an allocation of the size it claims.
+
+Casts are lossless or refused: float data may narrow to the input's float type (float64 to
+float32); integer data is cast to a narrower integer or to a float input only when every value is
+representable there, and a note says so.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import logging
 import os
 import pathlib
 import zipfile
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, printable
 
 __all__ = ["InputSpec", "Batch", "input_specs", "NpzData", "FeedData", "as_data", "LABELS"]
 
@@ -89,6 +97,27 @@ class FeedData:
             yield Batch(_check_feed(feed, self._specs, f"feed #{i}"), labels)
 
 
+class _Npy:
+    """A plain ``.npy`` file seen as an npz with one member: the model's only input."""
+
+    def __init__(self, file: pathlib.Path, key: str):
+        self.file, self.key, self.files = file, key, [key]
+
+    def header(self):
+        with open(self.file, "rb") as fh:
+            shape, dtype, offset = _read_header(fh)
+        return shape, dtype, self.file.stat().st_size - offset
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return np.load(self.file, allow_pickle=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 class NpzData:
     """One ``.npz`` file or a folder of them, validated against the model's inputs on opening."""
 
@@ -99,8 +128,10 @@ class NpzData:
             self.files = sorted(p for p in self.path.iterdir() if p.suffix == ".npz" and p.is_file())
             if not self.files:
                 raise Fp8OnnxError(f"Data folder {str(self.path)!r} contains no .npz file.")
-        elif self.path.exists():
+        elif self.path.is_file():
             self.files = [self.path]
+        elif self.path.exists():  # a FIFO or device would block or never end
+            raise Fp8OnnxError(f"Data path {str(self.path)!r} is not a regular file or folder.")
         else:
             raise Fp8OnnxError(f"Data file {str(self.path)!r} does not exist.")
         # Validate every file's keys, ranks and counts up front (reads headers, not the data).
@@ -116,10 +147,20 @@ class NpzData:
         return sum(-(-count // self._step(layout, batch_size)) for layout, count in self._layouts.values())
 
     def _open(self, file: pathlib.Path):
+        if file.suffix == ".npy":
+            if len(self._specs) != 1:
+                names = ", ".join(s.name for s in self._specs)
+                raise Fp8OnnxError(
+                    f"Data file {str(file)!r} is a plain .npy (one array); the model has {len(self._specs)} inputs "
+                    f"({names}): give an .npz keyed by input name."
+                )
+            return _Npy(file, self._specs[0].name)
+        if not zipfile.is_zipfile(file):
+            raise Fp8OnnxError(f"Data file {str(file)!r} is not an npz (zip) file.")
         try:
             return np.load(file, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise Fp8OnnxError(f"Data file {str(file)!r} is not a readable .npz archive ({exc}).") from None
+            raise Fp8OnnxError(f"Data file {str(file)!r} is not a readable .npz archive ({printable(exc)}).") from None
 
     def _layout(self, file: pathlib.Path) -> tuple[str, int]:
         """Returns ('batch'|'feed', number of samples or feeds) after checking keys and ranks."""
@@ -187,27 +228,46 @@ class NpzData:
                 yield Batch(feed, lab)
 
 
+def _read_header(fh) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, offset of the data) from an open .npy stream."""
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(fh, max_header_size=1 << 20)
+    else:
+        shape, _, dtype = np.lib.format.read_array_header_2_0(fh, max_header_size=1 << 20)
+    return tuple(shape), dtype, fh.tell()
+
+
 def _npz_shape(npz, key: str, file: pathlib.Path) -> tuple[int, ...]:
-    # Read only the .npy header of the member, not its data.
+    """The member's shape from its header only; refused when its data could not be what it declares."""
+    where = f"Data key {key!r} in {str(file)!r}"
     try:
-        with npz.zip.open(key + ".npy") as fh:
-            version = np.lib.format.read_magic(fh)
-            if version == (1, 0):
-                shape, _, dtype = np.lib.format.read_array_header_1_0(fh, max_header_size=1 << 20)
-            else:
-                shape, _, dtype = np.lib.format.read_array_header_2_0(fh, max_header_size=1 << 20)
+        if isinstance(npz, _Npy):
+            shape, dtype, held = npz.header()
+        else:
+            with npz.zip.open(key + ".npy") as fh:
+                shape, dtype, offset = _read_header(fh)
+            held = npz.zip.getinfo(key + ".npy").file_size - offset
     except Exception as exc:  # noqa: BLE001 - any corruption is the file's fault
-        raise Fp8OnnxError(f"Data key {key!r} in {str(file)!r} cannot be read ({exc}).") from None
+        raise Fp8OnnxError(f"{where} cannot be read ({printable(exc)}); is the file corrupt?") from None
     if dtype.hasobject:
-        raise Fp8OnnxError(f"Data key {key!r} in {str(file)!r} holds Python objects; refused (no unpickling).")
-    return tuple(shape)
+        raise Fp8OnnxError(f"{where} holds Python objects; refused (no unpickling).")
+    declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if declared > held:
+        raise Fp8OnnxError(
+            f"{where} declares shape {shape} ({declared} bytes of {dtype}) but holds only {held} bytes; "
+            "the file is corrupt or truncated."
+        )
+    return shape
 
 
 def _checked_array(npz, spec: InputSpec, file: pathlib.Path, layout: str) -> np.ndarray:
     try:
         arr = npz[spec.name]
-    except ValueError as exc:
-        raise Fp8OnnxError(f"Data key {spec.name!r} in {str(file)!r} cannot be read ({exc}).") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise Fp8OnnxError(
+            f"Data key {spec.name!r} in {str(file)!r} cannot be read ({printable(exc)}); is the file corrupt?"
+        ) from None
     return _conform(arr, spec, f"Data key {spec.name!r} in {str(file)!r}", leading=1 if layout == "feed" else -1)
 
 
@@ -218,9 +278,7 @@ def _conform(arr: np.ndarray, spec: InputSpec, where: str, leading: int) -> np.n
     layout. In batch layout (``leading=-1``) axis 0 is the sample axis and is not checked.
     """
     if arr.dtype != spec.dtype:
-        if not np.can_cast(arr.dtype, spec.dtype, casting="same_kind"):
-            raise Fp8OnnxError(f"{where} has dtype {arr.dtype}; the model input expects {spec.describe()}.")
-        arr = arr.astype(spec.dtype)
+        arr = _cast(arr, spec, where)
     offset = max(leading, 0)
     for axis in range(1 if leading < 0 else 0, spec.rank):
         want = spec.shape[axis]
@@ -232,6 +290,27 @@ def _conform(arr: np.ndarray, spec: InputSpec, where: str, leading: int) -> np.n
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise Fp8OnnxError(f"{where} contains NaN or Inf values.")
     return arr
+
+
+def _cast(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
+    """``arr`` in the input's dtype, or one sentence: float narrows within floats (float64 to float32);
+    integers (and booleans) go to a narrower integer or to a float only when every value survives."""
+    src, dst = arr.dtype, spec.dtype
+    refused = f"{where} has dtype {src}; the model input expects {spec.describe()}"
+    if src.kind == "f" and dst.kind == "f":
+        return arr.astype(dst)
+    if src.kind not in "iub" or dst.kind not in "iubf":
+        raise Fp8OnnxError(refused + ".")
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = arr.astype(dst)
+        lost = ~np.isfinite(cast) if dst.kind == "f" else np.zeros(arr.shape, bool)
+        lost |= np.where(lost, False, cast.astype(src) != arr)
+    if lost.any():
+        bad = arr.ravel()[np.flatnonzero(lost.ravel())[0]]
+        raise Fp8OnnxError(f"{refused}, and value {bad} is not representable there; refused (no lossy casts).")
+    if dst.kind == "f" or not np.can_cast(src, dst, casting="safe"):
+        logger.warning("%s: cast %s to %s (every value is exact)", where, src, dst)
+    return cast
 
 
 def _check_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: str) -> dict[str, np.ndarray]:

@@ -40,6 +40,8 @@ def model_reads(label: str, path: str | os.PathLike | None) -> list[Entry]:
     if path is None:
         return []
     entries: list[Entry] = [(label, path)]
+    if not os.path.isfile(path):  # missing, a folder or a FIFO (which would block): load_model says so
+        return entries
     try:
         proto = onnx.load(os.fspath(path), load_external_data=False)
     except Exception:  # noqa: BLE001 - not a model: load_model says so in one sentence

@@ -14,12 +14,12 @@ __all__ = ["LogHistogram"]
 
 _SUB = 64
 _EXP_MIN, _EXP_MAX = -150, 130  # frexp exponents covered
-_NBINS = (_EXP_MAX - _EXP_MIN) * _SUB
+NUM_BINS = (_EXP_MAX - _EXP_MIN) * _SUB
 
 
 class LogHistogram:
     def __init__(self) -> None:
-        self.counts = np.zeros(_NBINS, dtype=np.int64)
+        self.counts = np.zeros(NUM_BINS, dtype=np.int64)
         self.zeros = 0
 
     @property
@@ -33,7 +33,7 @@ class LogHistogram:
         positive = a[a > 0]
         self.zeros += int(a.size - positive.size)
         if positive.size:
-            self.counts += np.bincount(_bin_index(positive), minlength=_NBINS)
+            self.counts += np.bincount(_bin_index(positive), minlength=NUM_BINS)
 
     @staticmethod
     def edges(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +59,7 @@ class LogHistogram:
         if target <= self.zeros:
             return 0.0
         i = int(np.searchsorted(np.cumsum(self.counts) + self.zeros, target))
-        return float(self.edges(np.array(min(i, _NBINS - 1)))[1])
+        return float(self.edges(np.array(min(i, NUM_BINS - 1)))[1])
 
     def to_json(self) -> dict:
         idx = np.flatnonzero(self.counts)

@@ -17,7 +17,7 @@ import tempfile
 import onnx
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, printable
 from .guard import side_file
 from .runtime import inline_proto, make_session, weight_bytes
 
@@ -44,14 +44,17 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = pathlib.Path(path)
     if not path.exists():
         raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
+    if path.is_dir():
+        raise Fp8OnnxError(f"Model path {str(path)!r} is a directory, not a model file.")
     if not path.is_file():
-        raise Fp8OnnxError(f"Model path {str(path)!r} is not a file.")
+        raise Fp8OnnxError(f"Model path {str(path)!r} is not a regular file.")
     try:
         model = ir.load(path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        _explain_graph(path)
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise Fp8OnnxError(
-            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {msg})."
+            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {printable(msg)})."
         ) from None
     _check_names(model, path)
     check_external_data(model, path)
@@ -63,6 +66,31 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise Fp8OnnxError(f"Model file {str(path)!r} fails onnx.checker: {first}") from None
     return model
+
+
+def _explain_graph(path: pathlib.Path) -> None:
+    """After onnx_ir refused a model: name a tensor that two nodes write, the usual cause."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not even protobuf: the caller's message says so
+        return
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        writers = {v.name: "a graph input" for v in graph.input}
+        writers.update({t.name: "an initializer" for t in graph.initializer})
+        for node in graph.node:
+            this = f"node {node.name!r} ({node.op_type})" if node.name else f"an unnamed {node.op_type} node"
+            for out in node.output:
+                if out and out in writers:
+                    raise Fp8OnnxError(
+                        f"Model file {str(path)!r} is not a valid graph: tensor {out!r} is written by "
+                        f"{writers[out]} and by {this}."
+                    )
+                writers[out] = this
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
 
 
 def _texts(model: ir.Model):
@@ -115,8 +143,10 @@ def check_external_data(model: ir.Model, path: pathlib.Path) -> None:
         target = folder / location
         if not _inside(os.path.normpath(target), folder) or not _inside(os.path.realpath(target), folder):
             raise Fp8OnnxError(f"{where} has external data {location!r} outside the model's folder; refused.")
-        if not target.is_file():
+        if not target.exists():
             raise Fp8OnnxError(f"{where} needs external data file {location!r}, which is missing.")
+        if not target.is_file():
+            raise Fp8OnnxError(f"{where} needs external data file {location!r}, which is not a regular file.")
         if tensor.length is not None and tensor.length < tensor.nbytes:
             raise Fp8OnnxError(f"{where} declares {tensor.length} bytes of external data but needs {tensor.nbytes}.")
         end = (tensor.offset or 0) + tensor.nbytes

@@ -373,7 +373,11 @@ def quantize(
         nodes=nodes + skipped,
         calibration=None
         if calibration is None
-        else {"batches": calibration.num_batches, "samples": calibration.num_samples, "source": str(stats or calib)},
+        else {
+            "batches": calibration.num_batches,
+            "samples": calibration.num_samples,
+            "source": _source(stats) if stats is not None else _source(calib, "feeds"),
+        },
         input_bytes=_file_size(model),
         output_bytes=_file_size(out),
         modified=modified,
@@ -398,11 +402,19 @@ def _activation_stats(model, names, config, calib, stats, run: dict) -> Stats | 
     hist = config.scaling.needs_histogram
     if stats is not None:
         loaded = stats if isinstance(stats, Stats) else Stats.load(stats)
+        known = {v.name for n in ir.traversal.RecursiveGraphIterator(model.graph) for v in n.outputs}
+        known.update(v.name for v in model.graph.inputs)
+        stranger = next((n for n in loaded.amax if n not in known), None)
+        if stranger is not None:
+            raise Fp8OnnxError(
+                f"Statistics {_source(stats)!r} have an entry for tensor {stranger!r}, which this model does not "
+                "have; was it made for another model (or another --precision)?"
+            )
         missing = [n for n in names if n not in loaded.amax or (hist and n not in loaded.hist)]
         if missing:
             what = "histogram" if missing[0] in loaded.amax else "entry"
             raise Fp8OnnxError(
-                f"Statistics file {str(stats)!r} has no {what} for tensor {missing[0]!r}; rerun `fp8onnx calibrate` "
+                f"Statistics {_source(stats)!r} have no {what} for tensor {missing[0]!r}; rerun `fp8onnx calibrate` "
                 "on this model."
             )
         return loaded
@@ -412,6 +424,11 @@ def _activation_stats(model, names, config, calib, stats, run: dict) -> Stats | 
             "(or --activations dynamic, or --scaling constant)."
         )
     return collect_amax(model, names, calib, histograms=hist, **run)
+
+
+def _source(source, what: str = "statistics") -> str:
+    """How reports and messages name calibration input: the file, or what was given in memory."""
+    return str(source) if as_path(source) is not None else f"{what} given in memory"
 
 
 def _activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:

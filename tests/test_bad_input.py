@@ -102,11 +102,83 @@ def files(tmp_path_factory):
         [numpy_helper.from_array(np.ones((16, 4), np.float32), "w")],
     )
     onnx.save(helper.make_model(other, opset_imports=[helper.make_opsetid("", 21)]), t / "other.onnx")
+    # hostile or corrupt data files
+    np.save(t / "plain.npy", x)
+    np.savez(t / "good.npz", x=x)
+    raw_npz = bytearray((t / "good.npz").read_bytes())
+    raw_npz[raw_npz.find(b"\x93NUMPY") + 200] ^= 0xFF
+    (t / "crc.npz").write_bytes(bytes(raw_npz))
+    np.savez_compressed(t / "deflate.npz", x=x)
+    raw_npz = bytearray((t / "deflate.npz").read_bytes())
+    raw_npz[120:124] = b"\xff\x00\x1b\x07"
+    (t / "deflate.npz").write_bytes(bytes(raw_npz))
+    (t / "huge_header.npz").write_bytes(_with_header(x, "(8000000000000, 2000)"))
+    import gzip
+
+    (t / "gzip.npz").write_bytes(gzip.compress(b"x" * 100))
+    (t / "text.npz").write_text("x,y\n1,2\n")
+    np.savez(t / "int_for_float.npz", x=np.full((8, 16), 2**24 + 1, np.int64))
+    os.mkfifo(t / "fifo.npz")
+    os.mkfifo(t / "ext" / "fifo.data")
+    proto = onnx.load(t / "ext" / "m.onnx", load_external_data=False)
+    for init in proto.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                entry.value = "fifo.data"
+    onnx.save(proto, t / "ext" / "fifo.onnx")
+    ids = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+            helper.make_node("MatMul", ["e", "w"], ["y"], name="mm"),
+        ],
+        "ids",
+        [helper.make_tensor_value_info("ids", TensorProto.INT32, ["b", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4, 4])],
+        [
+            numpy_helper.from_array(np.ones((10, 4), np.float32), "table"),
+            numpy_helper.from_array(np.eye(4, dtype=np.float32), "w"),
+        ],
+    )
+    onnx.save(helper.make_model(ids, opset_imports=[helper.make_opsetid("", 21)]), t / "ids.onnx")
+    np.savez(t / "ids_wrap.npz", ids=np.full((2, 4), 2**32 + 3, np.int64))
+    dup = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="first"), helper.make_node("Neg", ["x"], ["y"], name="second")],
+        "dup",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])],
+    )
+    onnx.save(helper.make_model(dup, opset_imports=[helper.make_opsetid("", 21)]), t / "dup.onnx")
+    os.mkfifo(t / "fifo.onnx")
     # statistics
+    good = {"fp8onnx_stats_version": 2, "num_batches": 1, "num_samples": 8, "amax": {"x": 1.0, "r": 1.0}}
+    for name, change in [
+        ("stats_float_batches", {"num_batches": 1.5}),
+        ("stats_list_amax", {"amax": [1.0, 2.0]}),
+        ("stats_negative", {"amax": {"x": -1.0, "r": 1.0}}),
+        ("stats_nan", {"amax": {"x": float("nan"), "r": 1.0}}),
+        ("stats_stranger", {"amax": {"x": 1.0, "r": 1.0, "elsewhere": 2.0}}),
+        ("stats_bad_hist", {"histograms": {"x": {"zeros": 0, "bins": [1, 2], "counts": [3]}}}),
+    ]:
+        (t / f"{name}.json").write_text(json.dumps({**good, **change}))
+    (t / "stats_deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (t / "stats_bad.json").write_text("{")
     (t / "stats_partial.json").write_text(json.dumps({"fp8onnx_stats_version": 2, "amax": {"x": 1.0}}))
     (t / "stats_nohist.json").write_text(json.dumps({"fp8onnx_stats_version": 2, "amax": {"x": 1.0, "r": 1.0}}))
     return t
+
+
+def _with_header(x, shape: str) -> bytes:
+    """An npz whose only member declares ``shape`` in its header but holds ``x``'s bytes."""
+    import io
+    import zipfile
+
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}"
+    header += " " * (118 - len(header)) + "\n"
+    member = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + x.tobytes()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("x.npy", member)
+    return buf.getvalue()
 
 
 Q = ["quantize", "{t}/m.onnx", "-o", "{t}/q.onnx"]
@@ -173,7 +245,7 @@ CASES = [
     # calibration and evaluation data
     ("data missing", Q + ["--calib", "{t}/none.npz"], "none.npz' does not exist"),
     ("data folder without npz", Q + ["--calib", "{t}/empty_dir"], "contains no .npz file"),
-    ("data not npz", Q + ["--calib", "{t}/zip.npz"], "is not a readable .npz archive"),
+    ("data not npz", Q + ["--calib", "{t}/zip.npz"], "is not an npz (zip) file"),
     (
         "data wrong key",
         Q + ["--calib", "{t}/wrong_key.npz"],
@@ -200,6 +272,73 @@ CASES = [
         ["compare", "{t}/m.onnx", "--data", "{t}/labels.npz"],
         "'labels' of shape (8, 3) match no output",
     ),
+    (
+        "data: plain .npy for a two-input model",
+        ["quantize", "{t}/two.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/plain.npy"],
+        "is a plain .npy (one array); the model has 2 inputs",
+    ),
+    ("data: bad CRC", Q + ["--calib", "{t}/crc.npz"], "Bad CRC-32 for file 'x.npy'); is the file corrupt?"),
+    ("data: corrupt deflate stream", Q + ["--calib", "{t}/deflate.npz"], "cannot be read"),
+    ("data: header declares 64 EB", Q + ["--calib", "{t}/huge_header.npz"], "but holds only 512 bytes"),
+    ("data: gzip named .npz", Q + ["--calib", "{t}/gzip.npz"], "is not an npz (zip) file"),
+    ("data: text named .npz", Q + ["--calib", "{t}/text.npz"], "is not an npz (zip) file"),
+    ("data: a FIFO", Q + ["--calib", "{t}/fifo.npz"], "is not a regular file or folder"),
+    (
+        "data: int64 ids wrap in int32",
+        ["quantize", "{t}/ids.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/ids_wrap.npz"],
+        "value 4294967299 is not representable there",
+    ),
+    (
+        "data: integers inexact in float32",
+        Q + ["--calib", "{t}/int_for_float.npz"],
+        "value 16777217 is not representable there",
+    ),
+    (
+        "external data is a FIFO",
+        ["quantize", "{t}/ext/fifo.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "'fifo.data', which is not a regular file",
+    ),
+    (
+        "model is a FIFO",
+        ["quantize", "{t}/fifo.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "is not a regular file",
+    ),
+    (
+        "two nodes write one tensor",
+        ["quantize", "{t}/dup.onnx", "-o", "{t}/q.onnx", "--activations", "dynamic"],
+        "tensor 'y' is written by node 'first' (Relu) and by node 'second' (Neg)",
+    ),
+    (
+        "stats: num_batches not an integer",
+        Q + ["--stats", "{t}/stats_float_batches.json"],
+        "num_batches must be a non-negative integer, got 1.5",
+    ),
+    (
+        "stats: list for a mapping",
+        Q + ["--stats", "{t}/stats_list_amax.json"],
+        "amax must be a mapping of tensor name to value, got list",
+    ),
+    (
+        "stats: negative amax",
+        Q + ["--stats", "{t}/stats_negative.json"],
+        "amax['x'] must be a finite non-negative number, got -1.0",
+    ),
+    (
+        "stats: NaN amax",
+        Q + ["--stats", "{t}/stats_nan.json"],
+        "amax['x'] must be a finite non-negative number, got nan",
+    ),
+    (
+        "stats: unknown tensor",
+        Q + ["--stats", "{t}/stats_stranger.json"],
+        "entry for tensor 'elsewhere', which this model does not have",
+    ),
+    (
+        "stats: malformed histogram",
+        Q + ["--stats", "{t}/stats_bad_hist.json"],
+        "histograms['x']['counts'] must be as long as",
+    ),
+    ("stats: nested 100,000 deep", Q + ["--stats", "{t}/stats_deep.json"], "is not readable JSON (nested too deeply)"),
     # output paths
     (
         "output is the input",
@@ -256,11 +395,11 @@ CASES = [
     # statistics files
     ("stats missing", Q + ["--stats", "{t}/none.json"], "none.json' does not exist"),
     ("stats not JSON", Q + ["--stats", "{t}/stats_bad.json"], "is not readable JSON"),
-    ("stats lack a tensor", Q + ["--stats", "{t}/stats_partial.json"], "has no entry for tensor 'r'"),
+    ("stats lack a tensor", Q + ["--stats", "{t}/stats_partial.json"], "have no entry for tensor 'r'"),
     (
         "stats lack histograms",
         Q + ["--stats", "{t}/stats_nohist.json", "--scaling", "mse"],
-        "has no histogram for tensor 'x'",
+        "have no histogram for tensor 'x'",
     ),
     # compare and study
     (

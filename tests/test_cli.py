@@ -127,3 +127,44 @@ def test_quantize_scaling_options(tmp_path):
     assert r.exit_code == 0 and "SIMULATION" in r.output
     r = run("quantize", path, "-o", tmp_path / "d.onnx", "--calib", data, "--activations", "dynamic")
     assert r.exit_code == 2 and "needs no calibration" in r.output
+
+
+def _mismatched_value_info(path):
+    """Runs in onnxruntime, but ONNX's strict shape inference refuses it (declared [b, 9], inferred [b, 8])."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["y"], name="r")],
+        "g",
+        [helper.make_tensor_value_info("x", 1, ["b", 16])],
+        [helper.make_tensor_value_info("y", 1, ["b", 8])],
+        [numpy_helper.from_array(np.ones((16, 8), np.float32), "w")],
+        value_info=[helper.make_tensor_value_info("h", 1, ["b", 9])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+def test_third_party_warnings_are_one_line_and_only_with_v(tmp_path):
+    path, data = _mismatched_value_info(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    quiet = run("quantize", path, "--calib", data, "-o", tmp_path / "q.onnx")
+    assert quiet.exit_code == 0 and "Traceback" not in quiet.output and "onnx_ir" not in quiet.output, quiet.output
+    loud = run("-v", "quantize", path, "--calib", data, "-o", tmp_path / "q2.onnx")
+    assert loud.exit_code == 0 and "Traceback" not in loud.output, loud.output
+    assert any(line.startswith("WARNING onnx_ir") for line in loud.output.splitlines()), loud.output
+
+
+def test_plain_npy_calibrates_a_one_input_model(tmp_path):
+    path = mlp_model(tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32))
+    r = run("quantize", path, "--calib", tmp_path / "x.npy", "-o", tmp_path / "q.onnx")
+    assert r.exit_code == 0 and "calibrated on 16 samples" in r.output, r.output
+
+
+def test_lossless_integer_data_is_cast_with_a_note(tmp_path):
+    path = mlp_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.arange(16 * 16, dtype=np.int64).reshape(16, 16) - 100)
+    r = run("quantize", path, "--calib", tmp_path / "d.npz", "-o", tmp_path / "q.onnx")
+    assert r.exit_code == 0, r.output
+    assert "cast int64 to float32 (every value is exact)" in r.output, r.output
