@@ -45,7 +45,7 @@ LABELS = "labels"
 class InputSpec:
     name: str
     dtype: np.dtype
-    shape: tuple[int | None, ...]  # None for a dynamic (named or unknown) dimension
+    shape: tuple[int | None, ...]  # None for a dynamic dimension (named, unknown, 0 or -1)
 
     @property
     def rank(self) -> int:
@@ -75,7 +75,8 @@ def input_specs(model: ir.Model) -> list[InputSpec]:
             continue
         if value.dtype is None or value.shape is None:
             raise Fp8OnnxError(f"Model input {value.name!r} has no declared type or shape.")
-        dims = tuple(d if isinstance(d, int) else None for d in value.shape)
+        # dim_param, empty, 0 and -1 (paddle2onnx writes -1 for dynamic axes) are all dynamic
+        dims = tuple(d if isinstance(d, int) and d > 0 else None for d in value.shape)
         specs.append(InputSpec(value.name, np.dtype(value.dtype.numpy()), dims))
     return specs
 

@@ -60,12 +60,66 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     check_external_data(model, path)
     model.meta[EXTERNAL_META] = any(True for _ in _external_tensors(model))
     check_memory(model, path)
-    try:
-        onnx.checker.check_model(str(path))
-    except Exception as exc:  # noqa: BLE001 - ValidationError, InferenceError, UnicodeDecodeError, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise Fp8OnnxError(f"Model file {str(path)!r} fails onnx.checker: {first}") from None
+    check_onnx(path, f"Model file {str(path)!r}")
     return model
+
+
+# Default-domain ops that ONNX does not define (onnxruntime's SimplifiedLayerNormalization and
+# friends) are moved here for onnx.checker, which would stop at them; onnxruntime checks them.
+_UNCHECKED_DOMAIN = "fp8onnx.unchecked"
+
+
+def _hide_unknown_ops(proto: onnx.ModelProto) -> list[str]:
+    """Move default-domain nodes without an ONNX schema at the model's opset to a private domain, in
+    every graph and function of ``proto``; returns their op types."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    moved = []
+    graphs = [(proto.graph, opset)]
+    for fn in proto.functions:
+        graphs.append((fn, next((o.version for o in fn.opset_import if o.domain in ("", "ai.onnx")), opset)))
+    while graphs:
+        graph, version = graphs.pop()
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and version and not onnx.defs.has(node.op_type, version, ""):
+                node.domain = _UNCHECKED_DOMAIN
+                moved.append(node.op_type)
+            for attr in node.attribute:
+                graphs.extend([(attr.g, version)] if attr.HasField("g") else [])
+                graphs.extend((g, version) for g in attr.graphs)
+    if moved:
+        proto.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED_DOMAIN, 1))
+        for fn in proto.functions:
+            fn.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED_DOMAIN, 1))
+    return sorted(set(moved))
+
+
+def check_onnx(source: bytes | pathlib.Path, what: str) -> None:
+    """onnx.checker on a model file or serialized bytes. A model is acceptable when onnxruntime can
+    load it (SPEC §5): complaints about default-domain ops ONNX does not know are not fatal; the
+    rest of the model is still checked."""
+    try:
+        onnx.checker.check_model(source if isinstance(source, bytes) else str(source))
+        return
+    except Exception as exc:  # noqa: BLE001 - ValidationError, InferenceError, UnicodeDecodeError, ...
+        error = exc
+    try:
+        proto = (
+            onnx.load_from_string(source)
+            if isinstance(source, bytes)
+            else onnx.load(str(source), load_external_data=False)
+        )
+        moved = _hide_unknown_ops(proto)
+    except Exception:  # noqa: BLE001 - unreadable: report the checker's own complaint
+        moved = []
+    if moved:
+        try:
+            onnx.checker.check_model(proto)
+            logger.info("%s: onnx.checker does not know %s (onnxruntime ops); the rest passes", what, moved)
+            return
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise Fp8OnnxError(f"{what} fails onnx.checker: {printable(first)}")
 
 
 def _explain_graph(path: pathlib.Path) -> None:
@@ -207,10 +261,7 @@ def save_model(
     parent = out.resolve().parent
     if not external_data and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         data = inline_proto(model).SerializeToString()  # serialized once: checker, session and file share it
-        try:
-            onnx.checker.check_model(data)
-        except onnx.checker.ValidationError as exc:
-            raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        check_onnx(data, f"The {what}")
         if provider is not None:
             make_session(data, provider, f"The {what}", optimize=False)
         write_bytes_atomic(out, data)
@@ -226,10 +277,7 @@ def _save_external(
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=parent) as tmp:
         tmp_model = pathlib.Path(tmp) / out.name
         ir.save(model, tmp_model, external_data=data_name)
-        try:
-            onnx.checker.check_model(str(tmp_model))
-        except onnx.checker.ValidationError as exc:
-            raise Fp8OnnxError(f"The {what} fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        check_onnx(tmp_model, f"The {what}")
         if provider is not None:
             make_session(tmp_model, provider, f"The {what}", optimize=False)
         # Data first: the model file that appears last always finds its weights beside it.

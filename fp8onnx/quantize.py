@@ -33,9 +33,11 @@ from .passes import (
     LowerGemmFloat8Pass,
     ShieldBiasPass,
     TensorQuant,
+    UpgradeError,
     UpgradeOpsetPass,
     bias_of,
     is_quantized,
+    output_channel_axis,
 )
 from .report import NodeReport, QuantizeReport, TensorReport
 from .runtime import resolve_provider
@@ -45,7 +47,7 @@ from .targets import TARGETS, check_tensorrt
 __all__ = ["QuantizeConfig", "plan", "quantize", "SUPPORTED_OP_TYPES"]
 
 logger = logging.getLogger(__name__)
-SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv")
+SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _QUANTIZED_INPUTS = (0, 1)  # data and weight; the bias of Gemm/Conv stays in float
@@ -204,8 +206,8 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[_Decision], list
             continue
         if node.op_type not in config.op_types:
             reason = f"{node.op_type} is not in --op-types"
-            if node.op_type == "Conv":
-                reason += " (opt in with --op-types MatMul,Gemm,Conv)"
+            if node.op_type in ("Conv", "ConvTranspose"):
+                reason += f" (opt in with --op-types MatMul,Gemm,{node.op_type})"
             skipped.append(NodeReport(node.name, node.op_type, False, reason))
             continue
         decision = _decide(node, config)
@@ -256,7 +258,17 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     model = load_model(path)
     external = model.meta[EXTERNAL_META]
     upgrade = UpgradeOpsetPass()
-    steps = [
+    steps = []
+    if model.ir_version is not None and model.ir_version < 4:
+        # Before IR 4 every initializer had to be listed as a graph input too: they are weights.
+        lifted = sum(1 for v in model.graph.inputs if v.is_initializer())
+        steps.append(
+            (
+                ir.passes.common.RemoveInitializersFromInputsPass(),
+                f"IR version {model.ir_version}: {lifted} initializers listed as graph inputs taken as weights",
+            )
+        )
+    steps += [
         (upgrade, None),
         (ir.passes.common.LiftConstantsToInitializersPass(), "lifted Constant nodes to initializers"),
         (ir.passes.common.InlinePass(), "inlined model-local functions"),
@@ -268,16 +280,37 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     steps.append((ir.passes.common.NameFixPass(), None))
     done = []
     for step, label in steps:
-        result = step(model)
+        try:
+            result = step(model)
+        except (UpgradeError, ir.passes.PostconditionError) as exc:
+            raise Fp8OnnxError(
+                f"Model file {str(path)!r} cannot be upgraded from opset {upgrade.from_version} to "
+                f"{upgrade.target}: {exc}"
+            ) from None
         model = result.model  # ConvertFloat16Pass returns a new model
         if result.modified and label:
             done.append(label)
     if upgrade.from_version is not None and upgrade.from_version < upgrade.target:
-        done.insert(0, f"upgraded opset {upgrade.from_version} -> {upgrade.target}")
-    # Types of intermediate tensors decide what can be quantized and the scales' dtype.
-    ir.passes.common.ShapeInferencePass()(model)
+        done.insert(
+            0, f"upgraded opset {upgrade.from_version} -> {upgrade.target} ({upgrade.rewritten} nodes rewritten)"
+        )
+    # Types of intermediate tensors decide what can be quantized and the scales' dtype. Not strict:
+    # onnxruntime's own ops (contrib, or in the default domain) are unknown to ONNX's inference.
+    ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
+    _types_from_partners(model)
     model.meta[EXTERNAL_META] = external  # ConvertFloat16Pass returns a new model
     return model, upgrade.from_version, done
+
+
+def _types_from_partners(model: ir.Model) -> None:
+    """MatMul, Gemm, Conv and ConvTranspose take data and weight of one type T: where inference left
+    one side untyped (downstream of an op ONNX does not know), it has the other side's type."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        a, b = node.inputs[0], node.inputs[1]
+        if a is not None and b is not None and (a.dtype is None) != (b.dtype is None):
+            (a if a.dtype is None else b).dtype = a.dtype or b.dtype
 
 
 def quantize(
@@ -494,24 +527,12 @@ def _keep_conv_bias_in_int32_range(decisions: list[_Decision], quant: dict[str, 
             quant[node.inputs[1].name] = TensorQuant(w.format, raised, w.axis)
 
 
-def weight_axis(node: ir.Node, index: int, rank: int) -> int | None:
-    """The output-channel axis of a MatMul/Gemm weight input, or None for a vector."""
-    if rank < 2:
-        return None
-    if node.op_type == "Conv":
-        return 0 if index == 1 else None  # weight [M, C/group, k...]: M output channels
-    if node.op_type == "Gemm":
-        trans = node.attributes.get_int("transB" if index == 1 else "transA", 0)
-        return (0 if trans else 1) if index == 1 else (1 if trans else 0)
-    return rank - 1 if index == 1 else rank - 2
-
-
 def _weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig):
     """(TensorQuant, amax) of a weight: its max is read once, per tensor or per output channel."""
     fmt = config.weight_format
     # Weights know their every value: percentile/mse clip activations only, weights keep their max.
     method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
-    axis = weight_axis(node, index, len(value.shape)) if config.per_channel else None
+    axis = output_channel_axis(node, index, len(value.shape)) if config.per_channel else None
     amax = weight_amax(value, axis)
     if axis is None:
         return TensorQuant(fmt, amax_to_scale(amax, fmt, method, margin=config.margin, constant=config.scale)), amax

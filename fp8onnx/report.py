@@ -84,7 +84,7 @@ class QuantizeReport:
         for step in self.prepared:
             why = " (float8 Q/DQ without zero points)" if step.startswith("upgraded opset") else ""
             lines.append(f"  {step}{why}")
-        present = [t for t in ("MatMul", "Gemm", "Conv") if any(n.op_type == t for n in self.nodes)]
+        present = [t for t in ("MatMul", "Gemm", "Conv", "ConvTranspose") if any(n.op_type == t for n in self.nodes)]
         kinds = "/".join(present) or "MatMul/Gemm"
         lines.append(f"  quantized {len(self.quantized)} of {len(self.nodes)} {kinds} nodes to {describe_config(cfg)}")
         if cfg.get("emulated"):

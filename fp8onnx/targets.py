@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from .passes import output_channel_axis
+
 __all__ = ["TARGETS", "check_tensorrt"]
 
 TARGETS = ("onnxruntime", "tensorrt")
@@ -61,14 +63,8 @@ def _axis_is_output_channel(dq: ir.Node) -> bool:
     rank = len(weight.shape)
     axis = dq.attributes.get_int("axis", 1) % rank
     for use in dq.outputs[0].uses():
-        consumer, index = use.node, use.idx
-        if consumer.op_type == "Conv":
-            expected = 0
-        elif consumer.op_type == "Gemm":
-            expected = 0 if consumer.attributes.get_int("transB", 0) else 1
-        elif consumer.op_type == "MatMul":
-            expected = rank - 1 if index == 1 else rank - 2
-        else:
+        expected = output_channel_axis(use.node, use.idx, rank)
+        if expected is None:
             return False
         if axis != expected:
             return False

@@ -4,14 +4,14 @@ Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``Pas
 ``modified`` says whether the model changed; running a pass twice changes nothing the second time.
 """
 
-from ._common import release
+from ._common import output_channel_axis, release
 from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
 from .shield_bias import ShieldBiasPass, bias_of
-from .upgrade_opset import TARGET_OPSET, UpgradeOpsetPass, default_opset
+from .upgrade_opset import TARGET_OPSET, UpgradeError, UpgradeOpsetPass, default_opset
 
 __all__ = [
     "AMAX_SUFFIX",
@@ -25,10 +25,12 @@ __all__ = [
     "ShieldBiasPass",
     "TARGET_OPSET",
     "TensorQuant",
+    "UpgradeError",
     "UpgradeOpsetPass",
     "VALUE_SUFFIX",
     "bias_of",
     "default_opset",
     "is_quantized",
+    "output_channel_axis",
     "release",
 ]

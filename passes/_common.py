@@ -45,3 +45,20 @@ def release(tensor) -> None:
             tensor.release()
         except BufferError:  # a NumPy view of it is still alive somewhere: it stays mapped
             logger.debug("tensor %r is still referenced; left mapped", tensor.name)
+
+
+def output_channel_axis(node: ir.Node, index: int, rank: int) -> int | None:
+    """The output-channel axis of weight input ``index`` of a MatMul/Gemm/Conv/ConvTranspose (the axis
+    of per-channel scales), or None for a vector or a non-weight input."""
+    if rank < 2:
+        return None
+    if node.op_type == "Conv":
+        return 0 if index == 1 else None  # weight [M, C/group, k...]: M output channels
+    if node.op_type == "ConvTranspose":
+        return 1 if index == 1 else None  # weight [C, M/group, k...]: M/group output channels per group
+    if node.op_type == "Gemm":
+        trans = node.attributes.get_int("transB" if index == 1 else "transA", 0)
+        return (0 if trans else 1) if index == 1 else (1 if trans else 0)
+    if node.op_type == "MatMul":
+        return rank - 1 if index == 1 else rank - 2
+    return None
