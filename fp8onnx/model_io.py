@@ -93,6 +93,18 @@ def _hide_unknown_ops(proto: onnx.ModelProto) -> list[str]:
     return sorted(set(moved))
 
 
+def _external_to_inputs(proto: onnx.ModelProto) -> None:
+    """A checker copy whose external weights are graph inputs of the same type: checked without a
+    folder to find their files in (check_external_data has checked those)."""
+    graph = proto.graph
+    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    names = {v.name for v in graph.input}
+    for tensor in external:
+        graph.initializer.remove(tensor)
+        if tensor.name not in names:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+
+
 def check_onnx(source: bytes | pathlib.Path, what: str) -> None:
     """onnx.checker on a model file or serialized bytes. A model is acceptable when onnxruntime can
     load it (SPEC §5): complaints about default-domain ops ONNX does not know are not fatal; the
@@ -109,6 +121,7 @@ def check_onnx(source: bytes | pathlib.Path, what: str) -> None:
             else onnx.load(str(source), load_external_data=False)
         )
         moved = _hide_unknown_ops(proto)
+        _external_to_inputs(proto)
     except Exception:  # noqa: BLE001 - unreadable: report the checker's own complaint
         moved = []
     if moved:

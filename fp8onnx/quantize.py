@@ -276,7 +276,8 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     ]
     if precision == "fp16":
         steps.append((ConvertFloat16Pass(), "converted the unquantized graph to float16 (inputs and outputs kept)"))
-    # Decisions and reports refer to nodes by name: unnamed or duplicate names get unique ones.
+    # Decisions, statistics and reports refer to nodes and tensors by name: unnamed or duplicate names
+    # get unique ones (NameFixPass: within a graph and its parents; then across sibling subgraphs).
     steps.append((ir.passes.common.NameFixPass(), None))
     done = []
     for step, label in steps:
@@ -294,12 +295,32 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
         done.insert(
             0, f"upgraded opset {upgrade.from_version} -> {upgrade.target} ({upgrade.rewritten} nodes rewritten)"
         )
+    _unique_across_subgraphs(model)
     # Types of intermediate tensors decide what can be quantized and the scales' dtype. Not strict:
     # onnxruntime's own ops (contrib, or in the default domain) are unknown to ONNX's inference.
     ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
     _types_from_partners(model)
     model.meta[EXTERNAL_META] = external  # ConvertFloat16Pass returns a new model
     return model, upgrade.from_version, done
+
+
+def _unique_across_subgraphs(model: ir.Model) -> None:
+    """Sibling subgraphs (the two branches of an If, as in Optimum's merged decoders) may reuse tensor
+    names; fp8onnx keys tensors by name, so a reused one is renamed (``<name>__<n>``). Main-graph names
+    come first and never change."""
+    graphs = [model.graph, *model.graph.subgraphs()]
+    owner: dict[str, ir.Value] = {}
+    for graph in graphs:
+        values = [*graph.inputs, *graph.initializers.values(), *(v for n in graph for v in n.outputs)]
+        for value in values:
+            if value.name is None:
+                continue
+            if owner.setdefault(value.name, value) is not value:
+                base, k = value.name, 1
+                while f"{base}__{k}" in owner:
+                    k += 1
+                value.name = f"{base}__{k}"
+                owner[value.name] = value
 
 
 def _types_from_partners(model: ir.Model) -> None:

@@ -81,6 +81,9 @@ class QuantizeReport:
     def summary(self) -> str:
         cfg = self.config
         lines = [f"{self.model} -> {self.output}"]
+        if not self.quantized:  # must never look like success
+            why = "; ".join(sorted({n.reason or "" for n in self.skipped})[:3]) or "it has no MatMul/Gemm node"
+            lines = [f"NOTHING QUANTIZED in {self.model} (the output is the input graph, unchanged): {why}"]
         for step in self.prepared:
             why = " (float8 Q/DQ without zero points)" if step.startswith("upgraded opset") else ""
             lines.append(f"  {step}{why}")

@@ -86,3 +86,61 @@ def test_conv_bias_survives_ort_bias_quantization(tmp_path):
     inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "q.onnx").graph.initializer}
     assert w1.scale == pytest.approx(float(inits["fp8onnx/w1/scale"]))
     assert w1.scale > w1.amax / 448 * 1.5
+
+
+def decoder_cnn(path, group=1):
+    """x[b,4,4,4] -> ConvTranspose(4->6, 2x2, stride 2, bias, group) -> Relu -> Conv(6->2, 1x1): an upsampling head."""
+    rng = np.random.default_rng(2)
+    wt = (rng.standard_normal((4, 6 // group, 2, 2)) * 0.4).astype(np.float32)
+    wt[:, 0] *= 20  # one loud output channel (axis 1)
+    nodes = [
+        helper.make_node("ConvTranspose", ["x", "wt", "bt"], ["u"], name="up", strides=[2, 2], group=group),
+        helper.make_node("Relu", ["u"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w2"], ["y"], name="head"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "decoder",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 2, 8, 8])],
+        [
+            numpy_helper.from_array(wt, "wt"),
+            numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "bt"),
+            numpy_helper.from_array((rng.standard_normal((2, 6, 1, 1)) * 0.5).astype(np.float32), "w2"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("per_channel, group", [(False, 1), (True, 1), (True, 2)])
+def test_conv_transpose(tmp_path, per_channel, group):
+    path = decoder_cnn(tmp_path / "m.onnx", group)
+    x = np.random.default_rng(1).standard_normal((8, 4, 4, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    report = fp8onnx.quantize(
+        path,
+        tmp_path / "q.onnx",
+        tmp_path / "d.npz",
+        op_types=("ConvTranspose", "Conv"),
+        per_channel=per_channel,
+        provider="cpu",
+    )
+    assert [n.name for n in report.quantized] == ["up", "head"]
+    assert "quantized 2 of 2 Conv/ConvTranspose nodes" in report.summary()
+    if per_channel:  # weight [C, M/group, k, k]: its output channels are axis 1
+        assert [t.axis for t in report.quantized[0].tensors] == [None, 1]
+    q = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(q, full_check=True)
+    # onnx.reference's ConvTranspose mishandles group > 1 (it reshapes W as if group were 1)
+    for run in (run_ort, run_reference) if group == 1 else (run_ort,):
+        assert sqnr_db(run(onnx.load(path), {"x": x})[0], run(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 4)
+
+
+def test_conv_transpose_is_opt_in_with_a_reason(tmp_path):
+    path = decoder_cnn(tmp_path / "m.onnx")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", provider="cpu")
+    assert {n.name: n.reason for n in report.skipped}["up"] == (
+        "ConvTranspose is not in --op-types (opt in with --op-types MatMul,Gemm,ConvTranspose)"
+    )
+    assert report.summary().splitlines()[0].startswith("NOTHING QUANTIZED")

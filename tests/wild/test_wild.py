@@ -1,0 +1,125 @@
+"""Models from the wild, end to end: every graph of the exporter corpus (``corpus.py``: torch TorchScript
+at opsets 11-17 and dynamo, Optimum, onnxruntime-genai's builder, tf2onnx- and paddle2onnx-style, IR 3)
+is quantized with `fp8onnx quantize MODEL --calib DATA -o OUT` and its default options. The output must
+pass fp8onnx's own checks, load and run in onnxruntime at its default optimisation level (as users run
+it), quantize at least one node, and stay within the format's error bound of FP32.
+
+The bound: one E4M3 rounding has a relative RMS error of eps / sqrt(12) (eps = 2**-3, its relative
+step); n quantized tensors on the path add up to about sqrt(n) times that. Each row reports the worst
+relative L2 error over the float outputs divided by that bound; it must be below 1.
+
+Marked ``wild``: it needs the ``[wild]`` extra (torch, transformers, optimum-onnx, onnxruntime-genai)
+and takes about a minute. ``python tests/wild/test_wild.py FOLDER`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from corpus import CASES, available, build, run_onnxruntime  # noqa: E402
+
+E4M3_EPS = 2.0**-3
+QUANTIZABLE = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+
+
+def _counts(path: pathlib.Path) -> dict[str, int]:
+    proto = onnx.load(str(path), load_external_data=False)
+    counts = dict.fromkeys(QUANTIZABLE, 0)
+    graphs = [proto.graph, *proto.functions]
+    while graphs:
+        g = graphs.pop()
+        for node in g.node:
+            if node.op_type in counts:
+                counts[node.op_type] += 1
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    return counts
+
+
+def check_case(name: str, folder: pathlib.Path) -> dict:
+    """Build, quantize with defaults through the CLI, run both on ORT; one row of the corpus table."""
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+
+    case = CASES[name]
+    model, data = build(name, folder)
+    calib = folder / f"{name}.npz"
+    np.savez(calib, **data)
+    out, report = folder / f"{name}.fp8.onnx", folder / f"{name}.json"
+    result = CliRunner().invoke(
+        main, ["quantize", str(model), "--calib", str(calib), "-o", str(out), "--report", str(report)]
+    )
+    assert result.exit_code == 0, f"{name}: {result.output}"
+    rep = json.loads(report.read_text())
+    quantized = [n for n in rep["nodes"] if n["quantized"]]
+    tensors = len({t["name"] for n in quantized for t in n["tensors"]})
+    reference = run_onnxruntime(model, data, case.layout)
+    candidate = run_onnxruntime(out, data, case.layout)  # the default optimisation level
+    worst = 0.0
+    for ref_feed, got_feed in zip(reference, candidate):
+        for r, c in zip(ref_feed, got_feed):
+            if r.dtype.kind != "f" or r.size == 0:
+                continue
+            r64, c64 = r.astype(np.float64), c.astype(np.float64)
+            norm = np.linalg.norm(r64)
+            if norm > 0:
+                worst = max(worst, float(np.linalg.norm(c64 - r64) / norm))
+    bound = math.sqrt(max(tensors, 1)) * E4M3_EPS / math.sqrt(12)
+    src = onnx.load(str(model), load_external_data=False)
+    return {
+        "case": name,
+        "exporter": case.exporter,
+        "opset": next(o.version for o in src.opset_import if o.domain in ("", "ai.onnx")),
+        "ir": src.ir_version,
+        **_counts(model),
+        "quantized": len(quantized),
+        "rel_l2": worst,
+        "bound": bound,
+        "ratio": worst / bound,
+        "prepared": rep["prepared"],
+    }
+
+
+NAMES = [n for n in CASES]
+
+
+@pytest.mark.wild
+@pytest.mark.parametrize("name", NAMES)
+def test_model_from_the_wild_quantizes_with_defaults(name, tmp_path_factory):
+    if not available(name):
+        pytest.skip(f"needs {', '.join(CASES[name].requires)} (pip install -e .[wild])")
+    row = check_case(name, tmp_path_factory.mktemp(name))
+    assert row["quantized"] > 0, row
+    assert row["ratio"] < 1.0, row
+
+
+def main(folder: str) -> None:
+    root = pathlib.Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    head = f"{'case':<18} {'exporter':<40} {'opset':>5} {'ir':>3} {'MM':>3} {'Gemm':>4} {'Conv':>4} {'CvT':>3}"
+    print(head + f" {'quant':>5} {'rel L2':>8} {'bound':>6} {'ratio':>6}  loads at ORT default")
+    for name in NAMES:
+        if not available(name):
+            print(f"{name:<18} skipped: needs {', '.join(CASES[name].requires)}")
+            continue
+        r = check_case(name, root / name)
+        print(
+            f"{r['case']:<18} {r['exporter']:<40} {r['opset']:>5} {r['ir']:>3} {r['MatMul']:>3} {r['Gemm']:>4} "
+            f"{r['Conv']:>4} {r['ConvTranspose']:>3} {r['quantized']:>5} {r['rel_l2']:>8.4f} {r['bound']:>6.3f} "
+            f"{r['ratio']:>6.2f}  yes"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
