@@ -117,6 +117,7 @@ class CompareResult:
     batches: int
     provider: str
     rows: list[RowResult]
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. why there is no FP16 baseline
 
     def to_json(self) -> dict:
         return {
@@ -127,6 +128,7 @@ class CompareResult:
             "provider": self.provider,
             "criteria": {"llm_ratio_to_fp16": LLM_RATIO, "ptq_rel_loss_vs_fp16": PTQ_REL_LOSS},
             "rows": [r.to_json() for r in self.rows],
+            "notes": self.notes,
         }
 
     def table(self) -> str:
@@ -165,6 +167,7 @@ class CompareResult:
         out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
         out.append("  ".join("-" * w for w in widths))
         out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+        out.extend(f"note: {n}" for n in self.notes)
         headline = next((r.headline for r in self.rows if r.headline), "")
         if headline:
             out.append(
@@ -227,6 +230,7 @@ def compare(
         total = min(total, -(-max_samples // batch_size))
 
     spill = Spill()
+    notes: list[str] = []
     try:
         session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
         ref_stats = {o: _OutputStats() for o in out_names}
@@ -254,24 +258,40 @@ def compare(
         feed_names = list(batch.feed)
         rows = [RowResult(_REFERENCE, str(reference), _to_json(ref_stats), _accuracy(ref_correct, labelled))]
         for name, (path, build) in models.items():
-            session = build()
-            stats = {o: _OutputStats() for o in out_names}
-            correct = 0
-            for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
-                outs = _run(session, name, {k: spill.load(f"in/{k}", b) for k in feed_names}, b)
-                labels = None if label_out is None else spill.load("labels", b)
-                for o, c in zip(out_names, outs):
-                    r = spill.load(f"out/{o}", b)
-                    stats[o].update(r, c, _looks_like_logits(o, r.shape, labels))
-                if labels is not None:
-                    correct += int((outs[label_out].argmax(axis=-1) == labels).sum())
-            del session
+            try:
+                session = build()
+                stats = {o: _OutputStats() for o in out_names}
+                correct = 0
+                for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
+                    outs = _run(session, name, {k: spill.load(f"in/{k}", b) for k in feed_names}, b)
+                    labels = None if label_out is None else spill.load("labels", b)
+                    for o, c in zip(out_names, outs):
+                        r = spill.load(f"out/{o}", b)
+                        stats[o].update(r, c, _looks_like_logits(o, r.shape, labels))
+                    if labels is not None:
+                        correct += int((outs[label_out].argmax(axis=-1) == labels).sum())
+            except Fp8OnnxError as exc:
+                if name != "FP16":
+                    raise
+                # The baseline is ours, not the user's: without it, report against FP32 only.
+                notes.append(f"No FP16 baseline: {exc} Results are against FP32 only.")
+                logger.warning("%s", notes[-1])
+                fp16 = False
+                continue
+            finally:
+                session = None
             rows.append(RowResult(name, path, _to_json(stats), _accuracy(correct, labelled)))
     finally:
         spill.close()
     _headline(rows, out_names[0], fp16)
     return CompareResult(
-        str(reference), str(data) if isinstance(data, (str, os.PathLike)) else "feeds", samples, batches, provider, rows
+        str(reference),
+        str(data) if isinstance(data, (str, os.PathLike)) else "feeds",
+        samples,
+        batches,
+        provider,
+        rows,
+        notes,
     )
 
 
@@ -288,11 +308,9 @@ def _fp16_session(ref_model, reference, provider: str):
     except Exception as exc:  # noqa: BLE001 - the converter raises many types on odd graphs
         raise Fp8OnnxError(
             f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); rerun with --no-fp16."
+            f"{str(exc).splitlines()[0] if str(exc) else ''})."
         ) from None
-    return session_for_model(
-        fp16_model, provider, f"The FP16 baseline (rerun with --no-fp16 to skip it) of {str(reference)!r}", arena=False
-    )
+    return session_for_model(fp16_model, provider, f"The FP16 baseline of {str(reference)!r}", arena=False)
 
 
 def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:

@@ -9,6 +9,11 @@ to them (it only changes a tensor's declared type when it holds no bytes), and e
 to float16 becomes a lazy tensor, converted with the converter's own rounding when the model is
 saved. So a model larger than memory converts too.
 
+Shape and scale computations stay in float32: every node on the path that computes Resize's
+roi/scales/sizes, Upsample's scales or Range's inputs (back to a Shape/Size or a constant) is kept out
+of the conversion. In float16 such a path rounds (a ViT's bicubic Resize of its position embeddings
+got outer-axis scales that were no longer exactly 1, which onnxruntime refuses at run time).
+
 Rewrite cases:
   float32 initializers or computed values present -> converted; a new model is returned
   nothing in float32 left (already converted)     -> unchanged (``modified`` is False)
@@ -21,7 +26,7 @@ import logging
 
 import onnx_ir as ir
 import onnx_ir.passes.common
-from onnx import helper
+from onnx import TensorProto, helper
 from onnxruntime.transformers import float16 as ort_float16
 
 from ._common import derived_tensor
@@ -54,10 +59,17 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
             for name, v in model.graph.initializers.items()
             if isinstance(v.const_value, ir.ExternalTensor)
         }
+        proto = ir.to_proto(model)
+        blocked = _name_shape_paths(proto)
         with _value_info_from_dims():
             proto = ort_float16.convert_float_to_float16(
-                ir.to_proto(model), keep_io_types=True, disable_shape_infer=False
+                proto,
+                keep_io_types=True,
+                disable_shape_infer=False,
+                op_block_list=ort_float16.DEFAULT_OP_BLOCK_LIST,
+                node_block_list=blocked,
             )
+        _skip_float16_round_trips(proto, set(blocked))
         logger.info("converted the model to float16 (inputs and outputs kept as they were)")
         converted = ir.from_proto(proto)
         for name, source in external.items():
@@ -69,7 +81,78 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
             value.const_value = source
         # The converter appends its input Casts at the end of the node list.
         ir.passes.common.TopologicalSortPass()(converted)
+        ir.passes.common.RemoveUnusedNodesPass()(converted)  # round trips no longer read
         return ir.passes.PassResult(converted, modified=True)
+
+
+# op -> the inputs that carry shapes, scales or sizes rather than data
+_SHAPE_INPUTS = {"Resize": (1, 2, 3), "Upsample": (1,), "Range": (0, 1, 2)}
+_SHAPE_SOURCES = ("Shape", "Size")  # their outputs do not depend on the data's values: stop there
+
+
+def _name_shape_paths(proto) -> list[str]:
+    """Names of the nodes (named here when unnamed) that compute shape/scale inputs, in every graph."""
+    blocked: list[str] = []
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        producer = {out: node for node in graph.node for out in node.output}
+        stack = [
+            node.input[i]
+            for node in graph.node
+            for i in _SHAPE_INPUTS.get(node.op_type, ())
+            if node.domain in ("", "ai.onnx") and i < len(node.input) and node.input[i]
+        ]
+        seen = set()
+        while stack:
+            node = producer.get(stack.pop())
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if not node.name:
+                node.name = f"fp8onnx_shape_path_{len(blocked)}"
+            blocked.append(node.name)
+            if node.op_type not in _SHAPE_SOURCES:
+                stack.extend(i for i in node.input if i)
+        for node in graph.node:
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    return blocked
+
+
+def _skip_float16_round_trips(proto, blocked: set[str]) -> None:
+    """The converter hands even a kept-float32 node's output to the next kept node through
+    Cast(float16) -> Cast(float32), which rounds: on shape paths, read the float32 value directly."""
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        producer = {out: node for node in graph.node for out in node.output}
+
+        for node in graph.node:
+            indices = range(len(node.input)) if node.name in blocked else _SHAPE_INPUTS.get(node.op_type, ())
+            for i in indices:
+                if i < len(node.input) and node.input[i]:
+                    node.input[i] = _float32_source(node.input[i], producer, blocked)
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+
+
+def _float32_source(name: str, producer: dict, blocked: set[str]) -> str:
+    """The float32 value behind ``name`` when it is a kept node's output sent through float16 and back."""
+    back = producer.get(name)
+    if back is None or back.op_type != "Cast" or _to(back) != TensorProto.FLOAT:
+        return name
+    half = producer.get(back.input[0])
+    if half is None or half.op_type != "Cast" or _to(half) != TensorProto.FLOAT16:
+        return name
+    origin = producer.get(half.input[0])
+    return half.input[0] if origin is not None and origin.name in blocked else name
+
+
+def _to(cast) -> int | None:
+    return next((a.i for a in cast.attribute if a.name == "to"), None)
 
 
 @contextlib.contextmanager

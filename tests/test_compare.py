@@ -82,15 +82,27 @@ def test_labels_that_match_no_output(tmp_path):
         fp8onnx.compare(path, [], tmp_path / "d.npz", provider="cpu")
 
 
-def test_fp16_baseline_failure_is_one_sentence(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["conversion", "session"])
+def test_a_baseline_that_cannot_run_leaves_fp32_only(tmp_path, monkeypatch, where):
     compare_module = sys.modules["fp8onnx.compare"]
+    if where == "conversion":
 
-    class Broken:
-        def __call__(self, model):
-            raise RuntimeError("converter cannot handle this graph")
+        class Broken:
+            def __call__(self, model):
+                raise RuntimeError("converter cannot handle this graph")
 
-    monkeypatch.setattr(compare_module, "ConvertFloat16Pass", Broken)
+        monkeypatch.setattr(compare_module, "ConvertFloat16Pass", Broken)
+    else:
+
+        def broken(*args):
+            raise Fp8OnnxError("The FP16 baseline of 'm.onnx' does not load in onnxruntime (cpu): Resize refused.")
+
+        monkeypatch.setattr(compare_module, "_fp16_session", broken)
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
-    with pytest.raises(Fp8OnnxError, match="FP16 baseline .* could not be built .*rerun with --no-fp16"):
-        fp8onnx.compare(path, [], data, provider="cpu")
-    assert fp8onnx.compare(path, [], data, fp16=False, provider="cpu").rows[0].name == "FP32 (reference)"
+    result = fp8onnx.compare(path, [path], data, provider="cpu")
+    assert [r.name for r in result.rows] == ["FP32 (reference)", "m.onnx"]
+    assert result.rows[1].ratio_to_fp16 is None
+    assert len(result.notes) == 1 and result.notes[0].startswith("No FP16 baseline: The FP16 baseline of ")
+    assert result.notes[0].endswith("Results are against FP32 only.")
+    assert ("could not be built" if where == "conversion" else "Resize refused") in result.notes[0]
+    assert "note: No FP16 baseline" in result.table()
