@@ -65,7 +65,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
 
 
 # Default-domain ops that ONNX does not define (onnxruntime's SimplifiedLayerNormalization and
-# friends) are moved here for onnx.checker, which would stop at them; onnxruntime checks them.
+# friends) or has deprecated at the model's opset are moved here for onnx.checker, which would stop
+# at them; onnxruntime checks them (and the opset upgrade converts the deprecated ones).
 _UNCHECKED_DOMAIN = "fp8onnx.unchecked"
 
 
@@ -80,7 +81,7 @@ def _hide_unknown_ops(proto: onnx.ModelProto) -> list[str]:
     while graphs:
         graph, version = graphs.pop()
         for node in graph.node:
-            if node.domain in ("", "ai.onnx") and version and not onnx.defs.has(node.op_type, version, ""):
+            if node.domain in ("", "ai.onnx") and version and not _defined(node.op_type, version):
                 node.domain = _UNCHECKED_DOMAIN
                 moved.append(node.op_type)
             for attr in node.attribute:
@@ -103,6 +104,14 @@ def _external_to_inputs(proto: onnx.ModelProto) -> None:
         graph.initializer.remove(tensor)
         if tensor.name not in names:
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+
+
+def _defined(op_type: str, version: int) -> bool:
+    """Whether ONNX defines ``op_type`` at ``version`` and has not deprecated it there (onnx 1.23's
+    checker refuses e.g. GroupNormalization-18, which onnxruntime runs and the upgrade converts)."""
+    if not onnx.defs.has(op_type, version, ""):
+        return False
+    return not onnx.defs.get_schema(op_type, version, "").deprecated
 
 
 def check_onnx(source: bytes | pathlib.Path, what: str) -> None:

@@ -292,9 +292,8 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
         if result.modified and label:
             done.append(label)
     if upgrade.from_version is not None and upgrade.from_version < upgrade.target:
-        done.insert(
-            0, f"upgraded opset {upgrade.from_version} -> {upgrade.target} ({upgrade.rewritten} nodes rewritten)"
-        )
+        rewritten = f" ({upgrade.rewritten} nodes rewritten)" if upgrade.rewritten else ""
+        done.insert(0, f"upgraded opset {upgrade.from_version} -> {upgrade.target}{rewritten}")
     _unique_across_subgraphs(model)
     # Types of intermediate tensors decide what can be quantized and the scales' dtype. Not strict:
     # onnxruntime's own ops (contrib, or in the default domain) are unknown to ONNX's inference.

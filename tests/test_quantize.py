@@ -257,3 +257,41 @@ def test_precision_fp16_runs_the_rest_of_the_graph_in_float16(mlp, tmp_path):
     assert len(again.quantized) == 2
     with pytest.raises(Fp8OnnxError, match="Unknown --precision 'fp8'"):
         fp8onnx.quantize(path, tmp_path / "q3.onnx", data, precision="fp8")
+
+
+def test_deprecated_and_onnxruntime_ops_are_accepted(tmp_path):
+    """onnx.checker refuses GroupNormalization at opset 18 (deprecated there) and does not know
+    onnxruntime's SimplifiedLayerNormalization in the default domain; onnxruntime runs both."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("GroupNormalization", ["a", "s", "b"], ["g"], num_groups=2, name="gn"),
+        helper.make_node("Reshape", ["g", "shape"], ["f"], name="flat"),
+        helper.make_node("SimplifiedLayerNormalization", ["f", "gamma"], ["n"], name="rms", axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["n", "w"], ["y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 4, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])],
+        [
+            numpy_helper.from_array(np.ones(2, np.float32), "s"),
+            numpy_helper.from_array(np.zeros(2, np.float32), "b"),
+            numpy_helper.from_array(np.array([-1, 36], np.int64), "shape"),
+            numpy_helper.from_array(np.ones(36, np.float32), "gamma"),
+            numpy_helper.from_array(rng.standard_normal((36, 2)).astype(np.float32), "w"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+    x = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", a=x)
+    report = fp8onnx.quantize(tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "d.npz", provider="cpu")
+    assert [n.name for n in report.quantized] == ["mm"]
+    q = onnx.load(tmp_path / "q.onnx")
+    assert [n.op_type for n in q.graph.node if n.op_type in ("GroupNormalization", "SimplifiedLayerNormalization")] == [
+        "GroupNormalization",
+        "SimplifiedLayerNormalization",
+    ]
+    assert sqnr_db(run_ort(onnx.load(tmp_path / "m.onnx"), {"a": x})[0], run_ort(q, {"a": x})[0]) > 20
