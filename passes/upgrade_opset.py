@@ -162,9 +162,14 @@ def _dropout(node: ir.Node) -> None:
     _attr_to_input(node, "ratio", 1, np.float32)
 
 
-def _scatter(node: ir.Node) -> None:
-    new = ir.node("ScatterElements", list(node.inputs), dict(node.attributes), name=node.name)
-    _replace(node, [new], list(new.outputs))
+def _becomes(op_type: str) -> Callable[[ir.Node], None]:
+    """The same inputs and attributes under the op that took over (Scatter -> ScatterElements)."""
+
+    def adapter(node: ir.Node) -> None:
+        new = ir.node(op_type, list(node.inputs), dict(node.attributes), name=node.name)
+        _replace(node, [new], list(new.outputs))
+
+    return adapter
 
 
 def _softmax_family(node: ir.Node) -> None:
@@ -316,11 +321,6 @@ def _mvn_1(node: ir.Node) -> None:
     _replace(node, [mean, sub], list(sub.outputs))
 
 
-def _dynamic_slice(node: ir.Node) -> None:
-    new = ir.node("Slice", list(node.inputs), name=node.name)
-    _replace(node, [new], list(new.outputs))
-
-
 def _batch_norm(node: ir.Node) -> None:
     spatial = node.attributes.pop("spatial", None)
     if spatial is not None and spatial.value != 1:
@@ -360,7 +360,7 @@ ADAPTERS: dict[str, list[tuple[int, Callable[[ir.Node], None]]]] = {
     "Pad": [(11, _pad)],
     "Clip": [(11, _clip)],
     "Dropout": [(12, _dropout)],
-    "Scatter": [(11, _scatter)],
+    "Scatter": [(11, _becomes("ScatterElements"))],
     "Softmax": [(13, _softmax_family)],
     "LogSoftmax": [(13, _softmax_family)],
     "Hardmax": [(13, _softmax_family)],
@@ -369,7 +369,7 @@ ADAPTERS: dict[str, list[tuple[int, Callable[[ir.Node], None]]]] = {
     "RoiAlign": [(16, _roi_align)],
     **{op: [(10, _experimental)] for op in ("ImageScaler", "Scale", "Affine", "ScaledTanh", "ParametricSoftplus")},
     "MeanVarianceNormalization": [(9, _mvn_1)],
-    "DynamicSlice": [(10, _dynamic_slice)],
+    "DynamicSlice": [(10, _becomes("Slice"))],
     "BatchNormalization": [(9, _batch_norm)],
     "Scan": [(9, _refuse("is a Scan-8 (batch axis and sequence_lens), whose form changed at opset 9"))],
     **{
