@@ -157,7 +157,7 @@ class NpzData:
                 )
             return _Npy(file, self._specs[0].name)
         if not zipfile.is_zipfile(file):
-            raise Fp8OnnxError(f"Data file {str(file)!r} is not an npz (zip) file.")
+            raise Fp8OnnxError(f"Data file {str(file)!r} is not an npz (zip) file, or it is truncated.")
         try:
             return np.load(file, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:

@@ -117,6 +117,8 @@ def files(tmp_path_factory):
 
     (t / "gzip.npz").write_bytes(gzip.compress(b"x" * 100))
     (t / "text.npz").write_text("x,y\n1,2\n")
+    whole = (t / "good.npz").read_bytes()
+    (t / "cut.npz").write_bytes(whole[: len(whole) // 2])
     np.savez(t / "int_for_float.npz", x=np.full((8, 16), 2**24 + 1, np.int64))
     os.mkfifo(t / "fifo.npz")
     os.mkfifo(t / "ext" / "fifo.data")
@@ -282,6 +284,7 @@ CASES = [
     ("data: header declares 64 EB", Q + ["--calib", "{t}/huge_header.npz"], "but holds only 512 bytes"),
     ("data: gzip named .npz", Q + ["--calib", "{t}/gzip.npz"], "is not an npz (zip) file"),
     ("data: text named .npz", Q + ["--calib", "{t}/text.npz"], "is not an npz (zip) file"),
+    ("data: npz cut in half", Q + ["--calib", "{t}/cut.npz"], "is not an npz (zip) file, or it is truncated"),
     ("data: a FIFO", Q + ["--calib", "{t}/fifo.npz"], "is not a regular file or folder"),
     (
         "data: int64 ids wrap in int32",

@@ -91,3 +91,27 @@ def test_missing_and_corrupt_files(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(Fp8OnnxError, match="contains no .npz file"):
         NpzData(tmp_path / "empty", SPECS)
+
+
+@pytest.mark.parametrize("spelling", ["dim_param", "unknown", "-1", "0"])
+def test_dynamic_dims_however_spelled(tmp_path, spelling):
+    """paddle2onnx writes dim_value -1 for a dynamic axis; 0, empty and named dims are dynamic too."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])
+    dim = value.type.tensor_type.shape.dim[0]
+    if spelling == "unknown":
+        dim.Clear()
+    elif spelling != "dim_param":
+        dim.dim_value = int(spelling)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((16, 4), np.float32), "w")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert input_specs(model) == SPECS
+    np.savez(tmp_path / "d.npz", x=np.ones((5, 16), np.float32))
+    assert [b.size for b in NpzData(tmp_path / "d.npz", input_specs(model)).batches(4)] == [4, 1]
