@@ -36,6 +36,7 @@ from .passes import (
     UpgradeError,
     UpgradeOpsetPass,
     bias_of,
+    default_opset,
     is_quantized,
     output_channel_axis,
 )
@@ -280,27 +281,27 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     # get unique ones (NameFixPass: within a graph and its parents; then across sibling subgraphs).
     steps.append((ir.passes.common.NameFixPass(), None))
     done = []
+    from_version = default_opset(model)
     for step, label in steps:
         try:
             result = step(model)
         except (UpgradeError, ir.passes.PostconditionError) as exc:
             raise Fp8OnnxError(
-                f"Model file {str(path)!r} cannot be upgraded from opset {upgrade.from_version} to "
-                f"{upgrade.target}: {exc}"
+                f"Model file {str(path)!r} cannot be upgraded from opset {from_version} to {upgrade.target}: {exc}"
             ) from None
         model = result.model  # ConvertFloat16Pass returns a new model
-        if result.modified and label:
+        if step is upgrade and result.modified and from_version is not None:
+            rewritten = f" ({result.rewritten} nodes rewritten)" if result.rewritten else ""
+            done.append(f"upgraded opset {from_version} -> {upgrade.target}{rewritten}")
+        elif result.modified and label:
             done.append(label)
-    if upgrade.from_version is not None and upgrade.from_version < upgrade.target:
-        rewritten = f" ({upgrade.rewritten} nodes rewritten)" if upgrade.rewritten else ""
-        done.insert(0, f"upgraded opset {upgrade.from_version} -> {upgrade.target}{rewritten}")
     _unique_across_subgraphs(model)
     # Types of intermediate tensors decide what can be quantized and the scales' dtype. Not strict:
     # onnxruntime's own ops (contrib, or in the default domain) are unknown to ONNX's inference.
     ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
     _types_from_partners(model)
     model.meta[EXTERNAL_META] = external  # ConvertFloat16Pass returns a new model
-    return model, upgrade.from_version, done
+    return model, from_version, done
 
 
 def _unique_across_subgraphs(model: ir.Model) -> None:
@@ -401,8 +402,7 @@ def quantize(
     modified = InsertQDQPass(targets, quant)(ir_model).modified
     lowering = None
     if modified and config.native_gemm:
-        lowering = LowerGemmFloat8Pass()
-        lowering(ir_model)
+        lowering = LowerGemmFloat8Pass()(ir_model)
     if modified:
         ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
         if config.emulated:

@@ -181,13 +181,55 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.
     return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
 
 
+MIN_OPSET = 21  # QuantizeLinear with output_dtype (float8 without a zero point)
+
+
 class InsertQDQPass(ir.passes.InPlacePass):
+    """requires: default opset >= 21; every target is a node of the model with a float input of known
+    dtype at that index and a TensorQuant for it. ensures: every target input is read from a
+    DequantizeLinear (or, for an emulated format, from the grid-rounding ops or a rounded weight)."""
+
     def __init__(self, targets: Iterable[tuple[ir.Node | str, int]], quant: Mapping[str, TensorQuant]):
         """``targets``: (node or node name, input index) pairs, in the main graph or in subgraphs;
         ``quant``: tensor name -> TensorQuant."""
         super().__init__()
         self.targets = list(targets)
         self.quant = dict(quant)
+
+    def _resolved(self, model: ir.Model) -> list[tuple[ir.Node, int]]:
+        nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+        by_name = {n.name: n for n in nodes}
+        present = set(map(id, nodes))
+        out = []
+        for node, index in self.targets:
+            found = by_name.get(node) if isinstance(node, str) else (node if id(node) in present else None)
+            if found is None:
+                raise ir.passes.PreconditionError(f"target node {getattr(node, 'name', node)!r} is not in the model")
+            out.append((found, index))
+        return out
+
+    def requires(self, model: ir.Model) -> None:
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        if opset < MIN_OPSET:
+            raise ir.passes.PreconditionError(
+                f"default opset {opset} < {MIN_OPSET}: float8 QuantizeLinear needs output_dtype (run UpgradeOpsetPass)"
+            )
+        for node, index in self._resolved(model):
+            value = node.inputs[index] if index < len(node.inputs) else None
+            if value is None:
+                raise ir.passes.PreconditionError(f"node {node.name!r} has no input {index}")
+            if not is_quantized(value):
+                if value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+                    raise ir.passes.PreconditionError(f"input {value.name!r} of {node.name!r} is {value.dtype}")
+                if value.name not in self.quant:
+                    raise ir.passes.PreconditionError(f"no TensorQuant for tensor {value.name!r}")
+
+    def ensures(self, model: ir.Model) -> None:
+        for node, index in self._resolved(model):
+            value = node.inputs[index]
+            emulated = value.name.startswith(NODE_PREFIX)  # grid-rounding ops or a rounded weight
+            if not (is_quantized(value) or emulated):
+                raise ir.passes.PostconditionError(f"input {index} of {node.name!r} is not quantized")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

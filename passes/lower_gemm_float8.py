@@ -18,6 +18,7 @@ the Q/DQ form above.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -62,29 +63,36 @@ def _reason(node: ir.Node) -> str | None:
     return None
 
 
-class LowerGemmFloat8Pass(ir.passes.InPlacePass):
-    def __init__(self):
-        super().__init__()
-        self.lowered: list[str] = []
-        self.skipped: dict[str, str] = {}
+@dataclasses.dataclass
+class LoweringResult(ir.passes.PassResult):
+    """What one run lowered (node names) and what it left as Q/DQ, with the reason."""
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    lowered: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class LowerGemmFloat8Pass(ir.passes.InPlacePass):
+    """ensures: no MatMul/Gemm that this run lowered is left; results are returned per call
+    (:class:`LoweringResult`), never kept on the instance, so a reused instance reports each run."""
+
+    def call(self, model: ir.Model) -> LoweringResult:
         graph = model.graph
+        lowered, skipped = [], {}
         for node in list(graph):
             if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
                 continue
             reason = _reason(node)
             if reason:
                 if _dq_of(node.inputs[0]) or _dq_of(node.inputs[1]):
-                    self.skipped[node.name] = reason
+                    skipped[node.name] = reason
                 continue
             self._lower(graph, node)
-            self.lowered.append(node.name)
-        if self.lowered:
+            lowered.append(node.name)
+        if lowered:
             ir.passes.common.RemoveUnusedNodesPass()(model)
             model.opset_imports.setdefault(MS_DOMAIN, 1)
-            logger.info("lowered %d MatMul/Gemm nodes to GemmFloat8", len(self.lowered))
-        return ir.passes.PassResult(model, modified=bool(self.lowered))
+            logger.info("lowered %d MatMul/Gemm nodes to GemmFloat8", len(lowered))
+        return LoweringResult(model, bool(lowered), lowered, skipped)
 
     def _lower(self, graph: ir.Graph, node: ir.Node) -> None:
         name = node.name

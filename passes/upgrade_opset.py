@@ -55,6 +55,7 @@ SimplifiedLayerNormalization, are onnxruntime's to check: the model's session do
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -63,7 +64,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript.version_converter as version_converter
 
-__all__ = ["UpgradeOpsetPass", "UpgradeError", "TARGET_OPSET", "default_opset", "check_schemas"]
+__all__ = ["UpgradeOpsetPass", "UpgradeResult", "UpgradeError", "TARGET_OPSET", "default_opset", "check_schemas"]
 
 logger = logging.getLogger(__name__)
 TARGET_OPSET = 21
@@ -440,28 +441,36 @@ def check_schemas(model: ir.Model, target: int = TARGET_OPSET) -> None:
                 )
 
 
+@dataclasses.dataclass
+class UpgradeResult(ir.passes.PassResult):
+    """The opset the model had (None: no default-domain import) and how many nodes were rewritten."""
+
+    from_version: int | None = None
+    rewritten: int = 0
+
+
 class UpgradeOpsetPass(ir.passes.InPlacePass):
+    """ensures: the default opset is the target, and every default-domain node fits its schema there.
+    Results are returned per call (:class:`UpgradeResult`), not kept on the instance."""
+
     def __init__(self, target: int = TARGET_OPSET):
         super().__init__()
         self.target = target
-        self.from_version: int | None = None
-        self.rewritten = 0
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> UpgradeResult:
         current = default_opset(model)
-        self.from_version = current
-        self.rewritten = 0
         if current is not None and current >= self.target:
-            return ir.passes.PassResult(model, modified=False)
+            return UpgradeResult(model, False, current)
+        rewritten = 0
         if current is None:
             # A graph of custom-domain ops only: declaring the default domain is all it needs.
             model.opset_imports[""] = self.target
         else:
-            self.rewritten = adapt(model, self.target)
+            rewritten = adapt(model, self.target)
             version_converter.convert_version(model, self.target)
         model.ir_version = max(model.ir_version or 0, MIN_IR_VERSION)
-        logger.info("upgraded default opset %s -> %d (%d nodes rewritten)", current, self.target, self.rewritten)
-        return ir.passes.PassResult(model, modified=True)
+        logger.info("upgraded default opset %s -> %d (%d nodes rewritten)", current, self.target, rewritten)
+        return UpgradeResult(model, True, current, rewritten)
 
     def ensures(self, model: ir.Model) -> None:
         if (default_opset(model) or 0) < self.target:

@@ -172,3 +172,20 @@ def test_emulated_e3m4_has_no_qdq_and_matches_numpy(tmp_path):
     for run in (run_ort, run_reference):
         np.testing.assert_allclose(run(proto, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
     assert not InsertQDQPass(targets, quant)(model).modified
+
+
+def test_requires_opset_21_and_known_targets(tmp_path):
+    """At opset 17 the pass used to build a QuantizeLinear with output_dtype (an opset-21 attribute),
+    an invalid graph, and still report modified=True; now its precondition refuses."""
+    fmt = Fp8Format.E4M3FN
+    model = ir.load(mlp_model(tmp_path / "m.onnx", opset=17))
+    ir.passes.common.ShapeInferencePass()(model)
+    quant = {k: TensorQuant(fmt, 0.01) for k in ("x", "w1")}
+    with pytest.raises(ir.passes.PreconditionError, match="opset 17 < 21"):
+        InsertQDQPass([("fc1", 0), ("fc1", 1)], quant)(model)
+    UpgradeOpsetPass()(model)
+    with pytest.raises(ir.passes.PreconditionError, match="target node 'nowhere' is not in the model"):
+        InsertQDQPass([("nowhere", 0)], quant)(model)
+    with pytest.raises(ir.passes.PreconditionError, match="no TensorQuant for tensor 'r'"):
+        InsertQDQPass([("fc2", 0)], quant)(model)
+    assert InsertQDQPass([("fc1", 0), ("fc1", 1)], quant)(model).modified  # ensures held: both now from DQ
