@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from .calibration import WEIGHT_MEMORY, Stats, collect_amax
 from .errors import Fp8OnnxError
-from .formats import EMULATED_NOTE
+from .formats import EMULATED_NOTE, format_of
 from .guard import as_path, check_paths, model_reads, model_writes
 from .model_io import EXTERNAL_META, load_model, save_model
 from .passes import ConvertFloat16Pass
@@ -25,12 +25,6 @@ from .targets import check_tensorrt
 __all__ = ["calibrate", "convert_fp16", "inspect"]
 
 logger = logging.getLogger(__name__)
-_FP8_TYPES = {
-    ir.DataType.FLOAT8E4M3FN: "e4m3fn",
-    ir.DataType.FLOAT8E5M2: "e5m2",
-    ir.DataType.FLOAT8E4M3FNUZ: "e4m3fnuz",
-    ir.DataType.FLOAT8E5M2FNUZ: "e5m2fnuz",
-}
 
 
 def calibrate(
@@ -90,9 +84,10 @@ def inspect(model: str | os.PathLike) -> dict:
         if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
             continue
         src = node.inputs[0]
-        fmt = _FP8_TYPES.get(src.dtype)
-        if fmt is None:
+        found = format_of(src.dtype)
+        if found is None:
             continue
+        fmt = found.value
         scale = (
             node.inputs[1].const_value.numpy()
             if node.inputs[1] is not None and node.inputs[1].const_value is not None

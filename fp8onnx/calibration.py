@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .data import as_data, input_specs
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, first_line
 from .histogram import NUM_BINS, LogHistogram
 from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
 from .progress import progress_bar
@@ -232,8 +232,9 @@ def collect_amax(
             try:
                 values = session.run(outputs, batch.feed)
             except Exception as exc:  # noqa: BLE001 - ORT raises several types
-                msg = str(exc).strip().splitlines()[0]
-                raise Fp8OnnxError(f"Calibration batch {stats.num_batches - 1} failed in onnxruntime: {msg}") from None
+                raise Fp8OnnxError(
+                    f"Calibration batch {stats.num_batches - 1} failed in onnxruntime: {first_line(exc)}"
+                ) from None
             running.add_outputs(dict(zip(outputs, values)))
     if stats.num_batches == 0:
         raise Fp8OnnxError("The calibration data gave no batches.")

@@ -290,8 +290,6 @@ def quantize(
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx
       fp8onnx quantize llama.onnx --calib calib.npz --weight-memory 256 -o llama.fp8.onnx  # layer by layer
     """
-    if calib and stats:
-        raise Fp8OnnxError("Give either --calib or --stats, not both.")
     # The library guards what it reads itself; --check's data is read only here.
     check_paths(
         [("the evaluation data", check_data)], model_writes("the output model", output) + [("the report", report)]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .data import as_data, input_specs
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, first_line
 from .model_io import load_model
 from .passes import ConvertFloat16Pass
 from .progress import progress_bar
@@ -307,8 +307,7 @@ def _fp16_session(ref_model, reference, provider: str):
         fp16_model = ConvertFloat16Pass()(ref_model).model
     except Exception as exc:  # noqa: BLE001 - the converter raises many types on odd graphs
         raise Fp8OnnxError(
-            f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})."
+            f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: {first_line(exc)})."
         ) from None
     return session_for_model(fp16_model, provider, f"The FP16 baseline of {str(reference)!r}", arena=False)
 
@@ -317,8 +316,7 @@ def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:
     try:
         return session.run(None, feed)
     except Exception as exc:  # noqa: BLE001
-        msg = str(exc).strip().splitlines()[0]
-        raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {msg}") from None
+        raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {first_line(exc)}") from None
 
 
 def _label_output(ref: list[np.ndarray], out_names: list[str], labels: np.ndarray | None) -> int | None:

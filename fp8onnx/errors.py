@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Fp8OnnxError", "printable"]
+__all__ = ["Fp8OnnxError", "printable", "first_line"]
 
 
 class Fp8OnnxError(ValueError):
@@ -13,3 +13,10 @@ def printable(text: object) -> str:
     """``text`` with control and non-printable characters escaped: corrupt files put raw bytes into
     the messages of the libraries that read them, and a message is one printable line."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text, printable; its type name when it has no text
+    (third-party errors carry multi-line messages, sometimes none)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return printable(lines[0].strip()) if lines else type(exc).__name__

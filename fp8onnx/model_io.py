@@ -17,7 +17,7 @@ import tempfile
 import onnx
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError, printable
+from .errors import Fp8OnnxError, first_line
 from .guard import side_file
 from .runtime import inline_proto, make_session, weight_bytes
 
@@ -52,9 +52,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         model = ir.load(path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
         _explain_graph(path)
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise Fp8OnnxError(
-            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {printable(msg)})."
+            f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})."
         ) from None
     _check_names(model, path)
     check_external_data(model, path)
@@ -140,8 +139,7 @@ def check_onnx(source: bytes | pathlib.Path, what: str) -> None:
             return
         except Exception as exc:  # noqa: BLE001
             error = exc
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise Fp8OnnxError(f"{what} fails onnx.checker: {printable(first)}")
+    raise Fp8OnnxError(f"{what} fails onnx.checker: {first_line(error)}")
 
 
 def _explain_graph(path: pathlib.Path) -> None:

@@ -357,6 +357,8 @@ def quantize(
     ``config`` is not given.
     """
     config = config or QuantizeConfig(**options)
+    if calib is not None and stats is not None:
+        raise Fp8OnnxError("Give either --calib or --stats, not both.")
     check_paths(
         model_reads("the input model", model)
         + [("the calibration data", as_path(calib)), ("the statistics file", as_path(stats))],

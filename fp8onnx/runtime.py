@@ -16,7 +16,7 @@ import onnx_ir as ir
 import onnx_ir.external_data
 import onnxruntime as ort
 
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, first_line
 
 __all__ = [
     "PROVIDERS",
@@ -80,8 +80,7 @@ def make_session(
     try:
         return ort.InferenceSession(src, _options(provider, arena, optimize), providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first}") from None
+        raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from None
 
 
 def inline_proto(model: ir.Model):

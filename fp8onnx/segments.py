@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, first_line
 from .passes import release
 from .runtime import make_session
 
@@ -252,8 +252,7 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
         try:
             values = session.run(names, feed)
         except Exception as exc:  # noqa: BLE001 - ORT raises several types
-            msg = str(exc).strip().splitlines()[0]
-            raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {msg}") from None
+            raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
         del feed
         on_result(b, {name: array for name, array in zip(names, values) if name in wanted})
         for name, array in zip(names, values):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from .formats import Fp8Format, format_of
 from .passes import output_channel_axis
 
 __all__ = ["TARGETS", "check_tensorrt"]
 
 TARGETS = ("onnxruntime", "tensorrt")
-_FLOAT8 = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2FNUZ)
 
 
 def _scale_problem(scale: ir.Value | None) -> str | None:
@@ -38,7 +38,7 @@ def check_tensorrt(model: ir.Model) -> list[str]:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             continue
         fp8 = node.outputs[0] if node.op_type == "QuantizeLinear" else node.inputs[0]
-        if fp8.dtype in _FLOAT8 and fp8.dtype != ir.DataType.FLOAT8E4M3FN:
+        if format_of(fp8.dtype) not in (None, Fp8Format.E4M3FN):
             problems.append(f"{where}: {fp8.dtype} - TensorRT's FP8 is E4M3FN only")
         zero_point = node.inputs[2] if len(node.inputs) > 2 else None
         if zero_point is not None and (

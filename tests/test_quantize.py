@@ -295,3 +295,20 @@ def test_deprecated_and_onnxruntime_ops_are_accepted(tmp_path):
         "SimplifiedLayerNormalization",
     ]
     assert sqnr_db(run_ort(onnx.load(tmp_path / "m.onnx"), {"a": x})[0], run_ort(q, {"a": x})[0]) > 20
+
+
+def test_calib_and_stats_contradict_in_the_library_too(mlp, tmp_path):
+    path, data = mlp
+    stats = fp8onnx.calibrate(path, data)
+    with pytest.raises(Fp8OnnxError, match="either --calib or --stats, not both"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", data, stats=stats)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", stats=stats, provider="cpu")
+    assert report.calibration["source"] == "statistics given in memory"  # not a 400-character repr
+
+
+def test_first_line_of_an_exception_without_text():
+    from fp8onnx.errors import first_line
+
+    assert first_line(RuntimeError("")) == "RuntimeError"
+    assert first_line(ValueError("\n\n  real cause\nmore")) == "real cause"
+    assert first_line(ValueError("bytes \x00\x1b here")) == "bytes \\x00\\x1b here"
