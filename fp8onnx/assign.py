@@ -1,0 +1,160 @@
+"""Scales for every quantized tensor: calibration statistics (or none, for dynamic/constant scales),
+weight maxima, and the two onnxruntime bias workarounds (int32 bias overflow for Gemm and Conv)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from .calibration import Stats, collect_amax, weight_amax
+from .config import QuantizeConfig
+from .errors import Fp8OnnxError
+from .guard import as_path
+from .passes import (
+    TensorQuant,
+    bias_of,
+    output_channel_axis,
+)
+from .plan import Decision
+from .report import TensorReport
+from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
+
+__all__ = [
+    "activation_stats",
+    "activation_quant",
+    "weight_quant",
+    "bias_overflows",
+    "keep_conv_bias_in_int32_range",
+    "tensor_report",
+    "describe_source",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def activation_stats(model, names, config, calib, stats, run: dict) -> Stats | None:
+    """Calibration statistics for static activation scales, or None when none are needed."""
+    if config.activations == "dynamic":
+        if stats is not None or calib is not None:
+            raise Fp8OnnxError("--activations dynamic needs no calibration; drop --calib/--stats (they contradict it).")
+        return None
+    if not names or config.scaling is Scaling.CONSTANT:
+        return None
+    hist = config.scaling.needs_histogram
+    if stats is not None:
+        loaded = stats if isinstance(stats, Stats) else Stats.load(stats)
+        known = {v.name for n in ir.traversal.RecursiveGraphIterator(model.graph) for v in n.outputs}
+        known.update(v.name for v in model.graph.inputs)
+        stranger = next((n for n in loaded.amax if n not in known), None)
+        if stranger is not None:
+            raise Fp8OnnxError(
+                f"Statistics {describe_source(stats)!r} have an entry for tensor {stranger!r}, which this model "
+                "does not have; was it made for another model (or another --precision)?"
+            )
+        missing = [n for n in names if n not in loaded.amax or (hist and n not in loaded.hist)]
+        if missing:
+            what = "histogram" if missing[0] in loaded.amax else "entry"
+            raise Fp8OnnxError(
+                f"Statistics {describe_source(stats)!r} have no {what} for tensor {missing[0]!r}; rerun "
+                "`fp8onnx calibrate` on this model."
+            )
+        return loaded
+    if calib is None:
+        raise Fp8OnnxError(
+            "Activation scales need calibration: pass --calib DATA or --stats FILE "
+            "(or --activations dynamic, or --scaling constant)."
+        )
+    return collect_amax(model, names, calib, histograms=hist, **run)
+
+
+def describe_source(source, what: str = "statistics") -> str:
+    """How reports and messages name calibration input: the file, or what was given in memory."""
+    return str(source) if as_path(source) is not None else f"{what} given in memory"
+
+
+def activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:
+    fmt = config.activation_format
+    if config.activations == "dynamic" or (not visible and config.scaling is not Scaling.CONSTANT):
+        return TensorQuant(fmt, None)
+    if config.scaling is Scaling.CONSTANT:
+        return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
+    amax = stats.amax[name]
+    clip = clipping_amax(
+        amax,
+        stats.hist.get(name),
+        fmt,
+        config.scaling,
+        percentile=config.percentile if config.percentile is not None else DEFAULT_PERCENTILE,
+    )
+    return TensorQuant(fmt, amax_to_scale(clip, fmt, config.scaling, margin=config.margin))
+
+
+def bias_overflows(decisions: list[Decision], quant: dict[str, TensorQuant]) -> list[ir.Node]:
+    """Quantized Gemm nodes (and MatMul + Add, which ORT fuses into one) whose constant 1-D bias
+    onnxruntime's BiasQuantization would saturate: it stores it as int32 with scale
+    scale_A * scale_B (see ``passes.shield_bias``)."""
+    nodes = []
+    for d in decisions:
+        node = d.node
+        found = bias_of(node)
+        if found is None or len(d.inputs) < 2:
+            continue
+        a, b = (quant[node.inputs[i].name] for i in (0, 1))
+        if not (a.format.deployable and b.format.deployable):
+            continue  # emulated: no DequantizeLinear for ORT to match
+        if a.scale is None or b.scale is None:
+            nodes.append(node)  # scales computed at run time: cannot rule it out
+            continue
+        holder, index = found
+        bias = holder.inputs[index].const_value.numpy().astype(np.float64)
+        if np.max(np.abs(bias), initial=0.0) >= float(np.min(a.scale) * np.min(b.scale)) * (2**31 - 1):
+            nodes.append(node)
+    return nodes
+
+
+def keep_conv_bias_in_int32_range(decisions: list[Decision], quant: dict[str, TensorQuant]) -> None:
+    """onnxruntime's BiasQuantization also stores a Conv's bias as int32 with scale scale_X * scale_W.
+    A Conv's B must be 1-D (no [1, N] trick as for Gemm), so the weight scale is raised where needed:
+    then max|B| / (scale_X * scale_W) < 2**30. It only triggers when X and W are so small that their
+    product is negligible next to the bias."""
+    for d in decisions:
+        node = d.node
+        if node.op_type != "Conv" or len(node.inputs) < 3 or node.inputs[2] is None or len(d.inputs) < 2:
+            continue
+        bias = node.inputs[2].const_value
+        x, w = quant[node.inputs[0].name], quant[node.inputs[1].name]
+        if bias is None or x.scale is None or w.scale is None or not w.format.deployable:
+            continue  # a scale computed at run time is not constant: the rewrite does not apply
+        need = np.abs(bias.numpy().astype(np.float64)) / (float(np.min(x.scale)) * 2.0**30)
+        if np.ndim(w.scale):
+            raised = np.maximum(w.scale, need)
+        else:
+            raised = max(float(w.scale), float(need.max(initial=0.0)))
+        if np.any(np.asarray(raised) > np.asarray(w.scale)):
+            logger.info("raised the weight scale of Conv %r to keep its bias representable as int32", node.name)
+            quant[node.inputs[1].name] = TensorQuant(w.format, raised, w.axis)
+
+
+def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig):
+    """(TensorQuant, amax) of a weight: its max is read once, per tensor or per output channel."""
+    fmt = config.weight_format
+    # Weights know their every value: percentile/mse clip activations only, weights keep their max.
+    method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
+    axis = output_channel_axis(node, index, len(value.shape)) if config.per_channel else None
+    amax = weight_amax(value, axis)
+    if axis is None:
+        return TensorQuant(fmt, amax_to_scale(amax, fmt, method, margin=config.margin, constant=config.scale)), amax
+    scales = np.array([amax_to_scale(a, fmt, method, margin=config.margin) for a in amax], dtype=np.float64)
+    return TensorQuant(fmt, scales, axis), amax
+
+
+def tensor_report(name: str, kind: str, quant: dict[str, TensorQuant], amax: dict) -> TensorReport:
+    tq = quant[name]
+    return TensorReport(name, kind, tq.format.value, _jsonable(tq.scale), _jsonable(amax[name]), tq.axis)
+
+
+def _jsonable(x):
+    return x.tolist() if isinstance(x, np.ndarray) else x

@@ -1,0 +1,128 @@
+"""What to quantize and how: :class:`QuantizeConfig`, the quantization recipe, validated on creation
+(every rule about which options go together lives here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .errors import Fp8OnnxError
+from .formats import Fp8Format, parse_format
+from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, parse_scaling
+from .targets import TARGETS
+
+__all__ = ["QuantizeConfig", "SUPPORTED_OP_TYPES", "DEFAULT_OP_TYPES", "ACTIVATION_MODES", "PRECISIONS"]
+
+logger = logging.getLogger(__name__)
+
+
+SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
+
+
+ACTIVATION_MODES = ("static", "dynamic")
+PRECISIONS = ("model", "fp16")  # model: keep the model's own float types
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """What to quantize and how; validated on creation.
+
+    ``format`` sets both ``weight_format`` and ``activation_format`` unless they are given.
+    """
+
+    format: Fp8Format | str = Fp8Format.E4M3FN
+    weight_format: Fp8Format | str | None = None
+    activation_format: Fp8Format | str | None = None
+    scaling: Scaling | str = Scaling.AMAX
+    margin: int = 0
+    scale: float | None = None
+    percentile: float | None = None
+    activations: str = "static"
+    per_channel: bool = False
+    op_types: tuple[str, ...] = DEFAULT_OP_TYPES
+    exclude: tuple[str, ...] = ()
+    activation_matmuls: bool = False
+    precision: str = "model"
+    native_gemm: bool = False
+    target: str = "onnxruntime"
+
+    def __post_init__(self):
+        fmt = parse_format(self.format)
+        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "weight_format", parse_format(self.weight_format or fmt))
+        object.__setattr__(self, "activation_format", parse_format(self.activation_format or fmt))
+        object.__setattr__(self, "scaling", parse_scaling(self.scaling))
+        object.__setattr__(self, "op_types", tuple(self.op_types))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        unknown = [t for t in self.op_types if t not in SUPPORTED_OP_TYPES]
+        if unknown or not self.op_types:
+            raise Fp8OnnxError(
+                f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
+                f"{', '.join(SUPPORTED_OP_TYPES)}."
+            )
+        if self.precision not in PRECISIONS:
+            raise Fp8OnnxError(f"Unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        if self.target not in TARGETS:
+            raise Fp8OnnxError(f"Unknown --target {self.target!r}; choose one of {', '.join(TARGETS)}.")
+        if self.target == "tensorrt":
+            if Fp8Format.E4M3FN not in (self.weight_format, self.activation_format) or (
+                self.weight_format != self.activation_format
+            ):
+                raise Fp8OnnxError("--target tensorrt takes e4m3fn only (TensorRT's FP8 format).")
+            if self.activations == "dynamic" or self.native_gemm:
+                raise Fp8OnnxError(
+                    "--target tensorrt needs constant scales and standard Q/DQ: drop --activations dynamic and "
+                    "--native-gemm."
+                )
+        if self.activations not in ACTIVATION_MODES:
+            raise Fp8OnnxError(f"Unknown --activations {self.activations!r}; choose static or dynamic.")
+        if self.scaling is Scaling.CONSTANT:
+            amax_to_scale(1.0, self.weight_format, self.scaling, constant=self.scale)  # validates --scale
+            if self.activations == "dynamic":
+                raise Fp8OnnxError(
+                    "--scaling constant contradicts --activations dynamic (one fixed scale vs one per batch)."
+                )
+            if self.per_channel:
+                raise Fp8OnnxError("--scaling constant contradicts --per-channel (one scale for every tensor).")
+        elif self.scale is not None:
+            raise Fp8OnnxError("--scale only applies to --scaling constant.")
+        if self.margin != int(self.margin):
+            raise Fp8OnnxError(f"--margin must be an integer, got {self.margin!r}.")
+        if self.margin and self.scaling is not Scaling.POW2:
+            raise Fp8OnnxError("--margin only applies to --scaling pow2.")
+        if self.percentile is not None:
+            if self.scaling is not Scaling.PERCENTILE:
+                raise Fp8OnnxError("--percentile only applies to --scaling percentile.")
+            if not 0 < self.percentile <= 100:
+                raise Fp8OnnxError(f"--percentile must be in (0, 100], got {self.percentile!r}.")
+        if self.activations == "dynamic" and self.scaling not in (Scaling.AMAX,):
+            raise Fp8OnnxError(
+                f"--activations dynamic computes each batch's amax in the graph; --scaling {self.scaling.value} "
+                "needs calibration (use --scaling amax or --activations static)."
+            )
+
+    @property
+    def emulated(self) -> bool:
+        return not (self.weight_format.deployable and self.activation_format.deployable)
+
+    def to_json(self) -> dict:
+        return {
+            "weight_format": self.weight_format.value,
+            "activation_format": self.activation_format.value,
+            "scaling": self.scaling.value,
+            "margin": self.margin,
+            "scale": self.scale,
+            "percentile": self.percentile
+            if self.percentile is not None
+            else (DEFAULT_PERCENTILE if self.scaling is Scaling.PERCENTILE else None),
+            "activations": self.activations,
+            "per_channel": self.per_channel,
+            "op_types": list(self.op_types),
+            "exclude": list(self.exclude),
+            "activation_matmuls": self.activation_matmuls,
+            "precision": self.precision,
+            "native_gemm": self.native_gemm,
+            "target": self.target,
+            "emulated": self.emulated,
+        }

@@ -1,0 +1,112 @@
+"""The per-node decision: which inputs of each MatMul/Gemm/Conv/ConvTranspose to quantize, or the
+reason it is left alone. Decisions only; the graph is changed by the passes."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+from collections.abc import Iterable
+
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from .config import SUPPORTED_OP_TYPES, QuantizeConfig
+from .passes import (
+    is_quantized,
+)
+from .report import NodeReport
+
+__all__ = ["Decision", "plan", "in_main_graph", "activation_tensors", "candidate_activations"]
+
+logger = logging.getLogger(__name__)
+
+
+_FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_QUANTIZED_INPUTS = (0, 1)  # data and weight; the bias of Gemm/Conv stays in float
+
+
+@dataclasses.dataclass
+class Decision:
+    node: ir.Node
+    inputs: list[tuple[int, str]]  # (input index, "weight" | "activation")
+    reason: str | None = None
+
+
+def _is_weight(value: ir.Value) -> bool:
+    return value.const_value is not None and value.is_initializer() and not value.is_graph_input()
+
+
+def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
+    for pattern in config.exclude:
+        if fnmatch.fnmatchcase(node.name or "", pattern):
+            return Decision(node, [], f"excluded by --exclude {pattern!r}")
+    inputs = []
+    for index in _QUANTIZED_INPUTS:
+        value = node.inputs[index] if index < len(node.inputs) else None
+        if value is None:
+            return Decision(node, [], f"input {index} is missing")
+        if value.dtype not in _FLOAT_TYPES:
+            return Decision(node, [], f"input {value.name!r} is {value.dtype}, not float32/float16/bfloat16")
+        if is_quantized(value):
+            return Decision(node, [], f"already quantized: input {value.name!r} comes from DequantizeLinear or fp8onnx")
+        if value.is_initializer() and value.is_graph_input():
+            return Decision(node, [], f"weight {value.name!r} is also a graph input and can be overridden at run time")
+        inputs.append((index, "weight" if _is_weight(value) else "activation"))
+    if all(kind == "activation" for _, kind in inputs) and not config.activation_matmuls:
+        return Decision(
+            node, [], "both inputs are activations (e.g. attention scores); opt in with --activation-matmuls"
+        )
+    return Decision(node, inputs)
+
+
+def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[NodeReport]]:
+    """Per MatMul/Gemm of the model: the inputs to quantize, or why it is left alone."""
+    decisions, skipped = [], []
+    # If/Loop/Scan bodies included: their activations get dynamic scales (see in_main_graph).
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type not in config.op_types:
+            reason = f"{node.op_type} is not in --op-types"
+            if node.op_type in ("Conv", "ConvTranspose"):
+                reason += f" (opt in with --op-types MatMul,Gemm,{node.op_type})"
+            skipped.append(NodeReport(node.name, node.op_type, False, reason))
+            continue
+        decision = _decide(node, config)
+        if decision.reason:
+            skipped.append(NodeReport(node.name, node.op_type, False, decision.reason))
+        else:
+            decisions.append(decision)
+    for function in model.functions.values():  # left after inlining: none unless inlining was impossible
+        for node in function:
+            if node.op_type in SUPPORTED_OP_TYPES:
+                skipped.append(
+                    NodeReport(node.name, node.op_type, False, f"inside function {function.name!r}: not quantized yet")
+                )
+    return decisions, skipped
+
+
+def in_main_graph(value: ir.Value, model: ir.Model) -> bool:
+    """Whether calibration can see ``value``: onnxruntime can return main-graph tensors only, not
+    tensors computed inside If/Loop/Scan bodies (those get a dynamic scale)."""
+    producer = value.producer()
+    return (producer.graph if producer is not None else value.graph) is model.graph
+
+
+def activation_tensors(decisions: Iterable[Decision], model: ir.Model) -> list[str]:
+    """The activation tensors static calibration measures (those of the main graph)."""
+    names = []
+    for d in decisions:
+        for i, kind in d.inputs:
+            value = d.node.inputs[i]
+            if kind == "activation" and in_main_graph(value, model):
+                names.append(value.name)
+    return list(dict.fromkeys(names))
+
+
+def candidate_activations(model: ir.Model) -> list[str]:
+    """Every float activation input of every MatMul/Gemm/Conv: what ``fp8onnx calibrate`` records, so
+    that one statistics file serves any later choice of --op-types, --exclude or --activation-matmuls."""
+    config = QuantizeConfig(activation_matmuls=True, op_types=SUPPORTED_OP_TYPES)
+    return activation_tensors(plan(model, config)[0], model)
