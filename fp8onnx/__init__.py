@@ -10,12 +10,12 @@ import logging
 
 __version__ = "0.1.0"
 
-from .api import calibrate, convert_fp16, inspect  # noqa: E402
-from .compare import compare  # noqa: E402
-from .errors import Fp8OnnxError  # noqa: E402
-from .formats import Fp8Format  # noqa: E402
-from .quantize import QuantizeConfig, quantize  # noqa: E402
-from .scaling import Scaling, amax_to_scale  # noqa: E402
+from .api import calibrate, convert_fp16, inspect
+from .compare import compare
+from .errors import Fp8OnnxError
+from .formats import Fp8Format
+from .quantize import QuantizeConfig, quantize
+from .scaling import Scaling, amax_to_scale
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

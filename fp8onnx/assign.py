@@ -23,13 +23,13 @@ from .report import TensorReport
 from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
 
 __all__ = [
-    "activation_stats",
     "activation_quant",
-    "weight_quant",
+    "activation_stats",
     "bias_overflows",
+    "describe_source",
     "keep_conv_bias_in_int32_range",
     "tensor_report",
-    "describe_source",
+    "weight_quant",
 ]
 
 logger = logging.getLogger(__name__)

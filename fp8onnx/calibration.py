@@ -231,7 +231,7 @@ def collect_amax(
         for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
             try:
                 values = session.run(outputs, batch.feed)
-            except Exception as exc:  # noqa: BLE001 - ORT raises several types
+            except Exception as exc:
                 raise Fp8OnnxError(
                     f"Calibration batch {stats.num_batches - 1} failed in onnxruntime: {first_line(exc)}"
                 ) from None

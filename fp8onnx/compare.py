@@ -32,7 +32,7 @@ from .progress import progress_bar
 from .runtime import make_session, resolve_provider, session_for_model
 from .segments import Spill
 
-__all__ = ["compare", "CompareResult", "RowResult", "LLM_RATIO", "PTQ_REL_LOSS"]
+__all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "RowResult", "compare"]
 
 logger = logging.getLogger(__name__)
 LLM_RATIO = 0.995  # FP8 within 99.5% of FP16 (FP8 LLM paper)
@@ -305,7 +305,7 @@ def _session(path, provider: str):
 def _fp16_session(ref_model, reference, provider: str):
     try:
         fp16_model = ConvertFloat16Pass()(ref_model).model
-    except Exception as exc:  # noqa: BLE001 - the converter raises many types on odd graphs
+    except Exception as exc:
         raise Fp8OnnxError(
             f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: {first_line(exc)})."
         ) from None
@@ -315,7 +315,7 @@ def _fp16_session(ref_model, reference, provider: str):
 def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:
     try:
         return session.run(None, feed)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {first_line(exc)}") from None
 
 

@@ -11,7 +11,7 @@ from .formats import Fp8Format, parse_format
 from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, parse_scaling
 from .targets import TARGETS
 
-__all__ = ["QuantizeConfig", "SUPPORTED_OP_TYPES", "DEFAULT_OP_TYPES", "ACTIVATION_MODES", "PRECISIONS"]
+__all__ = ["ACTIVATION_MODES", "DEFAULT_OP_TYPES", "PRECISIONS", "SUPPORTED_OP_TYPES", "QuantizeConfig"]
 
 logger = logging.getLogger(__name__)
 

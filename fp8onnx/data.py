@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from .errors import Fp8OnnxError, printable
 
-__all__ = ["InputSpec", "Batch", "input_specs", "NpzData", "FeedData", "as_data", "LABELS"]
+__all__ = ["LABELS", "Batch", "FeedData", "InputSpec", "NpzData", "as_data", "input_specs"]
 
 logger = logging.getLogger(__name__)
 LABELS = "labels"
@@ -249,7 +249,7 @@ def _npz_shape(npz, key: str, file: pathlib.Path) -> tuple[int, ...]:
             with npz.zip.open(key + ".npy") as fh:
                 shape, dtype, offset = _read_header(fh)
             held = npz.zip.getinfo(key + ".npy").file_size - offset
-    except Exception as exc:  # noqa: BLE001 - any corruption is the file's fault
+    except Exception as exc:
         raise Fp8OnnxError(f"{where} cannot be read ({printable(exc)}); is the file corrupt?") from None
     if dtype.hasobject:
         raise Fp8OnnxError(f"{where} holds Python objects; refused (no unpickling).")

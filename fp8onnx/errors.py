@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Fp8OnnxError", "printable", "first_line"]
+__all__ = ["Fp8OnnxError", "first_line", "printable"]
 
 
 class Fp8OnnxError(ValueError):

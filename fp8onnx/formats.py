@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from .errors import Fp8OnnxError
 
-__all__ = ["Fp8Format", "parse_format", "quantize", "dequantize", "EMULATED_NOTE"]
+__all__ = ["EMULATED_NOTE", "Fp8Format", "dequantize", "parse_format", "quantize"]
 
 EMULATED_NOTE = "E3M4 is emulated with float ops: a simulation for accuracy studies that no runtime can deploy"
 

@@ -18,7 +18,7 @@ import onnx
 
 from .errors import Fp8OnnxError
 
-__all__ = ["check_paths", "model_reads", "model_writes", "check_output_path", "side_file", "as_path"]
+__all__ = ["as_path", "check_output_path", "check_paths", "model_reads", "model_writes", "side_file"]
 
 Entry = tuple[str, "str | os.PathLike | None"]
 
@@ -44,7 +44,7 @@ def model_reads(label: str, path: str | os.PathLike | None) -> list[Entry]:
         return entries
     try:
         proto = onnx.load(os.fspath(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not a model: load_model says so in one sentence
+    except Exception:
         return entries
     folder = pathlib.Path(path).parent
     graphs = [proto.graph]

@@ -23,8 +23,8 @@ from .runtime import inline_proto, make_session, weight_bytes
 
 __all__ = [
     "EXTERNAL_META",
-    "load_model",
     "check_external_data",
+    "load_model",
     "save_model",
     "write_bytes_atomic",
     "write_text_atomic",
@@ -50,7 +50,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise Fp8OnnxError(f"Model path {str(path)!r} is not a regular file.")
     try:
         model = ir.load(path)
-    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+    except Exception as exc:
         _explain_graph(path)
         raise Fp8OnnxError(
             f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})."
@@ -120,7 +120,7 @@ def check_onnx(source: bytes | pathlib.Path, what: str) -> None:
     try:
         onnx.checker.check_model(source if isinstance(source, bytes) else str(source))
         return
-    except Exception as exc:  # noqa: BLE001 - ValidationError, InferenceError, UnicodeDecodeError, ...
+    except Exception as exc:
         error = exc
     try:
         proto = (
@@ -130,14 +130,14 @@ def check_onnx(source: bytes | pathlib.Path, what: str) -> None:
         )
         moved = _hide_unknown_ops(proto)
         _external_to_inputs(proto)
-    except Exception:  # noqa: BLE001 - unreadable: report the checker's own complaint
+    except Exception:
         moved = []
     if moved:
         try:
             onnx.checker.check_model(proto)
             logger.info("%s: onnx.checker does not know %s (onnxruntime ops); the rest passes", what, moved)
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             error = exc
     raise Fp8OnnxError(f"{what} fails onnx.checker: {first_line(error)}")
 
@@ -146,7 +146,7 @@ def _explain_graph(path: pathlib.Path) -> None:
     """After onnx_ir refused a model: name a tensor that two nodes write, the usual cause."""
     try:
         proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not even protobuf: the caller's message says so
+    except Exception:
         return
     graphs = [proto.graph]
     while graphs:

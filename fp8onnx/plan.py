@@ -17,7 +17,7 @@ from .passes import (
 )
 from .report import NodeReport
 
-__all__ = ["Decision", "plan", "in_main_graph", "activation_tensors", "candidate_activations"]
+__all__ = ["Decision", "activation_tensors", "candidate_activations", "in_main_graph", "plan"]
 
 logger = logging.getLogger(__name__)
 

@@ -46,16 +46,16 @@ from .runtime import resolve_provider
 from .targets import check_tensorrt
 
 __all__ = [
+    "DEFAULT_OP_TYPES",
+    "PRECISIONS",
+    "SUPPORTED_OP_TYPES",
     "QuantizeConfig",
-    "plan",
-    "quantize",
-    "prepare_model",
     "activation_tensors",
     "candidate_activations",
     "in_main_graph",
-    "SUPPORTED_OP_TYPES",
-    "DEFAULT_OP_TYPES",
-    "PRECISIONS",
+    "plan",
+    "prepare_model",
+    "quantize",
 ]
 
 logger = logging.getLogger(__name__)

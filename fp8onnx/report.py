@@ -6,7 +6,7 @@ import dataclasses
 
 from .formats import EMULATED_NOTE
 
-__all__ = ["TensorReport", "NodeReport", "QuantizeReport", "describe_config"]
+__all__ = ["NodeReport", "QuantizeReport", "TensorReport", "describe_config"]
 
 
 def describe_config(cfg: dict) -> str:

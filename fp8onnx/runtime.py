@@ -20,11 +20,11 @@ from .errors import Fp8OnnxError, first_line
 
 __all__ = [
     "PROVIDERS",
-    "resolve_provider",
-    "make_session",
-    "session_for_model",
     "inline_proto",
+    "make_session",
     "median_latency_ms",
+    "resolve_provider",
+    "session_for_model",
     "weight_bytes",
 ]
 
@@ -79,7 +79,7 @@ def make_session(
     src = model if isinstance(model, bytes) else str(model)
     try:
         return ort.InferenceSession(src, _options(provider, arena, optimize), providers=providers)
-    except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
+    except Exception as exc:
         raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from None
 
 

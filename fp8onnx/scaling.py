@@ -31,7 +31,7 @@ from .errors import Fp8OnnxError
 from .formats import Fp8Format, quantize
 from .histogram import LogHistogram
 
-__all__ = ["Scaling", "parse_scaling", "amax_to_scale", "clipping_amax", "mse_amax", "SAFE_AMAX", "DEFAULT_PERCENTILE"]
+__all__ = ["DEFAULT_PERCENTILE", "SAFE_AMAX", "Scaling", "amax_to_scale", "clipping_amax", "mse_amax", "parse_scaling"]
 
 logger = logging.getLogger(__name__)
 

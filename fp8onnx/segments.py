@@ -32,7 +32,7 @@ from .errors import Fp8OnnxError, first_line
 from .passes import release
 from .runtime import make_session
 
-__all__ = ["Segment", "Spill", "split", "run_segmented", "FEED_BYTES"]
+__all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
 
 logger = logging.getLogger(__name__)
 # Initializers this big or bigger are fed at run time (memory-mapped) rather than copied into a session.
@@ -251,7 +251,7 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
         feed.update(weights)
         try:
             values = session.run(names, feed)
-        except Exception as exc:  # noqa: BLE001 - ORT raises several types
+        except Exception as exc:
             raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
         del feed
         on_result(b, {name: array for name, array in zip(names, values) if name in wanted})

@@ -34,7 +34,7 @@ from .model_io import write_text_atomic
 from .quantize import QuantizeConfig, quantize
 from .report import QuantizeReport, describe_config
 
-__all__ = ["study", "study_configs", "StudyResult"]
+__all__ = ["StudyResult", "study", "study_configs"]
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ class _Writer:
 
     def __init__(self, data_path: pathlib.Path, seed: int):
         self.data_path = data_path
-        self.fh = open(data_path, "wb")  # noqa: SIM115 - closed in finish()
+        self.fh = open(data_path, "wb")
         self.rng = np.random.default_rng(seed)
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []

@@ -24,8 +24,8 @@ import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 OUT = pathlib.Path(__file__).resolve().parent / "minilm"
 SEQ = 128

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from ._common import insert_at_definition
 
-__all__ = ["AddAmaxOutputsPass", "AMAX_SUFFIX", "VALUE_SUFFIX"]
+__all__ = ["AMAX_SUFFIX", "VALUE_SUFFIX", "AddAmaxOutputsPass"]
 
 logger = logging.getLogger(__name__)
 AMAX_SUFFIX = "__fp8onnx_amax"

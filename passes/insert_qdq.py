@@ -40,7 +40,7 @@ from ..formats import Fp8Format, dequantize, quantize
 from ..scaling import SAFE_AMAX, amax_to_scale
 from ._common import derived_tensor, insert_at_definition
 
-__all__ = ["InsertQDQPass", "TensorQuant", "scale_array", "emulated_rounding", "is_quantized", "NODE_PREFIX"]
+__all__ = ["NODE_PREFIX", "InsertQDQPass", "TensorQuant", "emulated_rounding", "is_quantized", "scale_array"]
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "fp8onnx/"

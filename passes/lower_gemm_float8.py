@@ -27,7 +27,7 @@ import onnx_ir.passes.common
 
 from ..formats import Fp8Format
 
-__all__ = ["LowerGemmFloat8Pass", "MS_DOMAIN"]
+__all__ = ["MS_DOMAIN", "LowerGemmFloat8Pass"]
 
 logger = logging.getLogger(__name__)
 MS_DOMAIN = "com.microsoft"

@@ -64,7 +64,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript.version_converter as version_converter
 
-__all__ = ["UpgradeOpsetPass", "UpgradeResult", "UpgradeError", "TARGET_OPSET", "default_opset", "check_schemas"]
+__all__ = ["TARGET_OPSET", "UpgradeError", "UpgradeOpsetPass", "UpgradeResult", "check_schemas", "default_opset"]
 
 logger = logging.getLogger(__name__)
 TARGET_OPSET = 21

@@ -89,7 +89,7 @@ def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(Fp8OnnxError, match=r"is not an npz \(zip\) file"):
         NpzData(tmp_path / "bad.npz", SPECS)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(Fp8OnnxError, match="contains no .npz file"):
+    with pytest.raises(Fp8OnnxError, match=r"contains no \.npz file"):
         NpzData(tmp_path / "empty", SPECS)
 
 

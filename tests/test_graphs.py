@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.formats import Fp8Format
 
 from helpers import mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
@@ -57,7 +58,7 @@ def test_opsets(tmp_path, opset):
 def test_float16_model(tmp_path):
     path = mlp_model(tmp_path / "m.onnx", dtype=np.float16)
     x = RNG.standard_normal((8, 16)).astype(np.float16)
-    report, q = quantize_and_check(tmp_path, path, {"x": x}, floor=FLOOR - 3)
+    _report, q = quantize_and_check(tmp_path, path, {"x": x}, floor=FLOOR - 3)
     scales = [i for i in q.graph.initializer if i.name.endswith("/scale")]
     assert scales and {s.data_type for s in scales} == {TensorProto.FLOAT16}
 
@@ -107,8 +108,12 @@ def test_bfloat16_where_ort_runs_it(tmp_path):
     x = RNG.standard_normal((4, 16)).astype(ml_dtypes.bfloat16)
     try:
         run_ort(onnx.load(path), {"x": x})
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"this onnxruntime does not run bfloat16 MatMul on CPU: {str(exc).splitlines()[0][:100]}")
+    except Exception:
+        # Then fp8onnx cannot check its output there either: one sentence, and nothing written.
+        with pytest.raises(Fp8OnnxError, match="does not load in onnxruntime"):
+            fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", provider="cpu")
+        assert not (tmp_path / "q.onnx").exists()
+        return
     quantize_and_check(tmp_path, path, {"x": x}, floor=FLOOR - 6)
 
 
@@ -150,7 +155,7 @@ def test_batched_and_broadcast_matmul(tmp_path):
         [vi("y", [2, "s", 4])],
         [numpy_helper.from_array(w(16, 8), "w2d"), numpy_helper.from_array(w(2, 8, 4), "w3d")],
     )
-    report, q = quantize_and_check(tmp_path, path, {"x": RNG.standard_normal((2, 5, 16)).astype(np.float32)})
+    report, _q = quantize_and_check(tmp_path, path, {"x": RNG.standard_normal((2, 5, 16)).astype(np.float32)})
     assert len(report.quantized) == 2
     quantize_and_check(tmp_path, path, {"x": RNG.standard_normal((2, 5, 16)).astype(np.float32)}, per_channel=True)
 
@@ -190,7 +195,7 @@ def test_shared_weight_is_stored_once(tmp_path):
         [numpy_helper.from_array(w(16, 16), "w")],
     )
     feed = {"x": RNG.standard_normal((4, 16)).astype(np.float32), "x2": RNG.standard_normal((4, 16)).astype(np.float32)}
-    report, q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2))
+    _report, q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2))
     assert [i.name for i in q.graph.initializer if i.data_type == TensorProto.FLOAT8E4M3FN] == ["fp8onnx/w/fp8"]
     assert sum(1 for n in q.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "fp8onnx/w/fp8") == 1
 
@@ -201,7 +206,7 @@ def test_weight_as_constant_node(tmp_path):
         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
     ]
     path = save(tmp_path, nodes, [vi("x", ["b", 16])], [vi("y", ["b", 8])], [])
-    report, q = quantize_and_check(
+    report, _q = quantize_and_check(
         tmp_path, path, {"x": RNG.standard_normal((4, 16)).astype(np.float32)}, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2)
     )
     assert [t.kind for t in report.quantized[0].tensors] == ["activation", "weight"]
@@ -225,7 +230,7 @@ def test_matmul_inside_a_function_is_quantized(tmp_path):
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("local", 1)], functions=[fn]
     )
     onnx.save(model, tmp_path / "m.onnx")
-    report, q = quantize_and_check(
+    report, _q = quantize_and_check(
         tmp_path,
         tmp_path / "m.onnx",
         {"x": RNG.standard_normal((4, 16)).astype(np.float32)},
@@ -296,11 +301,11 @@ def test_matmul_inside_loop_body_is_quantized(tmp_path):
         [vi("h", ["b", 16])],
         [numpy_helper.from_array(w(16, 16), "w"), numpy_helper.from_array(np.array(3, np.int64), "trips")],
     )
-    report, q = quantize_and_check(
+    report, _q = quantize_and_check(
         tmp_path, path, {"x": RNG.standard_normal((4, 16)).astype(np.float32)}, floor=sqnr_floor_db(Fp8Format.E4M3FN, 6)
     )
     assert [n.name for n in report.quantized] == ["loop_mm"]
-    assert [t.scale for t in report.quantized[0].tensors][0] is None  # the loop-carried state: dynamic
+    assert next(t.scale for t in report.quantized[0].tensors) is None  # the loop-carried state: dynamic
 
 
 def test_existing_int8_qdq_is_left_alone(tmp_path):
@@ -322,7 +327,7 @@ def test_existing_int8_qdq_is_left_alone(tmp_path):
             numpy_helper.from_array(w(16, 8), "w2"),
         ],
     )
-    report, q = quantize_and_check(
+    report, _q = quantize_and_check(
         tmp_path, path, {"x": RNG.standard_normal((4, 16)).astype(np.float32)}, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2)
     )
     assert [n.name for n in report.quantized] == ["float_mm"]
@@ -386,6 +391,6 @@ def test_matmul_inside_scan_body_is_quantized(tmp_path):
         [numpy_helper.from_array(w(16, 8), "w"), numpy_helper.from_array(np.zeros(8, np.float32), "zero")],
     )
     feed = {"x": RNG.standard_normal((1, 5, 16)).astype(np.float32)[0]}
-    report, q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2))
+    report, _q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2))
     assert [n.name for n in report.quantized] == ["scan_mm"]
     assert report.quantized[0].tensors[0].scale is None  # each scanned row: dynamic scale

@@ -192,7 +192,7 @@ def test_bad_paths(mlp, tmp_path):
     path, data = mlp
     with pytest.raises(Fp8OnnxError, match="would overwrite the input model"):
         fp8onnx.quantize(path, path, data)
-    with pytest.raises(Fp8OnnxError, match="Output folder .* does not exist"):
+    with pytest.raises(Fp8OnnxError, match=r"Output folder .* does not exist"):
         fp8onnx.quantize(path, tmp_path / "nope" / "q.onnx", data)
     with pytest.raises(Fp8OnnxError, match="does not exist"):
         fp8onnx.quantize(tmp_path / "missing.onnx", tmp_path / "q.onnx", data)
@@ -208,7 +208,7 @@ def test_sample_decoder_stays_within_995_of_fp16(tmp_path):
     report = fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "d.onnx", SAMPLE / "calib.npz", provider="cpu")
     assert len(report.quantized) == 29 and report.output_bytes < 0.4 * report.input_bytes
     result = fp8onnx.compare(SAMPLE / "decoder.onnx", [tmp_path / "d.onnx"], SAMPLE / "eval.npz", provider="cpu")
-    fp32, fp16, fp8 = result.rows
+    fp32, _fp16, fp8 = result.rows
     assert fp32.accuracy > 0.55  # a trained model, not random weights
     assert fp8.passes_llm and fp8.passes_ptq, result.table()
 

@@ -1,5 +1,6 @@
 import csv
 import io
+import itertools
 import json
 
 import pytest
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 def test_constant_sweep_spans_the_calibrated_range():
     sweep = constant_sweep([0.5, 100.0])
     assert sweep[0] <= 0.5 / 448 / 2 and sweep[-1] >= 100.0 / 448 * 2**8
-    assert all(b / a == 4 for a, b in zip(sweep, sweep[1:]))
+    assert all(b / a == 4 for a, b in itertools.pairwise(sweep))
     assert constant_sweep([0.0, float("nan")]) == [1.0]
 
 

@@ -32,7 +32,7 @@ DEPLOYABLE = [f for f in Fp8Format if f.deployable]
 
 @pytest.mark.parametrize("fmt", DEPLOYABLE, ids=lambda f: f.value)
 def test_structure_and_numbers(tmp_path, fmt):
-    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    _path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
     assert InsertQDQPass(targets, quant)(model).modified
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
@@ -56,7 +56,7 @@ def test_structure_and_numbers(tmp_path, fmt):
 
 def test_relu_survives_ort_default_optimisations(tmp_path):
     # With a zero point, ORT's ReluQuantRewrite would delete the Relu and negative values would leak.
-    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
+    _path, model, x, _ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
     InsertQDQPass(targets, quant)(model)
     proto = ir.to_proto(model)
     default, basic = run_ort(proto, {"x": x})[0], run_ort(proto, {"x": x}, level="basic")[0]
@@ -64,7 +64,7 @@ def test_relu_survives_ort_default_optimisations(tmp_path):
 
 
 def test_idempotent(tmp_path):
-    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
+    _path, model, _x, _ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
     InsertQDQPass(targets, quant)(model)
     before = ir.to_proto(model).SerializeToString()
     assert not InsertQDQPass(targets, quant)(model).modified
@@ -73,7 +73,7 @@ def test_idempotent(tmp_path):
 
 def test_shared_activation_gets_one_pair(tmp_path):
     # gram = y^T y: both inputs derive from y; quantizing 'y' for two consumers yields one Q/DQ pair
-    path, model, x, ref, quant, _ = _setup(tmp_path, Fp8Format.E4M3FN)
+    _path, model, x, ref, quant, _ = _setup(tmp_path, Fp8Format.E4M3FN)
     y = np.abs(ref[0]).max()
     quant["y"] = quant["yt"] = TensorQuant(Fp8Format.E4M3FN, amax_to_scale(float(y), Fp8Format.E4M3FN))
     InsertQDQPass([("gram", 0), ("gram", 1), ("yt", 0)], quant)(model)
@@ -85,7 +85,7 @@ def test_shared_activation_gets_one_pair(tmp_path):
 
 
 def test_weight_with_other_readers_is_kept(tmp_path):
-    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN, gemm=False)
+    _path, model, x, ref, quant, _targets = _setup(tmp_path, Fp8Format.E4M3FN, gemm=False)
     # w2 is read through a Transpose, which is not a quantization target: only fc1's weight is quantized
     InsertQDQPass([("fc1", 0), ("fc1", 1)], quant)(model)
     proto = ir.to_proto(model)
@@ -95,7 +95,7 @@ def test_weight_with_other_readers_is_kept(tmp_path):
 
 
 def test_float16_model_keeps_float16_scales(tmp_path):
-    path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN, dtype=np.float16)
+    _path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN, dtype=np.float16)
     InsertQDQPass(targets, quant)(model)
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
@@ -128,7 +128,7 @@ def test_dynamic_activation_scales(tmp_path, fmt):
 
 def test_per_channel_weights(tmp_path):
     fmt = Fp8Format.E4M3FN
-    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    _path, model, x, _ref, quant, targets = _setup(tmp_path, fmt)
     w1 = model.graph.initializers["w1"].const_value.numpy().copy()
     w2 = model.graph.initializers["w2"].const_value.numpy()
     w1[:, 0] *= 50  # one loud output channel: per-tensor scaling would crush the others
@@ -154,7 +154,7 @@ def test_emulated_e3m4_has_no_qdq_and_matches_numpy(tmp_path):
     from fp8onnx.formats import dequantize, quantize
 
     fmt = Fp8Format.E3M4
-    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    _path, model, x, _ref, quant, targets = _setup(tmp_path, fmt)
     w1, w2 = (model.graph.initializers[n].const_value.numpy() for n in ("w1", "w2"))
     b2 = model.graph.initializers["b2"].const_value.numpy()
     InsertQDQPass(targets, quant)(model)

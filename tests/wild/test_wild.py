@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from corpus import CASES, available, build, run_onnxruntime  # noqa: E402
+from corpus import CASES, available, build, run_onnxruntime
 
 E4M3_EPS = 2.0**-3
 QUANTIZABLE = ("MatMul", "Gemm", "Conv", "ConvTranspose")
