@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 import onnx_ir as ir
 
-from .calibration import WEIGHT_MEMORY, Stats, collect_amax
+from .calibration import Stats, collect_amax
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE, format_of
 from .guard import as_path, check_paths, model_reads, model_writes
@@ -19,7 +19,7 @@ from .model_io import EXTERNAL_META, load_model, save_model
 from .passes import ConvertFloat16Pass
 from .quantize import candidate_activations, prepare_model
 from .report import describe_config
-from .runtime import resolve_provider
+from .runtime import RunOptions, resolve_provider
 from .targets import check_tensorrt
 
 __all__ = ["calibrate", "convert_fp16", "inspect"]
@@ -32,35 +32,26 @@ def calibrate(
     calib,
     output: str | os.PathLike | None = None,
     *,
-    batch_size: int = 16,
-    provider: str = "auto",
     precision: str = "model",
-    progress: bool = False,
-    weight_memory: int = WEIGHT_MEMORY,
+    run: RunOptions | None = None,
+    **run_options,
 ) -> Stats:
     """Absolute maxima and |x| histograms of every float activation input of every MatMul/Gemm,
-    saved to ``output`` when given."""
+    saved to ``output`` when given. ``run`` (or RunOptions fields as keywords) says how
+    onnxruntime runs."""
+    run = RunOptions.of(run, **run_options)
     reads = model_reads("the input model", model)
     check_paths(
         reads + [("the calibration data", as_path(calib))],
         [("the statistics file", output)],
     )
-    provider = resolve_provider(provider)
+    run = RunOptions.of(run, provider=resolve_provider(run.provider))
     ir_model, _, _ = prepare_model(model, precision)
     names = candidate_activations(ir_model)
     if not names:
         raise Fp8OnnxError(f"Model {str(model)!r} has no MatMul/Gemm activation to calibrate.")
     # Histograms too, so that one statistics file serves every --scaling method.
-    stats = collect_amax(
-        ir_model,
-        names,
-        calib,
-        batch_size=batch_size,
-        provider=provider,
-        histograms=True,
-        progress=progress,
-        weight_memory=weight_memory,
-    )
+    stats = collect_amax(ir_model, names, calib, histograms=True, run=run)
     if output is not None:
         stats.save(output)
     return stats

@@ -20,6 +20,7 @@ from .passes import (
 )
 from .plan import Decision
 from .report import TensorReport
+from .runtime import RunOptions
 from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def activation_stats(model, names, config, calib, stats, run: dict) -> Stats | None:
+def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Stats | None:
     """Calibration statistics for static activation scales, or None when none are needed."""
     if config.activations == "dynamic":
         if stats is not None or calib is not None:
@@ -67,7 +68,7 @@ def activation_stats(model, names, config, calib, stats, run: dict) -> Stats | N
             "Activation scales need calibration: pass --calib DATA or --stats FILE "
             "(or --activations dynamic, or --scaling constant)."
         )
-    return collect_amax(model, names, calib, histograms=hist, **run)
+    return collect_amax(model, names, calib, histograms=hist, run=run)
 
 
 def describe_source(source, what: str = "statistics") -> str:

@@ -28,15 +28,13 @@ from .errors import Fp8OnnxError, first_line
 from .histogram import NUM_BINS, LogHistogram
 from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
 from .progress import progress_bar
-from .runtime import session_for_model, weight_bytes
+from .runtime import WEIGHT_MEMORY, RunOptions, session_for_model, weight_bytes
 from .segments import run_segmented
 
-__all__ = ["Stats", "collect_amax", "weight_amax"]
+__all__ = ["WEIGHT_MEMORY", "Stats", "collect_amax", "weight_amax"]
 
 logger = logging.getLogger(__name__)
 STATS_VERSION = 2
-# Models with more weights than this are calibrated layer by layer (see fp8onnx.segments).
-WEIGHT_MEMORY = 512 << 20
 
 
 @dataclasses.dataclass
@@ -184,17 +182,16 @@ def collect_amax(
     tensor_names: Iterable[str],
     data,
     *,
-    batch_size: int = 16,
-    provider: str = "auto",
     histograms: bool = False,
-    progress: bool = False,
-    weight_memory: int = WEIGHT_MEMORY,
+    run: RunOptions | None = None,
 ) -> Stats:
     """Run ``model`` over ``data`` (see :func:`fp8onnx.data.as_data`): running amax per tensor, and
     with ``histograms`` a fixed-bin histogram of |x| per tensor.
 
     A model with more than ``weight_memory`` bytes of weights is run layer by layer
     (:mod:`fp8onnx.segments`), holding at most about that much of its weights at once."""
+    run = run or RunOptions()
+    batch_size, provider, progress, weight_memory = run.batch_size, run.provider, run.progress, run.weight_memory
     names = list(dict.fromkeys(tensor_names))
     stats = Stats(amax={n: 0.0 for n in names})
     if not names:

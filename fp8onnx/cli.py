@@ -24,7 +24,6 @@ from . import __version__
 from .api import calibrate as api_calibrate
 from .api import convert_fp16, inspect_summary
 from .api import inspect as api_inspect
-from .calibration import WEIGHT_MEMORY
 from .compare import compare as api_compare
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
@@ -33,7 +32,7 @@ from .model_io import write_text_atomic
 from .progress import close_all
 from .quantize import DEFAULT_OP_TYPES, QuantizeConfig
 from .quantize import quantize as api_quantize
-from .runtime import PROVIDERS
+from .runtime import PROVIDERS, WEIGHT_MEMORY, RunOptions
 from .scaling import Scaling
 
 _FORMATS = [f.value for f in Fp8Format]
@@ -174,6 +173,12 @@ _provider_option = click.option(
     show_default=True,
     help="onnxruntime execution provider: auto picks CUDA when onnxruntime-gpu sees a GPU.",
 )
+
+
+def _run_options(batch_size: int = 16, provider: str = "auto", weight_memory_mib: int | None = None) -> RunOptions:
+    """The runtime knobs of a command, as the library takes them (progress bars on: a person watches)."""
+    memory = WEIGHT_MEMORY if weight_memory_mib is None else weight_memory_mib << 20
+    return RunOptions(batch_size=batch_size, provider=provider, weight_memory=memory, progress=True)
 
 
 def _csv(ctx, param, value):
@@ -318,18 +323,13 @@ def quantize(
         calib,
         config=config,
         stats=stats,
-        batch_size=batch_size,
-        provider=provider,
         report=report,
-        progress=True,
-        weight_memory=weight_memory << 20,
+        run=_run_options(batch_size, provider, weight_memory),
     )
     click.echo(result.summary())
     click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
     if check_data:
-        click.echo(
-            api_compare(model, [output], check_data, batch_size=batch_size, provider=provider, progress=True).table()
-        )
+        click.echo(api_compare(model, [output], check_data, run=_run_options(batch_size, provider)).table())
 
 
 @main.command()
@@ -354,11 +354,8 @@ def calibrate(model, calib, output, batch_size, weight_memory, provider, precisi
         model,
         calib,
         output,
-        batch_size=batch_size,
-        provider=provider,
         precision=precision,
-        progress=True,
-        weight_memory=weight_memory << 20,
+        run=_run_options(batch_size, provider, weight_memory),
     )
     click.echo(
         f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "
@@ -388,9 +385,7 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
     for cand in candidates:
         reads += model_reads(f"the candidate model {cand!r}", cand)
     check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out)])
-    result = api_compare(
-        reference, candidates, data, fp16=not no_fp16, batch_size=batch_size, provider=provider, progress=True
-    )
+    result = api_compare(reference, candidates, data, fp16=not no_fp16, run=_run_options(batch_size, provider))
     click.echo(result.table())
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
@@ -428,9 +423,7 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
         [("the JSON output", json_out), ("the CSV output", csv_out), *plots],
     )
     t0 = time.perf_counter()
-    result = run_study(
-        model, calib, data, batch_size=batch_size, max_samples=max_samples, provider=provider, progress=True
-    )
+    result = run_study(model, calib, data, max_samples=max_samples, run=_run_options(batch_size, provider))
     click.echo(result.table())
     write_outputs(result, json_out, csv_out)
     for path in write_plots(result, plot_dir) if plot_dir else []:
@@ -511,9 +504,9 @@ def demo(out_dir, provider):
         click.echo("Sample: a 4-layer Llama-style decoder (RMSNorm, rotary, SwiGLU) trained on the Python docs;")
         click.echo("task: next-byte prediction on held-out documentation topics.\n")
         t0 = time.perf_counter()
-        result = api_quantize(model, out, calib, provider=provider, progress=True)
+        result = api_quantize(model, out, calib, run=_run_options(provider=provider))
         click.echo(result.summary())
-        cmp = api_compare(model, [out], data, provider=provider, progress=True)
+        cmp = api_compare(model, [out], data, run=_run_options(provider=provider))
         click.echo("\n" + cmp.table())
         fp8 = cmp.rows[-1]
         verdict = "within" if fp8.passes_llm else "NOT within"

@@ -29,7 +29,7 @@ from .errors import Fp8OnnxError, first_line
 from .model_io import load_model
 from .passes import ConvertFloat16Pass
 from .progress import progress_bar
-from .runtime import make_session, resolve_provider, session_for_model
+from .runtime import RunOptions, make_session, resolve_provider, session_for_model
 from .segments import Spill
 
 __all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "RowResult", "compare"]
@@ -199,17 +199,17 @@ def compare(
     data,
     *,
     fp16: bool = True,
-    batch_size: int = 16,
-    provider: str = "auto",
     max_samples: int | None = None,
-    progress: bool = False,
+    run: RunOptions | None = None,
+    **run_options,
 ) -> CompareResult:
     """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``
     (at most about ``max_samples`` samples: whole batches until that many are seen).
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
-    provider = resolve_provider(provider)
+    run = RunOptions.of(run, **run_options)
+    provider, batch_size, progress = resolve_provider(run.provider), run.batch_size, run.progress
     ref_model = load_model(reference)
     out_names = [v.name for v in ref_model.graph.outputs]
     # name -> (path or None, builder of its session); checked up front, before the long runs

@@ -27,7 +27,7 @@ from .assign import (
     tensor_report,
     weight_quant,
 )
-from .calibration import WEIGHT_MEMORY, Stats
+from .calibration import Stats
 from .config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
 from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
@@ -42,7 +42,7 @@ from .passes import (
 from .plan import activation_tensors, candidate_activations, in_main_graph, plan
 from .prepare import prepare_model
 from .report import NodeReport, QuantizeReport
-from .runtime import resolve_provider
+from .runtime import RunOptions, resolve_provider
 from .targets import check_tensorrt
 
 __all__ = [
@@ -68,21 +68,21 @@ def quantize(
     *,
     config: QuantizeConfig | None = None,
     stats: str | os.PathLike | Stats | None = None,
-    batch_size: int = 16,
-    provider: str = "auto",
     report: str | os.PathLike | None = None,
-    progress: bool = False,
-    weight_memory: int = WEIGHT_MEMORY,
+    run: RunOptions | None = None,
     **options,
 ) -> QuantizeReport:
     """Quantize the MatMul/Gemm nodes of ``model`` to float8 and write the result to ``output``.
 
     ``calib`` is a ``.npz`` file, a folder of them, or an iterable of feed dicts; ``stats`` a
     statistics file from :func:`fp8onnx.calibrate` (or a :class:`Stats`) used instead of running
-    calibration. A model with more than ``weight_memory`` bytes of weights is calibrated layer by
-    layer (see :mod:`fp8onnx.segments`). Keyword ``options`` build a :class:`QuantizeConfig` when
-    ``config`` is not given.
+    calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.runtime.RunOptions`: batch size,
+    provider, weight budget, progress); a model with more than ``run.weight_memory`` bytes of weights
+    is calibrated layer by layer (see :mod:`fp8onnx.segments`). Keyword ``options`` are RunOptions
+    fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields.
     """
+    run_kw, options = RunOptions.split(options)
+    run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
     if calib is not None and stats is not None:
         raise Fp8OnnxError("Give either --calib or --stats, not both.")
@@ -92,12 +92,12 @@ def quantize(
         model_writes("the output model", output) + [("the report", report)],
     )
     out = pathlib.Path(output)
-    provider = resolve_provider(provider)
+    provider = resolve_provider(run.provider)
+    run = RunOptions.of(run, provider=provider)
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
     decisions, skipped = plan(ir_model, config)
     act_names = activation_tensors(decisions, ir_model)
 
-    run = {"batch_size": batch_size, "provider": provider, "progress": progress, "weight_memory": weight_memory}
     calibration = activation_stats(ir_model, act_names, config, calib, stats, run)
     quant: dict[str, TensorQuant] = {}
     amax: dict[str, float | np.ndarray | None] = {}  # what each scale was derived from, for the report

@@ -7,6 +7,7 @@ Everything else stays at ORT's defaults, because that is how users run the resul
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -20,6 +21,8 @@ from .errors import Fp8OnnxError, first_line
 
 __all__ = [
     "PROVIDERS",
+    "WEIGHT_MEMORY",
+    "RunOptions",
     "inline_proto",
     "make_session",
     "median_latency_ms",
@@ -33,6 +36,43 @@ PROVIDERS = ("auto", "cuda", "cpu")
 _CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 # Above this many bytes of weights a model is handed to ORT through a file with external data.
 _INLINE_LIMIT = 1 << 30
+# Models with more weights than this are calibrated layer by layer (see fp8onnx.segments).
+WEIGHT_MEMORY = 512 << 20
+_RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How a command runs onnxruntime, apart from what it computes (the recipe is QuantizeConfig):
+    samples per run, execution provider, the weight budget of one calibration segment (bytes), and
+    whether to show progress bars. Adding a knob means one field here and one CLI option."""
+
+    batch_size: int = 16
+    provider: str = "auto"
+    weight_memory: int = WEIGHT_MEMORY
+    progress: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise Fp8OnnxError(f"--batch-size must be a positive integer, got {self.batch_size!r}.")
+        if str(self.provider).lower() not in PROVIDERS:
+            raise Fp8OnnxError(f"Unknown provider {self.provider!r}; choose one of {', '.join(PROVIDERS)}.")
+        if isinstance(self.weight_memory, bool) or not isinstance(self.weight_memory, int) or self.weight_memory < 1:
+            raise Fp8OnnxError(f"--weight-memory must be a positive number of bytes, got {self.weight_memory!r}.")
+
+    @classmethod
+    def of(cls, run: RunOptions | None = None, **overrides) -> RunOptions:
+        """``run`` (or the defaults) with the given keyword knobs replacing its fields."""
+        unknown = sorted(set(overrides) - set(_RUN_FIELDS))
+        if unknown:
+            raise TypeError(f"unknown run option {unknown[0]!r}; RunOptions has {', '.join(_RUN_FIELDS)}")
+        return dataclasses.replace(run or cls(), **overrides)
+
+    @staticmethod
+    def split(options: dict) -> tuple[dict, dict]:
+        """(run knobs, the rest) of a keyword dict: what the API's ``**options`` mix."""
+        run = {k: v for k, v in options.items() if k in _RUN_FIELDS}
+        return run, {k: v for k, v in options.items() if k not in _RUN_FIELDS}
 
 
 def resolve_provider(provider: str) -> str:

@@ -33,6 +33,7 @@ from .formats import Fp8Format
 from .model_io import write_text_atomic
 from .quantize import QuantizeConfig, quantize
 from .report import QuantizeReport, describe_config
+from .runtime import RunOptions
 
 __all__ = ["StudyResult", "study", "study_configs"]
 
@@ -149,26 +150,25 @@ def study(
     data,
     *,
     constant_scales: list[float] | None = None,
-    batch_size: int = 16,
     max_samples: int | None = None,
-    provider: str = "auto",
-    progress: bool = False,
+    run: RunOptions | None = None,
+    **run_options,
 ) -> StudyResult:
     """Quantize ``model`` in every study configuration and rank them on ``data``."""
-    stats = calibrate(model, calib, batch_size=batch_size, provider=provider, progress=progress)
+    run = RunOptions.of(run, **run_options)
+    stats = calibrate(model, calib, run=run)
+    quiet = RunOptions.of(run, progress=False)  # one bar for calibration and one per evaluated model
     with tempfile.TemporaryDirectory(prefix="fp8onnx-study-") as tmp:
         reports: dict[str, tuple[str, QuantizeConfig, QuantizeReport]] = {}
         configs = study_configs([])
         # The constant sweep spans the scales amax scaling chose, so it needs one amax run first.
-        first = _run_config(model, tmp, configs[0], stats, batch_size, provider, reports)
+        first = _run_config(model, tmp, configs[0], stats, quiet, reports)
         amaxes = [a for n in first.quantized for t in n.tensors for a in np.ravel(t.amax) if a is not None]
         sweep = constant_scales or constant_sweep([float(a) for a in amaxes])
         for item in study_configs(sweep)[1:]:
-            _run_config(model, tmp, item, stats, batch_size, provider, reports)
+            _run_config(model, tmp, item, stats, quiet, reports)
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
-        result = compare(
-            model, paths, data, batch_size=batch_size, provider=provider, max_samples=max_samples, progress=progress
-        )
+        result = compare(model, paths, data, max_samples=max_samples, run=run)
     by_file = {r.name: r for r in result.rows}
     rows = []
     for i, (label, (group, config, _)) in enumerate(reports.items()):
@@ -207,11 +207,11 @@ def study(
     )
 
 
-def _run_config(model, tmp, item, stats, batch_size, provider, reports) -> QuantizeReport:
+def _run_config(model, tmp, item, stats, run: RunOptions, reports) -> QuantizeReport:
     label, group, config = item
     out = pathlib.Path(tmp) / f"{len(reports)}.onnx"
     use_stats = stats if config.activations == "static" else None
-    report = quantize(model, out, config=config, stats=use_stats, batch_size=batch_size, provider=provider)
+    report = quantize(model, out, config=config, stats=use_stats, run=run)
     logger.info("study: %s -> %s", label, out.name)
     reports[label] = (group, config, report)
     return report

@@ -7,6 +7,7 @@ import pytest
 import fp8onnx
 from fp8onnx.calibration import Stats, collect_amax
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.runtime import RunOptions
 
 from helpers import mlp_data, mlp_model
 
@@ -16,7 +17,7 @@ def test_running_amax_equals_numpy_over_all_batches(tmp_path):
     w1 = model.graph.initializers["w1"].const_value.numpy()
     rng = np.random.default_rng(0)
     feeds = [{"x": (rng.standard_normal((n, 16)) * s).astype(np.float32)} for n, s in [(4, 1), (7, 3), (1, 0.5)]]
-    stats = collect_amax(model, ["x", "h", "r"], feeds, provider="cpu")
+    stats = collect_amax(model, ["x", "h", "r"], feeds, run=RunOptions(provider="cpu"))
     x = np.concatenate([f["x"] for f in feeds])
     assert stats.amax["x"] == pytest.approx(np.abs(x).max())
     assert stats.amax["h"] == pytest.approx(np.abs(x @ w1).max(), rel=1e-5)

@@ -70,3 +70,20 @@ def test_median_latency_is_positive_and_runs_warmup_plus_runs():
 
     assert runtime.median_latency_ms(Fake(), {}, warmup=2, runs=5) >= 0
     assert len(calls) == 7
+
+
+def test_run_options_validate_and_merge():
+    from fp8onnx.runtime import RunOptions
+
+    run = RunOptions.of(None, batch_size=4, provider="cpu")
+    assert run == RunOptions(4, "cpu") and RunOptions.of(run, progress=True).batch_size == 4
+    for bad, message in [
+        ({"batch_size": 0}, "--batch-size must be a positive integer"),
+        ({"provider": "rocm"}, "Unknown provider 'rocm'"),
+        ({"weight_memory": 0}, "--weight-memory must be a positive number of bytes"),
+    ]:
+        with pytest.raises(Fp8OnnxError, match=message):
+            RunOptions(**bad)
+    with pytest.raises(TypeError, match="unknown run option 'batchsize'"):
+        RunOptions.of(None, batchsize=3)
+    assert RunOptions.split({"provider": "cpu", "format": "e5m2"}) == ({"provider": "cpu"}, {"format": "e5m2"})

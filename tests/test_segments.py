@@ -13,6 +13,7 @@ import fp8onnx
 from fp8onnx.calibration import collect_amax
 from fp8onnx.models.build_llama import build, write_data
 from fp8onnx.quantize import QuantizeConfig, activation_tensors, plan, prepare_model
+from fp8onnx.runtime import RunOptions
 from fp8onnx.segments import split
 
 from helpers import run_ort, sqnr_db
@@ -21,7 +22,9 @@ DECODER = pathlib.Path(__file__).resolve().parents[1] / "models" / "decoder"
 
 
 def _stats(model, names, weight_memory, calib=DECODER / "calib.npz", **kw):
-    return collect_amax(model, names, calib, provider="cpu", histograms=True, weight_memory=weight_memory, **kw)
+    return collect_amax(
+        model, names, calib, histograms=True, run=RunOptions(provider="cpu", weight_memory=weight_memory, **kw)
+    )
 
 
 def test_split_covers_every_node_once_within_budget():
@@ -93,8 +96,8 @@ def test_tensors_captured_by_a_subgraph_cross_the_cut(tmp_path):
     onnx.save(model, tmp_path / "if.onnx")
     feeds = [{"x": rng.standard_normal((4, 64)).astype(np.float32), "cond": np.array(c)} for c in (True, False)]
     ir_model, _, _ = prepare_model(tmp_path / "if.onnx")
-    whole = collect_amax(ir_model, ["x", "a"], feeds, provider="cpu", weight_memory=1 << 30)
-    layered = collect_amax(ir_model, ["x", "a"], feeds, provider="cpu", weight_memory=4096)
+    whole = collect_amax(ir_model, ["x", "a"], feeds, run=RunOptions(provider="cpu", weight_memory=1 << 30))
+    layered = collect_amax(ir_model, ["x", "a"], feeds, run=RunOptions(provider="cpu", weight_memory=4096))
     assert len(split(ir_model.graph, 4096, [])) == 2
     assert layered.amax == pytest.approx(whole.amax, rel=1e-6)
 
@@ -146,4 +149,4 @@ def test_a_full_temporary_folder_is_one_sentence(monkeypatch):
     names = activation_tensors(plan(model, QuantizeConfig())[0], model)
     monkeypatch.setattr(np, "save", full)
     with pytest.raises(Fp8OnnxError, match=r"Cannot write intermediate arrays to .*No space left on device.*TMPDIR"):
-        collect_amax(model, names, DECODER / "calib.npz", provider="cpu", weight_memory=100_000)
+        collect_amax(model, names, DECODER / "calib.npz", run=RunOptions(provider="cpu", weight_memory=100_000))
