@@ -1,6 +1,6 @@
 """Every way of giving fp8onnx bad input that we know of, as one table: each must exit with code 2
 and one line that says what is wrong and where - never a traceback, never a partial output file.
-The README's "Bad input" section counts the rows of CASES."""
+docs/graphs.md ("Bad input") counts the rows of CASES."""
 
 import json
 import os
