@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,21 @@ def insert_at_definition(value: ir.Value, nodes: list[ir.Node]) -> None:
         owner.extend(nodes)
     else:
         owner.insert_before(first, nodes)
+
+
+def initializer(graph: ir.Graph, name: str, tensor) -> ir.Value:
+    """The initializer ``name`` of ``graph``, registered from ``tensor`` (an array or an onnx_ir
+    tensor, lazy or not) unless the graph already has one by that name: the one way passes add
+    constants."""
+    existing = graph.initializers.get(name)
+    if existing is not None:
+        return existing
+    if isinstance(tensor, np.ndarray):
+        tensor = ir.tensor(tensor, name=name)
+    value = ir.Value(name=name, const_value=tensor, shape=ir.Shape(tensor.shape))
+    value.dtype = tensor.dtype
+    graph.register_initializer(value)
+    return value
 
 
 def derived_tensor(source, compute, dtype: ir.DataType, shape, name: str) -> ir.LazyTensor:

@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from ..formats import Fp8Format, dequantize, quantize
 from ..scaling import SAFE_AMAX, amax_to_scale
-from ._common import derived_tensor, insert_at_definition
+from ._common import derived_tensor, initializer, insert_at_definition
 
 __all__ = ["NODE_PREFIX", "InsertQDQPass", "TensorQuant", "emulated_rounding", "is_quantized", "scale_array"]
 
@@ -86,13 +86,7 @@ class _Builder:
         self.nodes: list[ir.Node] = []
 
     def const(self, name: str, array: np.ndarray) -> ir.Value:
-        full = f"{NODE_PREFIX}{name}"
-        if full in self.graph.initializers:
-            return self.graph.initializers[full]
-        value = ir.Value(name=full, const_value=ir.tensor(array), shape=ir.Shape(array.shape))
-        value.dtype = ir.DataType.from_numpy(array.dtype)
-        self.graph.register_initializer(value)
-        return value
+        return initializer(self.graph, f"{NODE_PREFIX}{name}", array)
 
     def op(self, op_type: str, inputs, name: str, dtype: ir.DataType | None = None, shape=None, **attrs) -> ir.Value:
         node = ir.node(op_type, inputs, attrs or None, name=f"{NODE_PREFIX}{name}")
@@ -280,20 +274,13 @@ class InsertQDQPass(ir.passes.InPlacePass):
                 source.shape,
                 name,
             )
-            emulated = ir.Value(name=name, const_value=tensor, shape=ir.Shape(source.shape))
-            emulated.dtype = value.dtype
-            b.graph.register_initializer(emulated)
-            return emulated
+            return initializer(b.graph, name, tensor)
         name = f"{NODE_PREFIX}{value.name}/fp8"
-        q_value = ir.Value(
-            name=name,
-            shape=ir.Shape(source.shape),
-            const_value=derived_tensor(
-                source, lambda w: quantize(w, scale32, tq.format), tq.format.ir_type, source.shape, name
-            ),
+        q_value = initializer(
+            b.graph,
+            name,
+            derived_tensor(source, lambda w: quantize(w, scale32, tq.format), tq.format.ir_type, source.shape, name),
         )
-        q_value.dtype = tq.format.ir_type
-        b.graph.register_initializer(q_value)
         scale_value = b.const(f"{value.name}/scale", scale)
         attrs = {} if tq.axis is None else {"axis": int(tq.axis)}
         return b.op(

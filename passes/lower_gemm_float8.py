@@ -26,6 +26,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from ..formats import Fp8Format
+from ._common import initializer
 
 __all__ = ["MS_DOMAIN", "LowerGemmFloat8Pass"]
 
@@ -109,17 +110,10 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
             tensor = ir.LazyTensor(
                 lambda s=source: ir.tensor(np.ascontiguousarray(s.numpy().T)), dtype=w8.dtype, shape=ir.Shape([n, k])
             )
-            weight_nk = ir.Value(name=f"{w8.name}/nk", const_value=tensor, shape=ir.Shape([n, k]))
-            weight_nk.dtype = w8.dtype
-            if weight_nk.name not in graph.initializers:
-                graph.register_initializer(weight_nk)
-            weight_nk = graph.initializers[weight_nk.name]
+            weight_nk = initializer(graph, f"{w8.name}/nk", tensor)
 
         def const(suffix, array):
-            value = ir.Value(name=f"{name}/{suffix}", const_value=ir.tensor(array), shape=ir.Shape(array.shape))
-            value.dtype = ir.DataType.from_numpy(array.dtype)
-            graph.register_initializer(value)
-            return value
+            return initializer(graph, f"{name}/{suffix}", array)
 
         new = []
 

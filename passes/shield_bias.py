@@ -22,6 +22,8 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
+from ._common import initializer
+
 __all__ = ["ShieldBiasPass", "bias_of"]
 
 logger = logging.getLogger(__name__)
@@ -69,11 +71,7 @@ class ShieldBiasPass(ir.passes.InPlacePass):
             source = bias.const_value
             shape = ir.Shape([1, source.shape[0]])
             tensor = ir.LazyTensor(lambda s=source: ir.tensor(s.numpy().reshape(1, -1)), dtype=bias.dtype, shape=shape)
-            row = ir.Value(name=f"{bias.name}/row", const_value=tensor, shape=shape)
-            row.dtype = bias.dtype
-            if row.name not in graph.initializers:
-                graph.register_initializer(row)
-            holder.replace_input_with(index, graph.initializers[row.name])
+            holder.replace_input_with(index, initializer(graph, f"{bias.name}/row", tensor))
             if not bias.uses() and not bias.is_graph_output() and not bias.is_graph_input():
                 graph.initializers.pop(bias.name, None)
             changed += 1
