@@ -25,6 +25,7 @@ from .api import calibrate as api_calibrate
 from .api import convert_fp16, inspect_summary
 from .api import inspect as api_inspect
 from .compare import compare as api_compare
+from .config import PRECISIONS
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
@@ -161,7 +162,7 @@ _weight_memory_option = click.option(
 )
 _precision_option = click.option(
     "--precision",
-    type=click.Choice(["model", "fp16"]),
+    type=click.Choice(PRECISIONS),
     default="model",
     show_default=True,
     help="fp16: the unquantized part of the graph runs in float16 (inputs and outputs kept as they were).",

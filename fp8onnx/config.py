@@ -8,10 +8,17 @@ import logging
 
 from .errors import Fp8OnnxError
 from .formats import Fp8Format, parse_format
-from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, parse_scaling
+from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
 from .targets import TARGETS
 
-__all__ = ["ACTIVATION_MODES", "DEFAULT_OP_TYPES", "PRECISIONS", "SUPPORTED_OP_TYPES", "QuantizeConfig"]
+__all__ = [
+    "ACTIVATION_MODES",
+    "DEFAULT_OP_TYPES",
+    "PRECISIONS",
+    "SUPPORTED_OP_TYPES",
+    "QuantizeConfig",
+    "check_precision",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +29,12 @@ DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 ACTIVATION_MODES = ("static", "dynamic")
 PRECISIONS = ("model", "fp16")  # model: keep the model's own float types
+
+
+def check_precision(precision: str) -> None:
+    """The one rule for --precision: model (keep the model's float types) or fp16."""
+    if precision not in PRECISIONS:
+        raise Fp8OnnxError(f"Unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +74,7 @@ class QuantizeConfig:
                 f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
-        if self.precision not in PRECISIONS:
-            raise Fp8OnnxError(f"Unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        check_precision(self.precision)
         if self.target not in TARGETS:
             raise Fp8OnnxError(f"Unknown --target {self.target!r}; choose one of {', '.join(TARGETS)}.")
         if self.target == "tensorrt":
@@ -94,8 +106,7 @@ class QuantizeConfig:
         if self.percentile is not None:
             if self.scaling is not Scaling.PERCENTILE:
                 raise Fp8OnnxError("--percentile only applies to --scaling percentile.")
-            if not 0 < self.percentile <= 100:
-                raise Fp8OnnxError(f"--percentile must be in (0, 100], got {self.percentile!r}.")
+            check_percentile(self.percentile)
         if self.activations == "dynamic" and self.scaling not in (Scaling.AMAX,):
             raise Fp8OnnxError(
                 f"--activations dynamic computes each batch's amax in the graph; --scaling {self.scaling.value} "

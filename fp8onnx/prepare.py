@@ -9,7 +9,7 @@ import os
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from .config import PRECISIONS, SUPPORTED_OP_TYPES
+from .config import SUPPORTED_OP_TYPES, check_precision
 from .errors import Fp8OnnxError
 from .model_io import EXTERNAL_META, load_model
 from .passes import (
@@ -29,8 +29,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     """Load the model and make its MatMul/Gemm weights visible; with ``precision="fp16"`` convert the
     float32 graph to float16 (inputs and outputs kept). Returns (model, original opset, what was
     done). Deterministic, so that `calibrate` and `quantize` agree on tensor names."""
-    if precision not in PRECISIONS:
-        raise Fp8OnnxError(f"Unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
+    check_precision(precision)
     model = load_model(path)
     external = model.meta[EXTERNAL_META]
     upgrade = UpgradeOpsetPass()

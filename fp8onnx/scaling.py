@@ -31,7 +31,16 @@ from .errors import Fp8OnnxError
 from .formats import Fp8Format, quantize
 from .histogram import LogHistogram
 
-__all__ = ["DEFAULT_PERCENTILE", "SAFE_AMAX", "Scaling", "amax_to_scale", "clipping_amax", "mse_amax", "parse_scaling"]
+__all__ = [
+    "DEFAULT_PERCENTILE",
+    "SAFE_AMAX",
+    "Scaling",
+    "amax_to_scale",
+    "check_percentile",
+    "clipping_amax",
+    "mse_amax",
+    "parse_scaling",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +107,12 @@ def amax_to_scale(
     return float(min(max(scale, _MIN_SCALE), _MAX_SCALE))
 
 
+def check_percentile(percentile: float) -> None:
+    """The one rule for --percentile: which percentile of |x| maps to fmax, in (0, 100]."""
+    if not 0 < percentile <= 100:
+        raise Fp8OnnxError(f"--percentile must be in (0, 100], got {percentile!r}.")
+
+
 def clipping_amax(
     amax: float,
     hist: LogHistogram | None,
@@ -112,8 +127,7 @@ def clipping_amax(
     if hist is None:
         raise Fp8OnnxError(f"{method.value} scaling needs histograms; calibrate again with this version of fp8onnx.")
     if method is Scaling.PERCENTILE:
-        if not 0 < percentile <= 100:
-            raise Fp8OnnxError(f"--percentile must be in (0, 100], got {percentile!r}.")
+        check_percentile(percentile)
         return min(hist.percentile(percentile), amax) if _usable(amax) else amax
     return mse_amax(hist, fmt, amax)
 
