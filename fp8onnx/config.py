@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 
 from .errors import Fp8OnnxError
@@ -27,14 +28,39 @@ SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 
-ACTIVATION_MODES = ("static", "dynamic")
-PRECISIONS = ("model", "fp16")  # model: keep the model's own float types
+class Activations(str, enum.Enum):
+    """static: calibrated scales; dynamic: each batch's amax computed in the graph."""
+
+    STATIC = "static"
+    DYNAMIC = "dynamic"
 
 
-def check_precision(precision: str) -> None:
+class Precision(str, enum.Enum):
+    """model: keep the model's own float types; fp16: the unquantized graph in float16."""
+
+    MODEL = "model"
+    FP16 = "fp16"
+
+
+# Which runtime's rules the output must meet (the names are fp8onnx.targets').
+Target = enum.Enum("Target", {name.upper(): name for name in TARGETS}, type=str)
+ACTIVATION_MODES = tuple(a.value for a in Activations)
+PRECISIONS = tuple(p.value for p in Precision)
+
+
+def _choice(kind: type[enum.Enum], value, option: str):
+    """``value`` as a member of ``kind`` (the members are strings too, so comparisons with the
+    plain names keep working), or one sentence naming the option."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise Fp8OnnxError(f"Unknown {option} {value!r}; choose one of {choices}.") from None
+
+
+def check_precision(precision: str) -> Precision:
     """The one rule for --precision: model (keep the model's float types) or fp16."""
-    if precision not in PRECISIONS:
-        raise Fp8OnnxError(f"Unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
+    return _choice(Precision, precision, "--precision")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +77,14 @@ class QuantizeConfig:
     margin: int = 0
     scale: float | None = None
     percentile: float | None = None
-    activations: str = "static"
+    activations: Activations | str = Activations.STATIC
     per_channel: bool = False
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     activation_matmuls: bool = False
-    precision: str = "model"
+    precision: Precision | str = Precision.MODEL
     native_gemm: bool = False
-    target: str = "onnxruntime"
+    target: Target | str = "onnxruntime"
 
     def __post_init__(self):
         fmt = parse_format(self.format)
@@ -74,9 +100,9 @@ class QuantizeConfig:
                 f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
-        check_precision(self.precision)
-        if self.target not in TARGETS:
-            raise Fp8OnnxError(f"Unknown --target {self.target!r}; choose one of {', '.join(TARGETS)}.")
+        object.__setattr__(self, "precision", check_precision(self.precision))
+        object.__setattr__(self, "target", _choice(Target, self.target, "--target"))
+        object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
         if self.target == "tensorrt":
             if Fp8Format.E4M3FN not in (self.weight_format, self.activation_format) or (
                 self.weight_format != self.activation_format
@@ -87,8 +113,6 @@ class QuantizeConfig:
                     "--target tensorrt needs constant scales and standard Q/DQ: drop --activations dynamic and "
                     "--native-gemm."
                 )
-        if self.activations not in ACTIVATION_MODES:
-            raise Fp8OnnxError(f"Unknown --activations {self.activations!r}; choose static or dynamic.")
         if self.scaling is Scaling.CONSTANT:
             amax_to_scale(1.0, self.weight_format, self.scaling, constant=self.scale)  # validates --scale
             if self.activations == "dynamic":
@@ -127,13 +151,13 @@ class QuantizeConfig:
             "percentile": self.percentile
             if self.percentile is not None
             else (DEFAULT_PERCENTILE if self.scaling is Scaling.PERCENTILE else None),
-            "activations": self.activations,
+            "activations": self.activations.value,
             "per_channel": self.per_channel,
             "op_types": list(self.op_types),
             "exclude": list(self.exclude),
             "activation_matmuls": self.activation_matmuls,
-            "precision": self.precision,
+            "precision": self.precision.value,
             "native_gemm": self.native_gemm,
-            "target": self.target,
+            "target": self.target.value,
             "emulated": self.emulated,
         }

@@ -5,6 +5,7 @@ import onnx
 import pytest
 
 import fp8onnx
+from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.formats import Fp8Format
 
@@ -312,3 +313,20 @@ def test_first_line_of_an_exception_without_text():
     assert first_line(RuntimeError("")) == "RuntimeError"
     assert first_line(ValueError("\n\n  real cause\nmore")) == "real cause"
     assert first_line(ValueError("bytes \x00\x1b here")) == "bytes \\x00\\x1b here"
+
+
+def test_recipe_choices_are_enums_that_read_as_their_names():
+    from fp8onnx.config import Activations, Precision
+
+    cfg = QuantizeConfig(activations="dynamic", precision="fp16", target="onnxruntime")
+    assert cfg.activations is Activations.DYNAMIC and cfg.activations == "dynamic"
+    assert cfg.precision is Precision.FP16
+    assert json.loads(json.dumps(cfg.to_json()))["activations"] == "dynamic"
+    for field, bad, message in [
+        ("activations", "sometimes", "Unknown --activations 'sometimes'; choose one of static, dynamic."),
+        ("precision", "fp8", "Unknown --precision 'fp8'; choose one of model, fp16."),
+        ("target", "coreml", "Unknown --target 'coreml'; choose one of onnxruntime, tensorrt."),
+    ]:
+        with pytest.raises(Fp8OnnxError) as info:
+            QuantizeConfig(**{field: bad})
+        assert str(info.value) == message
