@@ -1,7 +1,9 @@
 """fp8onnx: FP8 (float8) post-training quantization of ONNX models for ONNX Runtime.
 
-The Python API mirrors the command line: :func:`quantize`, :func:`calibrate`, :func:`compare`,
-:func:`convert_fp16`, :func:`inspect`. Bad input raises :class:`Fp8OnnxError` with one sentence.
+The package root is the library's one face, and the command line calls it for every command:
+:func:`quantize`, :func:`calibrate`, :func:`compare`, :func:`study`, :func:`convert_fp16`,
+:func:`inspect`. The recipe is a :class:`QuantizeConfig`, the runtime knobs a :class:`RunOptions`.
+Bad input raises :class:`Fp8OnnxError` with one sentence.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from .compare import compare
 from .errors import Fp8OnnxError
 from .formats import Fp8Format
 from .quantize import QuantizeConfig, quantize
+from .runtime import RunOptions
 from .scaling import Scaling, amax_to_scale
+from .study import study
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -23,6 +27,7 @@ __all__ = [
     "Fp8Format",
     "Fp8OnnxError",
     "QuantizeConfig",
+    "RunOptions",
     "Scaling",
     "__version__",
     "amax_to_scale",
@@ -31,4 +36,5 @@ __all__ = [
     "convert_fp16",
     "inspect",
     "quantize",
+    "study",
 ]

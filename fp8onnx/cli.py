@@ -20,19 +20,19 @@ import time
 
 import click
 
-from . import __version__
-from .api import calibrate as api_calibrate
-from .api import convert_fp16, inspect_summary
-from .api import inspect as api_inspect
-from .compare import compare as api_compare
-from .config import PRECISIONS
+from . import __version__, convert_fp16
+from . import calibrate as api_calibrate
+from . import compare as api_compare
+from . import inspect as api_inspect
+from . import quantize as api_quantize
+from . import study as run_study
+from .api import inspect_summary
+from .config import DEFAULT_OP_TYPES, PRECISIONS, QuantizeConfig
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
 from .model_io import write_text_atomic
 from .progress import close_all
-from .quantize import DEFAULT_OP_TYPES, QuantizeConfig
-from .quantize import quantize as api_quantize
 from .runtime import PROVIDERS, WEIGHT_MEMORY, RunOptions
 from .scaling import Scaling
 
@@ -414,7 +414,6 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
       fp8onnx study model.onnx --calib calib.npz --data eval.npz --json study.json --csv study.csv --plot plots/
     """
     from .study import PLOT_FILES, write_outputs, write_plots
-    from .study import study as run_study
 
     if plot_dir and not pathlib.Path(plot_dir).is_dir():
         raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
