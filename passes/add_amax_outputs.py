@@ -13,7 +13,7 @@ Rewrite cases:
   tensor of the main graph, no amax output yet  -> Abs + ReduceMax + Cast + graph output added
   values=True, no value output yet              -> Cast + graph output added
   amax output already present                   -> unchanged (idempotent)
-  name not in the main graph                    -> ValueError naming it
+  name not in the main graph                    -> PreconditionError naming it (requires)
 """
 
 from __future__ import annotations
@@ -51,10 +51,27 @@ def _float_output(graph: ir.Graph, value: ir.Value, name: str) -> ir.Node:
 
 
 class AddAmaxOutputsPass(ir.passes.InPlacePass):
+    """requires: every named tensor is computed in (or is an input of) the main graph.
+    ensures: each has an ``AMAX_SUFFIX`` graph output (and a ``VALUE_SUFFIX`` one with ``values``)."""
+
     def __init__(self, tensor_names: Iterable[str], *, values: bool = False):
         super().__init__()
         self.tensor_names = list(dict.fromkeys(tensor_names))
         self.values = values
+
+    def requires(self, model: ir.Model) -> None:
+        values = _values_by_name(model.graph)
+        missing = next((n for n in self.tensor_names if n not in values), None)
+        if missing is not None:
+            raise ir.passes.PreconditionError(f"tensor {missing!r} is not produced in the main graph")
+
+    def ensures(self, model: ir.Model) -> None:
+        outputs = {v.name for v in model.graph.outputs}
+        suffixes = (AMAX_SUFFIX, VALUE_SUFFIX) if self.values else (AMAX_SUFFIX,)
+        for name in self.tensor_names:
+            for suffix in suffixes:
+                if name + suffix not in outputs:
+                    raise ir.passes.PostconditionError(f"no graph output {name + suffix!r}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

@@ -51,6 +51,20 @@ def _has_float32_compute(model: ir.Model) -> bool:
 
 
 class ConvertFloat16Pass(ir.passes.FunctionalPass):
+    """ensures: graph inputs and outputs keep their names and types (a drop-in for the float32 model)."""
+
+    def __init__(self):
+        super().__init__()
+        self._io: list[tuple[str, ir.DataType | None]] = []
+
+    def requires(self, model: ir.Model) -> None:
+        self._io = [(v.name, v.dtype) for v in (*model.graph.inputs, *model.graph.outputs)]
+
+    def ensures(self, model: ir.Model) -> None:
+        now = [(v.name, v.dtype) for v in (*model.graph.inputs, *model.graph.outputs)]
+        if now != self._io:
+            raise ir.passes.PostconditionError(f"graph inputs/outputs changed: {self._io} -> {now}")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not _has_float32_compute(model):
             return ir.passes.PassResult(model.clone(), modified=False)

@@ -50,12 +50,19 @@ def bias_of(node: ir.Node) -> tuple[ir.Node, int] | None:
 
 
 class ShieldBiasPass(ir.passes.InPlacePass):
+    """ensures: no target keeps a 1-D constant bias (each one now reads a [1, N] copy)."""
+
     def __init__(self, nodes: Iterable[ir.Node | str]):
         """``nodes``: the MatMul/Gemm nodes (or their names) whose bias to reshape, in any graph."""
         super().__init__()
         nodes = list(nodes)
         self.nodes = [n for n in nodes if isinstance(n, ir.Node)]
         self.node_names = {n for n in nodes if isinstance(n, str)}
+
+    def ensures(self, model: ir.Model) -> None:
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            if (node in self.nodes or node.name in self.node_names) and bias_of(node) is not None:
+                raise ir.passes.PostconditionError(f"node {node.name!r} still has a 1-D bias")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
