@@ -18,7 +18,7 @@ from .passes import (
     bias_of,
     output_channel_axis,
 )
-from .plan import Decision
+from .plan import Decision, in_main_graph
 from .report import TensorReport
 from .runtime import RunOptions
 from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
@@ -26,6 +26,7 @@ from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
 __all__ = [
     "activation_quant",
     "activation_stats",
+    "assign_scales",
     "bias_overflows",
     "describe_source",
     "keep_conv_bias_in_int32_range",
@@ -34,6 +35,25 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def assign_scales(decisions: list[Decision], model: ir.Model, config: QuantizeConfig, calibration: Stats | None):
+    """(tensor name -> TensorQuant, tensor name -> the amax its scale came from) for every tensor the
+    decisions quantize; each tensor once, however many nodes read it."""
+    quant: dict[str, TensorQuant] = {}
+    amax: dict[str, float | np.ndarray | None] = {}
+    for d in decisions:
+        for index, kind in d.inputs:
+            value = d.node.inputs[index]
+            if value.name in quant:
+                continue
+            if kind == "weight":
+                quant[value.name], amax[value.name] = weight_quant(d.node, index, value, config)
+            else:
+                visible = in_main_graph(value, model)
+                quant[value.name] = activation_quant(value.name, calibration, config, visible)
+                amax[value.name] = None if calibration is None else calibration.amax.get(value.name)
+    return quant, amax
 
 
 def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Stats | None:

@@ -433,6 +433,85 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--calib", type=click.Path(), help="Calibration data for the scales (.npz or folder).")
+@click.option(
+    "--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib."
+)
+@click.option("--data", type=click.Path(), help="Data to measure on (default: the calibration data).")
+@click.option("--format", "fmt", type=click.Choice(_FORMATS, case_sensitive=False), default="e4m3fn", show_default=True)
+@click.option("--scaling", type=click.Choice(_SCALINGS, case_sensitive=False), default="amax", show_default=True)
+@click.option("--activations", type=click.Choice(["static", "dynamic"]), default="static", show_default=True)
+@click.option("--per-channel", is_flag=True, help="One weight scale per output channel.")
+@click.option(
+    "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types to measure."
+)
+@click.option("--activation-matmuls", is_flag=True, help="Also measure MatMuls whose both inputs are activations.")
+@click.option("--top", type=click.IntRange(min=1), help="Show only the N most sensitive nodes.")
+@_batch_size_option
+@_provider_option
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every node's SQNR as JSON.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write sensitivity.png into this folder.")
+@_run
+def sensitivity(
+    model,
+    calib,
+    stats,
+    data,
+    fmt,
+    scaling,
+    activations,
+    per_channel,
+    op_types,
+    activation_matmuls,
+    top,
+    batch_size,
+    provider,
+    json_out,
+    plot_dir,
+):
+    """Rank the nodes `quantize` would quantize by the error each contributes alone: the SQNR of its
+    output when only it is in FP8, measured for every node in one pass over the data.
+
+    \b
+    Example:
+      fp8onnx sensitivity model.onnx --calib calib.npz --top 10
+      fp8onnx sensitivity model.onnx --calib calib.npz --data eval.npz --json sens.json --plot plots/
+    """
+    from .sensitivity import sensitivity as run_sensitivity
+    from .sensitivity import write_json
+
+    if plot_dir and not pathlib.Path(plot_dir).is_dir():
+        raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
+    plot = pathlib.Path(plot_dir) / "sensitivity.png" if plot_dir else None
+    check_paths(
+        model_reads("the input model", model)
+        + [("the calibration data", calib), ("the statistics file", stats), ("the data", data)],
+        [("the JSON output", json_out), ("the plot", plot)],
+    )
+    if calib and stats:
+        raise Fp8OnnxError("Give either --calib or --stats, not both.")
+    config = QuantizeConfig(
+        format=fmt,
+        scaling=scaling,
+        activations=activations,
+        per_channel=per_channel,
+        op_types=op_types,
+        activation_matmuls=activation_matmuls,
+    )
+    result = run_sensitivity(model, calib, data, config=config, stats=stats, run=_run_options(batch_size, provider))
+    click.echo(result.table(top))
+    if json_out:
+        write_json(result, json_out)
+    if plot:
+        from . import plots
+
+        measured = [n for n in result.nodes if n.sqnr_db is not None]
+        plots.sensitivity_bars([n.name for n in measured], [n.sqnr_db for n in measured], plot)
+        click.echo(f"wrote {plot}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the summary.")
 @click.option(
     "--plot", "plot_dir", type=click.Path(file_okay=False), help="Write scale_exponents.png into this folder."

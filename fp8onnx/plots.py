@@ -11,7 +11,7 @@ import numpy as np
 from .errors import Fp8OnnxError
 from .model_io import write_bytes_atomic
 
-__all__ = ["constant_window", "scale_exponents"]
+__all__ = ["constant_window", "scale_exponents", "sensitivity_bars"]
 
 
 def _pyplot():
@@ -70,3 +70,15 @@ def scale_exponents(exponents: dict[str, list[float]], path: pathlib.Path) -> pa
     ax.set_xlabel("log2(per-tensor scale)")
     ax.set_ylabel("tensors")
     return _finish(plt, fig, ax, "Distribution of per-tensor scale exponents", path)
+
+
+def sensitivity_bars(names: list[str], sqnr_db: list[float], path: pathlib.Path) -> pathlib.Path:
+    """SQNR of each node's output with only it in FP8, one bar per node in graph order."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.18 * len(names) + 2), 4))
+    shown = [min(v, 99.0) for v in sqnr_db]  # a lossless node (inf) is drawn at the top
+    ax.bar(range(len(names)), shown, color="tab:blue", label="SQNR of the node's output (dB)")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=90, fontsize=6)
+    ax.set_ylabel("SQNR dB (lower = more sensitive)")
+    return _finish(plt, fig, ax, "Per-node sensitivity to FP8, in graph order", path)

@@ -15,17 +15,14 @@ import logging
 import os
 import pathlib
 
-import numpy as np
-
 from . import __version__
 from .assign import (
-    activation_quant,
     activation_stats,
+    assign_scales,
     bias_overflows,
     describe_source,
     keep_conv_bias_in_int32_range,
     tensor_report,
-    weight_quant,
 )
 from .calibration import Stats
 from .config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
@@ -37,7 +34,6 @@ from .passes import (
     InsertQDQPass,
     LowerGemmFloat8Pass,
     ShieldBiasPass,
-    TensorQuant,
 )
 from .plan import activation_tensors, candidate_activations, in_main_graph, plan
 from .prepare import prepare_model
@@ -99,20 +95,8 @@ def quantize(
     act_names = activation_tensors(decisions, ir_model)
 
     calibration = activation_stats(ir_model, act_names, config, calib, stats, run)
-    quant: dict[str, TensorQuant] = {}
-    amax: dict[str, float | np.ndarray | None] = {}  # what each scale was derived from, for the report
-    targets = []
-    for d in decisions:
-        for index, kind in d.inputs:
-            value = d.node.inputs[index]
-            if value.name not in quant:
-                if kind == "weight":
-                    quant[value.name], amax[value.name] = weight_quant(d.node, index, value, config)
-                else:
-                    visible = in_main_graph(value, ir_model)
-                    quant[value.name] = activation_quant(value.name, calibration, config, visible)
-                    amax[value.name] = None if calibration is None else calibration.amax.get(value.name)
-            targets.append((d.node, index))
+    quant, amax = assign_scales(decisions, ir_model, config, calibration)
+    targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
     keep_conv_bias_in_int32_range(decisions, quant)
     nodes = [
         NodeReport(

@@ -1,0 +1,200 @@
+"""Per-node sensitivity to FP8: the error each quantizable node contributes when only it is quantized.
+
+One instrumented pass over the data, not one evaluation per node. Every node the plan would
+quantize gets a *shadow*: the same op on the same inputs, but reading them through the Q/DQ that
+``quantize`` would insert (same scales, from the same calibration). The float node keeps feeding
+the rest of the graph, so each shadow sees exactly the inputs of the float model and measures that
+node alone. Per node, the graph reduces ``sum((y_fp8 - y)^2)`` and ``sum(y^2)`` to two float32
+scalars per batch; only those leave onnxruntime. The result is the SQNR of each node's output in dB
+(low = sensitive), ranked.
+
+Nodes inside If/Loop/Scan bodies are not measured (onnxruntime cannot return tensors from inside a
+body); they are listed with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import onnx_ir as ir
+
+from .assign import activation_stats, assign_scales
+from .calibration import Stats
+from .config import QuantizeConfig
+from .data import as_data, input_specs
+from .errors import Fp8OnnxError
+from .passes import InsertQDQPass
+from .plan import activation_tensors, plan
+from .prepare import prepare_model
+from .progress import progress_bar
+from .runtime import RunOptions, resolve_provider, session_for_model
+
+__all__ = ["NodeSensitivity", "SensitivityResult", "sensitivity"]
+
+logger = logging.getLogger(__name__)
+_ERR, _ENERGY = "/fp8onnx_sensitivity_err", "/fp8onnx_sensitivity_energy"
+
+
+@dataclasses.dataclass
+class NodeSensitivity:
+    name: str
+    op_type: str
+    sqnr_db: float | None  # None: not measured (see reason)
+    rank: int | None = None  # 1 = the most sensitive (lowest SQNR)
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class SensitivityResult:
+    model: str
+    config: dict
+    samples: int
+    batches: int
+    nodes: list[NodeSensitivity]  # graph order
+
+    def ranked(self) -> list[NodeSensitivity]:
+        return sorted((n for n in self.nodes if n.rank is not None), key=lambda n: n.rank)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "config": self.config,
+            "samples": self.samples,
+            "batches": self.batches,
+            "metric": "SQNR in dB of the node's output with only that node quantized (lower = more sensitive)",
+            "nodes": [dataclasses.asdict(n) for n in self.nodes],
+        }
+
+    def table(self, top: int | None = None) -> str:
+        rows = self.ranked()[:top] if top else self.ranked()
+        width = max([len("node"), *(len(n.name) for n in rows)])
+        lines = [
+            f"{self.model}: {len(self.ranked())} nodes measured on {self.samples} samples; SQNR of each node's "
+            "output with only it in FP8 (lowest first)",
+            f"{'rank':>4}  {'node':<{width}}  {'op':<13}  SQNR dB",
+        ]
+        for n in rows:
+            shown = "inf" if math.isinf(n.sqnr_db) else f"{n.sqnr_db:.2f}"
+            lines.append(f"{n.rank:>4}  {n.name:<{width}}  {n.op_type:<13}  {shown}")
+        reasons: dict[str, list[str]] = {}
+        for n in self.nodes:
+            if n.rank is None:
+                reasons.setdefault(n.reason or "", []).append(n.name)
+        for reason, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
+            lines.append(f"  not measured: {shown}: {reason}")
+        return "\n".join(lines)
+
+
+def sensitivity(
+    model: str | os.PathLike,
+    calib=None,
+    data=None,
+    *,
+    config: QuantizeConfig | None = None,
+    stats: str | os.PathLike | Stats | None = None,
+    run: RunOptions | None = None,
+    **options,
+) -> SensitivityResult:
+    """Rank the nodes ``quantize`` would quantize (with ``config``, or ``options`` that build one) by
+    the SQNR of their output when only they are in FP8. Scales come from ``calib`` (or ``stats``);
+    the measurement runs on ``data`` (default: the calibration data)."""
+    run_kw, options = RunOptions.split(options)
+    run = RunOptions.of(run, **run_kw)
+    config = config or QuantizeConfig(**options)
+    run = RunOptions.of(run, provider=resolve_provider(run.provider))
+    ir_model, _, _ = prepare_model(model, config.precision)
+    decisions, skipped = plan(ir_model, config)
+    calibration = activation_stats(ir_model, activation_tensors(decisions, ir_model), config, calib, stats, run)
+    quant, _ = assign_scales(decisions, ir_model, config, calibration)
+
+    measured, rows = [], []
+    for d in decisions:
+        if d.node.graph is not ir_model.graph:
+            rows.append(NodeSensitivity(d.node.name, d.node.op_type, None, reason="inside a subgraph"))
+            continue
+        rows.append(NodeSensitivity(d.node.name, d.node.op_type, None))
+        measured.append((d, _shadow(d.node)))
+    InsertQDQPass([(shadow, i) for d, shadow in measured for i, _ in d.inputs], quant)(ir_model)
+    outputs = []
+    for d, shadow in measured:
+        outputs += _error_outputs(ir_model.graph, d.node, shadow)
+
+    source = data if data is not None else calib
+    if source is None:
+        raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
+    feeds = as_data(source, input_specs(ir_model))
+    session = session_for_model(ir_model, run.provider, "The sensitivity model")
+    sums = np.zeros(len(outputs), np.float64)
+    samples = batches = 0
+    total = feeds.count_batches(run.batch_size)
+    for batch in progress_bar(
+        feeds.batches(run.batch_size), total=total, desc="sensitivity", unit="batch", enable=run.progress
+    ):
+        sums += np.array([float(v) for v in session.run(outputs, batch.feed)], np.float64)
+        samples += batch.size
+        batches += 1
+    by_name = {}
+    for k, (d, _) in enumerate(measured):
+        err, energy = sums[2 * k], sums[2 * k + 1]
+        by_name[d.node.name] = math.inf if err == 0 else (10 * math.log10(energy / err) if energy > 0 else -math.inf)
+    for row in rows:
+        if row.name in by_name:
+            row.sqnr_db = by_name[row.name]
+    for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
+        row.rank = rank
+    rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]
+    return SensitivityResult(str(model), config.to_json(), samples, batches, rows)
+
+
+def _shadow(node: ir.Node) -> ir.Node:
+    """The same op on the same inputs, right after ``node``; its output is compared with ``node``'s."""
+    shadow = ir.node(
+        node.op_type,
+        list(node.inputs),
+        dict(node.attributes),
+        domain=node.domain,
+        name=f"{node.name}/fp8onnx_shadow",
+        num_outputs=len(node.outputs),
+    )
+    for out, ref in zip(shadow.outputs, node.outputs):
+        out.name = f"{ref.name}/fp8onnx_shadow"
+        out.dtype, out.shape = ref.dtype, ref.shape
+    node.graph.insert_after(node, shadow)
+    return shadow
+
+
+def _error_outputs(graph: ir.Graph, node: ir.Node, shadow: ir.Node) -> list[str]:
+    """Graph outputs ``<node>/..._err`` = sum((y_q - y)^2) and ``_energy`` = sum(y^2), in float32."""
+    y, yq = node.outputs[0], shadow.outputs[0]
+    name = node.name
+    nodes = []
+
+    def op(op_type, inputs, suffix, **attrs):
+        n = ir.node(op_type, inputs, attrs or None, name=f"{name}/fp8onnx_sens_{suffix}")
+        n.outputs[0].name = f"{name}/fp8onnx_sens_{suffix}"
+        nodes.append(n)
+        return n.outputs[0]
+
+    f32 = int(ir.DataType.FLOAT)
+    y32, yq32 = op("Cast", [y], "y32", to=f32), op("Cast", [yq], "yq32", to=f32)
+    diff = op("Sub", [yq32, y32], "diff")
+    err = op("ReduceSum", [op("Mul", [diff, diff], "sq")], "err", keepdims=0)
+    energy = op("ReduceSum", [op("Mul", [y32, y32], "ysq")], "energy", keepdims=0)
+    err.name, energy.name = name + _ERR, name + _ENERGY
+    err.dtype = energy.dtype = ir.DataType.FLOAT
+    err.shape = energy.shape = ir.Shape([])
+    graph.insert_after(shadow, nodes)
+    graph.outputs.extend([err, energy])
+    return [err.name, energy.name]
+
+
+def write_json(result: SensitivityResult, path) -> None:
+    from .model_io import write_text_atomic
+
+    write_text_atomic(path, json.dumps(result.to_json(), indent=1) + "\n")
