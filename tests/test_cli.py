@@ -8,7 +8,7 @@ from fp8onnx.cli import main
 
 from helpers import mlp_data, mlp_model
 
-COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo", "study"]
+COMMANDS = ["quantize", "calibrate", "compare", "inspect", "fp16", "demo", "study", "sensitivity"]
 
 
 def run(*args):

@@ -43,6 +43,11 @@ COMMANDS = {
         "outputs": {"--json": "{t}/c.json"},
         "reads": {**MODEL_READS, "the candidate": "c.onnx", "--data": "e.npz"},
     },
+    "sensitivity": {
+        "args": ["sensitivity", "{t}/ext/m.onnx", "--calib", "{t}/d.npz", "--data", "{t}/e.npz"],
+        "outputs": {"--json": "{t}/sens.json"},
+        "reads": {**MODEL_READS, "--calib": "d.npz", "--data": "e.npz"},
+    },
     "study": {
         "args": ["study", "{t}/ext/m.onnx", "--calib", "{t}/d.npz", "--data", "{t}/e.npz"],
         "outputs": {"--json": "{t}/st.json", "--csv": "{t}/st.csv"},
