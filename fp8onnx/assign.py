@@ -28,6 +28,7 @@ __all__ = [
     "activation_stats",
     "assign_scales",
     "bias_overflows",
+    "check_calibration_source",
     "describe_source",
     "keep_conv_bias_in_int32_range",
     "tensor_report",
@@ -56,8 +57,15 @@ def assign_scales(decisions: list[Decision], model: ir.Model, config: QuantizeCo
     return quant, amax
 
 
+def check_calibration_source(calib, stats) -> None:
+    """The one rule: statistics come from calibration data or from a statistics file, not both."""
+    if calib is not None and stats is not None:
+        raise Fp8OnnxError("Give either --calib or --stats, not both.")
+
+
 def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Stats | None:
     """Calibration statistics for static activation scales, or None when none are needed."""
+    check_calibration_source(calib, stats)
     if config.activations == "dynamic":
         if stats is not None or calib is not None:
             raise Fp8OnnxError("--activations dynamic needs no calibration; drop --calib/--stats (they contradict it).")

@@ -488,8 +488,6 @@ def sensitivity(
         + [("the calibration data", calib), ("the statistics file", stats), ("the data", data)],
         [("the JSON output", json_out), ("the plot", plot)],
     )
-    if calib and stats:
-        raise Fp8OnnxError("Give either --calib or --stats, not both.")
     config = QuantizeConfig(
         format=fmt,
         scaling=scaling,

@@ -20,13 +20,13 @@ from .assign import (
     activation_stats,
     assign_scales,
     bias_overflows,
+    check_calibration_source,
     describe_source,
     keep_conv_bias_in_int32_range,
     tensor_report,
 )
 from .calibration import Stats
 from .config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
-from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
 from .guard import as_path, check_paths, model_reads, model_writes, side_file
 from .model_io import EXTERNAL_META, load_model, save_model, write_text_atomic
@@ -80,8 +80,7 @@ def quantize(
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
-    if calib is not None and stats is not None:
-        raise Fp8OnnxError("Give either --calib or --stats, not both.")
+    check_calibration_source(calib, stats)
     check_paths(
         model_reads("the input model", model)
         + [("the calibration data", as_path(calib)), ("the statistics file", as_path(stats))],
