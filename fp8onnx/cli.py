@@ -255,6 +255,16 @@ def _csv(ctx, param, value):
 @click.option(
     "--check", "check_data", type=click.Path(), help="Evaluation data: print the compare table after quantizing."
 )
+@click.option("--eval", "eval_data", type=click.Path(), help="Held-out data for --accuracy-target.")
+@click.option(
+    "--accuracy-target",
+    type=float,
+    metavar="PCT",
+    help="Keep the fewest, most sensitive nodes in float until the headline metric on --eval is >= PCT%% of FP16's.",
+)
+@click.option(
+    "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
+)
 @_run
 def quantize(
     model,
@@ -281,6 +291,9 @@ def quantize(
     provider,
     report,
     check_data,
+    eval_data,
+    accuracy_target,
+    max_float_nodes,
 ):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
 
@@ -295,10 +308,16 @@ def quantize(
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx
       fp8onnx quantize llama.onnx --calib calib.npz --weight-memory 256 -o llama.fp8.onnx  # layer by layer
+      fp8onnx quantize model.onnx --calib calib.npz --eval eval.npz --accuracy-target 99.5 -o model.fp8.onnx
     """
+    if (eval_data is None) != (accuracy_target is None):
+        raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
+    if max_float_nodes is not None and accuracy_target is None:
+        raise Fp8OnnxError("--max-float-nodes only applies with --accuracy-target.")
     # The library guards what it reads itself; --check's data is read only here.
     check_paths(
-        [("the evaluation data", check_data)], model_writes("the output model", output) + [("the report", report)]
+        [("the evaluation data", check_data), ("the evaluation data", eval_data)],
+        model_writes("the output model", output) + [("the report", report)],
     )
     config = QuantizeConfig(
         format=fmt,
@@ -318,16 +337,27 @@ def quantize(
         activation_matmuls=activation_matmuls,
     )
     t0 = time.perf_counter()
-    result = api_quantize(
-        model,
-        output,
-        calib,
-        config=config,
-        stats=stats,
-        report=report,
-        run=_run_options(batch_size, provider, weight_memory),
-    )
-    click.echo(result.summary())
+    run = _run_options(batch_size, provider, weight_memory)
+    if accuracy_target is not None:
+        from .fallback import quantize_to_target
+
+        if stats:
+            raise Fp8OnnxError("--accuracy-target measures sensitivity on --calib DATA; --stats cannot stand in.")
+        fallback = quantize_to_target(
+            model,
+            output,
+            calib,
+            eval_data,
+            target=accuracy_target,
+            max_float_nodes=max_float_nodes,
+            config=config,
+            report=report,
+            run=run,
+        )
+        click.echo(fallback.summary())
+    else:
+        result = api_quantize(model, output, calib, config=config, stats=stats, report=report, run=run)
+        click.echo(result.summary())
     click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
     if check_data:
         click.echo(api_compare(model, [output], check_data, run=_run_options(batch_size, provider)).table())

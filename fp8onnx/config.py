@@ -81,6 +81,7 @@ class QuantizeConfig:
     per_channel: bool = False
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
+    keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
     activation_matmuls: bool = False
     precision: Precision | str = Precision.MODEL
     native_gemm: bool = False
@@ -94,6 +95,7 @@ class QuantizeConfig:
         object.__setattr__(self, "scaling", parse_scaling(self.scaling))
         object.__setattr__(self, "op_types", tuple(self.op_types))
         object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "keep_float", tuple(self.keep_float))
         unknown = [t for t in self.op_types if t not in SUPPORTED_OP_TYPES]
         if unknown or not self.op_types:
             raise Fp8OnnxError(
@@ -142,7 +144,7 @@ class QuantizeConfig:
         return not (self.weight_format.deployable and self.activation_format.deployable)
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "weight_format": self.weight_format.value,
             "activation_format": self.activation_format.value,
             "scaling": self.scaling.value,
@@ -161,3 +163,6 @@ class QuantizeConfig:
             "target": self.target.value,
             "emulated": self.emulated,
         }
+        if self.keep_float:  # only then: outputs without it stay byte-identical to earlier versions
+            doc["keep_float"] = list(self.keep_float)
+        return doc

@@ -38,6 +38,8 @@ def _is_weight(value: ir.Value) -> bool:
 
 
 def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
+    if node.name in config.keep_float:
+        return Decision(node, [], "kept in float for --accuracy-target (among the most sensitive nodes)")
     for pattern in config.exclude:
         if fnmatch.fnmatchcase(node.name or "", pattern):
             return Decision(node, [], f"excluded by --exclude {pattern!r}")

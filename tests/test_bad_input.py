@@ -392,6 +392,8 @@ CASES = [
         "contradicts --activations dynamic",
     ),
     ("calib and stats", QC + ["--stats", "{t}/stats_bad.json"], "either --calib or --stats"),
+    ("accuracy target without eval", QC + ["--accuracy-target", "99"], "--accuracy-target and --eval go together"),
+    ("max float nodes without target", QC + ["--max-float-nodes", "3"], "--max-float-nodes only applies with"),
     ("no calibration", Q, "Activation scales need calibration"),
     ("unsupported op type", QC + ["--op-types", "Attention"], "Unsupported op type 'Attention'"),
     ("cuda without a GPU", QC + ["--provider", "cuda"], "has no CUDA EP"),
