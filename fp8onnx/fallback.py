@@ -10,6 +10,7 @@ meets the target is then narrowed down between the last failing and the first pa
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -20,6 +21,7 @@ from .compare import compare
 from .config import QuantizeConfig
 from .errors import Fp8OnnxError
 from .guard import as_path, check_paths, model_reads, model_writes
+from .model_io import write_text_atomic
 from .quantize import quantize
 from .report import QuantizeReport
 from .runtime import RunOptions
@@ -38,6 +40,7 @@ class FallbackResult:
     kept_in_float: list[str]  # the chosen nodes, most sensitive first
     met: bool
     report: QuantizeReport
+    sensitivity: list[dict] = dataclasses.field(default_factory=list)  # per node, as SensitivityResult.to_json()
 
     def summary(self) -> str:
         lines = [self.report.summary()]
@@ -102,7 +105,8 @@ def quantize_to_target(
         model_writes("the output model", output) + [("the report", report)],
     )
     quiet = RunOptions.of(run, progress=False)
-    order = [n.name for n in sensitivity(model, calib, config=config, run=run).ranked()]
+    sens = sensitivity(model, calib, config=config, run=run)
+    order = [n.name for n in sens.ranked()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
     stats = None if config.activations == "dynamic" else calibrate(model, calib, precision=config.precision, run=quiet)
 
@@ -141,6 +145,11 @@ def quantize_to_target(
             evaluate([(below + best) // 2])  # narrow down between the last failing and the first passing
     met = bool(passing())
     chosen = passing()[0] if met else max(tried, key=lambda k: (tried[k] or 0.0, -k))
-    final = quantize(model, output, config=variant(chosen), stats=stats, report=report, run=run)
+    final = quantize(model, output, config=variant(chosen), stats=stats, run=run)
     logger.info("kept %d nodes in float for %g%% of FP16 (%s)", chosen, target, "met" if met else "not met")
-    return FallbackResult(target, metric, tried, order[:chosen], met, final)
+    result = FallbackResult(target, metric, tried, order[:chosen], met, final, sens.to_json()["nodes"])
+    if report is not None:  # the usual report, plus how the target was met and the sensitivity it used
+        doc = {**final.to_json(), "accuracy_target": result.to_json(), "sensitivity": result.sensitivity}
+        del doc["accuracy_target"]["report"]
+        write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
+    return result

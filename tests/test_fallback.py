@@ -47,3 +47,14 @@ def test_target_is_a_percentage(tmp_path, outlier_chain, target):
     path, calib, eval_data = outlier_chain
     with pytest.raises(Fp8OnnxError, match="must be a percentage in"):
         quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=target)
+
+
+def test_the_report_says_how_the_target_was_met(tmp_path, outlier_chain):
+    import json
+
+    path, calib, eval_data = outlier_chain
+    quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=99.9, report=tmp_path / "r.json")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["accuracy_target"]["kept_in_float"] == ["second"] and doc["accuracy_target"]["met"] is True
+    assert [n["name"] for n in doc["sensitivity"]] == ["first", "second"]
+    assert doc["sensitivity"][1]["rank"] == 1 and doc["nodes"][0]["name"] == "first"
