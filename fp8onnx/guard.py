@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import onnx
 
 from .errors import Fp8OnnxError
+from .passes._common import proto_graphs
 
 __all__ = ["as_path", "check_output_path", "check_paths", "model_reads", "model_writes", "side_file"]
 
@@ -47,20 +48,14 @@ def model_reads(label: str, path: str | os.PathLike | None) -> list[Entry]:
     except Exception:
         return entries
     folder = pathlib.Path(path).parent
-    graphs = [proto.graph]
     seen = set()
-    while graphs:
-        graph = graphs.pop()
+    for graph in proto_graphs(proto.graph):
         for tensor in graph.initializer:
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 location = next((e.value for e in tensor.external_data if e.key == "location"), None)
                 if location and location not in seen:
                     seen.add(location)
                     entries.append((f"the external data of {label}", folder / location))
-        for node in graph.node:
-            for attr in node.attribute:
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
     return entries
 
 

@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from .errors import Fp8OnnxError, first_line
 from .guard import side_file
+from .passes._common import proto_graphs
 from .runtime import inline_proto, make_session, weight_bytes
 
 __all__ = [
@@ -74,18 +75,15 @@ def _hide_unknown_ops(proto: onnx.ModelProto) -> list[str]:
     every graph and function of ``proto``; returns their op types."""
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     moved = []
-    graphs = [(proto.graph, opset)]
+    roots = [(proto.graph, opset)]
     for fn in proto.functions:
-        graphs.append((fn, next((o.version for o in fn.opset_import if o.domain in ("", "ai.onnx")), opset)))
-    while graphs:
-        graph, version = graphs.pop()
-        for node in graph.node:
-            if node.domain in ("", "ai.onnx") and version and not _defined(node.op_type, version):
-                node.domain = _UNCHECKED_DOMAIN
-                moved.append(node.op_type)
-            for attr in node.attribute:
-                graphs.extend([(attr.g, version)] if attr.HasField("g") else [])
-                graphs.extend((g, version) for g in attr.graphs)
+        roots.append((fn, next((o.version for o in fn.opset_import if o.domain in ("", "ai.onnx")), opset)))
+    for root, version in roots:
+        for graph in proto_graphs(root):
+            for node in graph.node:
+                if node.domain in ("", "ai.onnx") and version and not _defined(node.op_type, version):
+                    node.domain = _UNCHECKED_DOMAIN
+                    moved.append(node.op_type)
     if moved:
         proto.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED_DOMAIN, 1))
         for fn in proto.functions:
@@ -148,9 +146,7 @@ def _explain_graph(path: pathlib.Path) -> None:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception:
         return
-    graphs = [proto.graph]
-    while graphs:
-        graph = graphs.pop()
+    for graph in proto_graphs(proto.graph):
         writers = {v.name: "a graph input" for v in graph.input}
         writers.update({t.name: "an initializer" for t in graph.initializer})
         for node in graph.node:
@@ -162,9 +158,6 @@ def _explain_graph(path: pathlib.Path) -> None:
                         f"{writers[out]} and by {this}."
                     )
                 writers[out] = this
-            for attr in node.attribute:
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
 
 
 def _texts(model: ir.Model):

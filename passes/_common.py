@@ -78,3 +78,16 @@ def output_channel_axis(node: ir.Node, index: int, rank: int) -> int | None:
     if node.op_type == "MatMul":
         return rank - 1 if index == 1 else rank - 2
     return None
+
+
+def proto_graphs(root):
+    """``root`` (a GraphProto or FunctionProto) and every If/Loop/Scan body under it, as protos."""
+    stack = [root]
+    while stack:
+        graph = stack.pop()
+        yield graph
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)

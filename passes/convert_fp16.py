@@ -29,7 +29,7 @@ import onnx_ir.passes.common
 from onnx import TensorProto, helper
 from onnxruntime.transformers import float16 as ort_float16
 
-from ._common import derived_tensor
+from ._common import derived_tensor, proto_graphs
 
 __all__ = ["ConvertFloat16Pass"]
 
@@ -107,9 +107,7 @@ _SHAPE_SOURCES = ("Shape", "Size")  # their outputs do not depend on the data's 
 def _name_shape_paths(proto) -> list[str]:
     """Names of the nodes (named here when unnamed) that compute shape/scale inputs, in every graph."""
     blocked: list[str] = []
-    graphs = [proto.graph]
-    while graphs:
-        graph = graphs.pop()
+    for graph in proto_graphs(proto.graph):
         producer = {out: node for node in graph.node for out in node.output}
         stack = [
             node.input[i]
@@ -128,29 +126,19 @@ def _name_shape_paths(proto) -> list[str]:
             blocked.append(node.name)
             if node.op_type not in _SHAPE_SOURCES:
                 stack.extend(i for i in node.input if i)
-        for node in graph.node:
-            for attr in node.attribute:
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
     return blocked
 
 
 def _skip_float16_round_trips(proto, blocked: set[str]) -> None:
     """The converter hands even a kept-float32 node's output to the next kept node through
     Cast(float16) -> Cast(float32), which rounds: on shape paths, read the float32 value directly."""
-    graphs = [proto.graph]
-    while graphs:
-        graph = graphs.pop()
+    for graph in proto_graphs(proto.graph):
         producer = {out: node for node in graph.node for out in node.output}
-
         for node in graph.node:
             indices = range(len(node.input)) if node.name in blocked else _SHAPE_INPUTS.get(node.op_type, ())
             for i in indices:
                 if i < len(node.input) and node.input[i]:
                     node.input[i] = _float32_source(node.input[i], producer, blocked)
-            for attr in node.attribute:
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
 
 
 def _float32_source(name: str, producer: dict, blocked: set[str]) -> str:

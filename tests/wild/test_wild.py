@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 import pytest
 
+from fp8onnx.passes._common import proto_graphs
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from corpus import CASES, available, build, run_onnxruntime
@@ -34,15 +36,11 @@ QUANTIZABLE = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 def _counts(path: pathlib.Path) -> dict[str, int]:
     proto = onnx.load(str(path), load_external_data=False)
     counts = dict.fromkeys(QUANTIZABLE, 0)
-    graphs = [proto.graph, *proto.functions]
-    while graphs:
-        g = graphs.pop()
-        for node in g.node:
-            if node.op_type in counts:
-                counts[node.op_type] += 1
-            for attr in node.attribute:
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
+    for root in (proto.graph, *proto.functions):
+        for g in proto_graphs(root):
+            for node in g.node:
+                if node.op_type in counts:
+                    counts[node.op_type] += 1
     return counts
 
 
