@@ -27,7 +27,7 @@ from . import inspect as api_inspect
 from . import quantize as api_quantize
 from . import study as run_study
 from .api import inspect_summary
-from .config import DEFAULT_OP_TYPES, PRECISIONS, QuantizeConfig
+from .config import ACTIVATION_MODES, DEFAULT_OP_TYPES, PRECISIONS, QuantizeConfig
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
@@ -35,6 +35,7 @@ from .model_io import write_text_atomic
 from .progress import close_all
 from .runtime import PROVIDERS, WEIGHT_MEMORY, RunOptions
 from .scaling import Scaling
+from .targets import TARGETS
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]
@@ -222,7 +223,7 @@ def _csv(ctx, param, value):
 @click.option("--scale", type=float, help="constant only: the scale used for every tensor.")
 @click.option(
     "--activations",
-    type=click.Choice(["static", "dynamic"]),
+    type=click.Choice(ACTIVATION_MODES),
     default="static",
     show_default=True,
     help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).",
@@ -231,7 +232,7 @@ def _csv(ctx, param, value):
 @_precision_option
 @click.option(
     "--target",
-    type=click.Choice(["onnxruntime", "tensorrt"]),
+    type=click.Choice(TARGETS),
     default="onnxruntime",
     show_default=True,
     help="tensorrt: only what TensorRT's FP8 takes (E4M3FN, constant scales), checked on the result.",
@@ -470,7 +471,7 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
 @click.option("--data", type=click.Path(), help="Data to measure on (default: the calibration data).")
 @click.option("--format", "fmt", type=click.Choice(_FORMATS, case_sensitive=False), default="e4m3fn", show_default=True)
 @click.option("--scaling", type=click.Choice(_SCALINGS, case_sensitive=False), default="amax", show_default=True)
-@click.option("--activations", type=click.Choice(["static", "dynamic"]), default="static", show_default=True)
+@click.option("--activations", type=click.Choice(ACTIVATION_MODES), default="static", show_default=True)
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel.")
 @click.option(
     "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types to measure."
