@@ -110,6 +110,8 @@ def inspect(model: str | os.PathLike) -> dict:
         if v.const_value is not None:
             by_type[str(v.const_value.dtype)] += v.const_value.nbytes
     meta = m.metadata_props.get("fp8onnx")
+    from .sensitivity import vocabulary_projections
+
     return {
         "model": str(model),
         "opset": m.opset_imports.get(""),
@@ -120,6 +122,7 @@ def inspect(model: str | os.PathLike) -> dict:
         "op_counts": dict(ops),
         "fp8onnx": json.loads(meta) if meta else None,
         "tensorrt_problems": check_tensorrt(m),
+        "high_risk": vocabulary_projections(m, matmuls),  # node -> why FP8 is risky there
     }
 
 
@@ -142,6 +145,8 @@ def inspect_summary(info: dict) -> str:
         fmts = ", ".join(sorted({t["format"] for t in group}))
         rng = f", scales {scales.min():.3g} .. {scales.max():.3g}" if scales.size else ""
         lines.append(f"  {len(group)} float8 {label} ({fmts}){rng}")
+    for name, why in info.get("high_risk", {}).items():
+        lines.append(f"  HIGH RISK for FP8: {name}: {why}; consider --exclude '{name}'")
     problems = info.get("tensorrt_problems", [])
     lines.append(
         "  TensorRT: "

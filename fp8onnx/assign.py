@@ -172,7 +172,7 @@ def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeCon
     fmt = config.weight_format
     # Weights know their every value: percentile/mse clip activations only, weights keep their max.
     method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
-    axis = output_channel_axis(node, index, len(value.shape)) if config.per_channel else None
+    axis = output_channel_axis(node, index, len(value.shape)) if config.weight_per_channel(node.op_type) else None
     amax = weight_amax(value, axis)
     if axis is None:
         return TensorQuant(fmt, amax_to_scale(amax, fmt, method, margin=config.margin, constant=config.scale)), amax

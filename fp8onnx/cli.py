@@ -187,6 +187,14 @@ def _csv(ctx, param, value):
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else DEFAULT_OP_TYPES
 
 
+_per_channel_option = click.option(
+    "--per-channel/--per-tensor",
+    default=None,
+    help="Weight scales per output channel (DequantizeLinear axis) for every op, or one per tensor for every op. "
+    "Default: per channel for Conv/ConvTranspose, per tensor for MatMul/Gemm.",
+)
+
+
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the FP8 model.")
@@ -228,7 +236,7 @@ def _csv(ctx, param, value):
     show_default=True,
     help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).",
 )
-@click.option("--per-channel", is_flag=True, help="One weight scale per output channel (DequantizeLinear axis).")
+@_per_channel_option
 @_precision_option
 @click.option(
     "--target",
@@ -266,6 +274,14 @@ def _csv(ctx, param, value):
 @click.option(
     "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
 )
+@click.option(
+    "--refine",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --accuracy-target: score the N lowest-SQNR nodes one by one on --eval first and leave them in "
+    "float in order of measured gain (N+1 more evaluations).",
+)
 @_run
 def quantize(
     model,
@@ -295,6 +311,7 @@ def quantize(
     eval_data,
     accuracy_target,
     max_float_nodes,
+    refine,
 ):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
 
@@ -313,8 +330,8 @@ def quantize(
     """
     if (eval_data is None) != (accuracy_target is None):
         raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
-    if max_float_nodes is not None and accuracy_target is None:
-        raise Fp8OnnxError("--max-float-nodes only applies with --accuracy-target.")
+    if (max_float_nodes is not None or refine) and accuracy_target is None:
+        raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
     # The library guards what it reads itself; --check's data is read only here.
     check_paths(
         [("the evaluation data", check_data), ("the evaluation data", eval_data)],
@@ -351,6 +368,7 @@ def quantize(
             eval_data,
             target=accuracy_target,
             max_float_nodes=max_float_nodes,
+            refine=refine,
             config=config,
             report=report,
             run=run,
@@ -472,11 +490,21 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
 @click.option("--format", "fmt", type=click.Choice(_FORMATS, case_sensitive=False), default="e4m3fn", show_default=True)
 @click.option("--scaling", type=click.Choice(_SCALINGS, case_sensitive=False), default="amax", show_default=True)
 @click.option("--activations", type=click.Choice(ACTIVATION_MODES), default="static", show_default=True)
-@click.option("--per-channel", is_flag=True, help="One weight scale per output channel.")
+@_per_channel_option
 @click.option(
     "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated op types to measure."
 )
 @click.option("--activation-matmuls", is_flag=True, help="Also measure MatMuls whose both inputs are activations.")
+@click.option(
+    "--eval", "eval_data", type=click.Path(), help="Held-out data: score the lowest-SQNR nodes on the end metric."
+)
+@click.option(
+    "--refine",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="With --eval: how many of the lowest-SQNR nodes to score (one model each, plus the all-FP8 one).",
+)
 @click.option("--top", type=click.IntRange(min=1), help="Show only the N most sensitive nodes.")
 @_batch_size_option
 @_provider_option
@@ -494,6 +522,8 @@ def sensitivity(
     per_channel,
     op_types,
     activation_matmuls,
+    eval_data,
+    refine,
     top,
     batch_size,
     provider,
@@ -507,6 +537,7 @@ def sensitivity(
     Example:
       fp8onnx sensitivity model.onnx --calib calib.npz --top 10
       fp8onnx sensitivity model.onnx --calib calib.npz --data eval.npz --json sens.json --plot plots/
+      fp8onnx sensitivity model.onnx --calib calib.npz --eval eval.npz --refine 8  # end-metric gain of the top 8
     """
     from .sensitivity import sensitivity as run_sensitivity
     from .sensitivity import write_json
@@ -516,7 +547,8 @@ def sensitivity(
     plot = pathlib.Path(plot_dir) / "sensitivity.png" if plot_dir else None
     check_paths(
         model_reads("the input model", model)
-        + [("the calibration data", calib), ("the statistics file", stats), ("the data", data)],
+        + [("the calibration data", calib), ("the statistics file", stats), ("the data", data)]
+        + [("the evaluation data", eval_data)],
         [("the JSON output", json_out), ("the plot", plot)],
     )
     config = QuantizeConfig(
@@ -527,7 +559,16 @@ def sensitivity(
         op_types=op_types,
         activation_matmuls=activation_matmuls,
     )
-    result = run_sensitivity(model, calib, data, config=config, stats=stats, run=_run_options(batch_size, provider))
+    result = run_sensitivity(
+        model,
+        calib,
+        data,
+        config=config,
+        stats=stats,
+        eval_data=eval_data,
+        refine=refine,
+        run=_run_options(batch_size, provider),
+    )
     click.echo(result.table(top))
     if json_out:
         write_json(result, json_out)

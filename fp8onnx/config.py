@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+PER_CHANNEL_BY_DEFAULT = ("Conv", "ConvTranspose")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 
@@ -78,7 +79,7 @@ class QuantizeConfig:
     scale: float | None = None
     percentile: float | None = None
     activations: Activations | str = Activations.STATIC
-    per_channel: bool = False
+    per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
@@ -123,6 +124,7 @@ class QuantizeConfig:
                 )
             if self.per_channel:
                 raise Fp8OnnxError("--scaling constant contradicts --per-channel (one scale for every tensor).")
+            object.__setattr__(self, "per_channel", False)  # one constant scale: per tensor for every op
         elif self.scale is not None:
             raise Fp8OnnxError("--scale only applies to --scaling constant.")
         if self.margin != int(self.margin):
@@ -139,9 +141,23 @@ class QuantizeConfig:
                 "needs calibration (use --scaling amax or --activations static)."
             )
 
+    def weight_per_channel(self, op_type: str) -> bool:
+        """Whether ``op_type``'s weights get one scale per output channel: always with --per-channel,
+        never with --per-tensor, by default for Conv/ConvTranspose only (what every peer does: a
+        convolution's filters differ in range far more than a MatMul's columns)."""
+        if self.per_channel is None:
+            return op_type in PER_CHANNEL_BY_DEFAULT
+        return self.per_channel
+
     @property
     def emulated(self) -> bool:
         return not (self.weight_format.deployable and self.activation_format.deployable)
+
+    def _per_channel_json(self) -> bool | str:
+        if self.per_channel is not None:
+            return self.per_channel
+        # The default is "conv" only where it makes a difference: MatMul-only outputs are unchanged.
+        return "conv" if any(t in PER_CHANNEL_BY_DEFAULT for t in self.op_types) else False
 
     def to_json(self) -> dict:
         doc = {
@@ -154,7 +170,7 @@ class QuantizeConfig:
             if self.percentile is not None
             else (DEFAULT_PERCENTILE if self.scaling is Scaling.PERCENTILE else None),
             "activations": self.activations.value,
-            "per_channel": self.per_channel,
+            "per_channel": self._per_channel_json(),
             "op_types": list(self.op_types),
             "exclude": list(self.exclude),
             "activation_matmuls": self.activation_matmuls,

@@ -1,10 +1,13 @@
 """Quantize to a stated accuracy: keep the fewest, most sensitive nodes in float until the headline
 metric on held-out data is at least ``target`` percent of the FP16 model's.
 
-The order comes from :mod:`fp8onnx.sensitivity` (one pass), the statistics from one calibration
-pass shared by every candidate. Candidates keeping the top 0, 1, 2, 4, 8, ... nodes in float are
-evaluated together in one ``compare`` run (one FP32 reference pass for all); the smallest count that
-meets the target is then narrowed down between the last failing and the first passing count.
+The order comes from :mod:`fp8onnx.sensitivity` (one pass, SQNR per node; with ``refine`` > 0 the
+lowest-SQNR nodes are re-ordered by their measured end-metric gain), the statistics from that same
+calibration. Candidates keeping the first 0, 1, 2, 4 nodes in float are scored in one ``compare``
+run, then 8, 16, ... up to the budget in a second one if none passed
+(:class:`fp8onnx.candidates.Candidates`); the smallest count that meets the target is narrowed
+down between the last failing and the first passing count. If no count within the budget meets
+the target, nothing is written: :class:`TargetNotMet` carries what was tried.
 """
 
 from __future__ import annotations
@@ -13,11 +16,8 @@ import dataclasses
 import json
 import logging
 import os
-import pathlib
-import tempfile
 
-from .api import calibrate
-from .compare import compare
+from .candidates import Candidates
 from .config import QuantizeConfig
 from .errors import Fp8OnnxError
 from .guard import as_path, check_paths, model_reads, model_writes
@@ -25,9 +25,9 @@ from .model_io import write_text_atomic
 from .quantize import quantize
 from .report import QuantizeReport
 from .runtime import RunOptions
-from .sensitivity import sensitivity
+from .sensitivity import SensitivityResult, sensitivity
 
-__all__ = ["FallbackResult", "quantize_to_target"]
+__all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +39,20 @@ class FallbackResult:
     tried: dict[int, float | None]  # nodes kept in float -> headline relative to FP16 (fraction)
     kept_in_float: list[str]  # the chosen nodes, most sensitive first
     met: bool
-    report: QuantizeReport
+    report: QuantizeReport | None  # None when the target was not met (nothing written)
+    evaluations: int = 0  # models scored on the end metric, refinement included
     sensitivity: list[dict] = dataclasses.field(default_factory=list)  # per node, as SensitivityResult.to_json()
 
     def summary(self) -> str:
-        lines = [self.report.summary()]
-        verdict = "met" if self.met else "NOT met (the closest is written)"
-        lines.append(f"  accuracy target {self.target:g}% of FP16 ({self.metric}): {verdict}")
+        lines = [self.report.summary()] if self.report else []
+        verdict = "met" if self.met else "NOT met (nothing written)"
+        lines.append(
+            f"  accuracy target {self.target:g}% of FP16 ({self.metric}): {verdict}; "
+            f"{self.evaluations} models evaluated"
+        )
         for k, ratio in sorted(self.tried.items()):
             shown = "-" if ratio is None else f"{ratio:.2%}"
-            mark = "  <- written" if k == len(self.kept_in_float) else ""
+            mark = "  <- written" if self.met and k == len(self.kept_in_float) else ""
             lines.append(f"    {k:>4} nodes in float: {shown}{mark}")
         if self.kept_in_float:
             shown = ", ".join(self.kept_in_float[:8]) + (" ..." if len(self.kept_in_float) > 8 else "")
@@ -62,17 +66,64 @@ class FallbackResult:
             "tried": {str(k): v for k, v in sorted(self.tried.items())},
             "kept_in_float": self.kept_in_float,
             "met": self.met,
-            "report": self.report.to_json(),
+            "evaluations": self.evaluations,
+            "report": self.report.to_json() if self.report else None,
         }
 
 
-def _counts(limit: int) -> list[int]:
-    """0, 1, 2, 4, ... up to ``limit`` (always included)."""
+class TargetNotMet(Fp8OnnxError):
+    """The target did not hold within the float-node budget; nothing was written. ``result`` says
+    what was tried (its ``kept_in_float`` is the best count's nodes)."""
+
+    def __init__(self, message: str, result: FallbackResult):
+        super().__init__(message)
+        self.result = result
+
+
+def _rounds(limit: int) -> list[list[int]]:
+    """Counts of nodes kept in float, scored round by round: 0, 1, 2, 4; then 8, 16, ... and ``limit``."""
     counts, k = [0], 1
     while k < limit:
         counts.append(k)
         k *= 2
-    return sorted(set(counts + [limit]))
+    counts = sorted(set(counts + [limit]))
+    return [c for c in [[k for k in counts if k <= 4], [k for k in counts if k > 4]] if c]
+
+
+def search(sens: SensitivityResult, candidates: Candidates, target: float, limit: int):
+    """(tried, chosen): the headline ratio to FP16 per count of nodes kept in float (in
+    ``sens.order()``), and the smallest count within ``limit`` whose ratio is >= ``target`` percent
+    (None when none is). Scores come from ``candidates``; its cache makes repeated searches cheap."""
+    order = [n.name for n in sens.order()]
+    tried: dict[int, float | None] = {}
+    if sens.base_ratio is not None:  # refinement scored these already
+        tried[0] = sens.base_ratio
+        if limit >= 1 and sens.order()[0].metric_gain is not None:
+            tried[1] = sens.order()[0].metric_ratio
+    if not candidates.metric:
+        candidates.metric = sens.metric
+
+    def score(counts: list[int]) -> None:
+        counts = [k for k in counts if k not in tried]
+        if counts:
+            for k, ratio in zip(counts, candidates.ratios([tuple(order[:k]) for k in counts])):
+                tried[k] = ratio
+
+    def passing() -> list[int]:
+        return sorted(k for k, r in tried.items() if r is not None and r * 100 >= target)
+
+    for counts in _rounds(limit):
+        if passing():
+            break
+        score(counts)
+    while passing():
+        best = passing()[0]
+        below = max((k for k in tried if k < best), default=None)
+        if below is None or best - below <= 1:
+            break
+        between = list(range(below + 1, best))
+        score(between if len(between) <= 3 else [(below + best) // 2])  # narrow down
+    return tried, (passing() or [None])[0]
 
 
 def quantize_to_target(
@@ -83,13 +134,19 @@ def quantize_to_target(
     *,
     target: float = 99.5,
     max_float_nodes: int | None = None,
+    refine: int = 0,
     config: QuantizeConfig | None = None,
     report: str | os.PathLike | None = None,
     run: RunOptions | None = None,
     **options,
 ) -> FallbackResult:
     """Quantize ``model`` keeping the fewest most sensitive nodes in float (at most
-    ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``target``% of FP16's."""
+    ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``target``% of FP16's.
+
+    requires: ``calib`` data (sensitivity and scales come from it), ``eval_data`` with an FP16 baseline;
+    ensures: the output is written only when the target holds on ``eval_data``; otherwise
+    :class:`TargetNotMet` is raised and nothing is written. Deterministic for the same inputs.
+    """
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
@@ -97,6 +154,8 @@ def quantize_to_target(
         raise Fp8OnnxError(f"--accuracy-target must be a percentage in (0, 100], got {target!r}.")
     if max_float_nodes is not None and max_float_nodes < 0:
         raise Fp8OnnxError(f"--max-float-nodes must be >= 0, got {max_float_nodes!r}.")
+    if refine < 0:
+        raise Fp8OnnxError(f"--refine must be >= 0, got {refine!r}.")
     if calib is None:
         raise Fp8OnnxError("--accuracy-target needs --calib DATA (the sensitivity and the scales come from it).")
     check_paths(
@@ -104,50 +163,29 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    quiet = RunOptions.of(run, progress=False)
-    sens = sensitivity(model, calib, config=config, run=run)
-    order = [n.name for n in sens.ranked()]
+    if config.activations == "dynamic":  # the scales need no calibration; sensitivity still runs on calib
+        sens = sensitivity(model, None, calib, config=config, eval_data=eval_data, refine=refine, run=run)
+    else:
+        sens = sensitivity(model, calib, config=config, eval_data=eval_data, refine=refine, run=run)
+    order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
-    stats = None if config.activations == "dynamic" else calibrate(model, calib, precision=config.precision, run=quiet)
-
-    def variant(k: int) -> QuantizeConfig:
-        return dataclasses.replace(config, keep_float=tuple(order[:k]))
-
-    tried: dict[int, float | None] = {}
-    metric = ""
-    with tempfile.TemporaryDirectory(prefix="fp8onnx-fallback-") as tmp:
-
-        def evaluate(counts: list[int]) -> None:
-            nonlocal metric
-            paths = []
-            for k in counts:
-                path = pathlib.Path(tmp) / f"keep{k}.onnx"
-                quantize(model, path, config=variant(k), stats=stats, run=quiet)
-                paths.append(path)
-            result = compare(model, paths, eval_data, run=run)
-            by_name = {r.name: r for r in result.rows}
-            for k, path in zip(counts, paths):
-                row = by_name[path.name]
-                tried[k] = row.ratio_to_fp16
-                metric = row.headline
-            if all(tried[k] is None for k in counts):
-                raise Fp8OnnxError(f"No FP16 baseline to hold the target against: {'; '.join(result.notes)}")
-
-        def passing() -> list[int]:
-            return sorted(k for k, r in tried.items() if r is not None and r * 100 >= target)
-
-        evaluate(_counts(limit))
-        while passing():
-            best = passing()[0]
-            below = max((k for k in tried if k < best), default=None)
-            if below is None or best - below <= 1:
-                break
-            evaluate([(below + best) // 2])  # narrow down between the last failing and the first passing
-    met = bool(passing())
-    chosen = passing()[0] if met else max(tried, key=lambda k: (tried[k] or 0.0, -k))
-    final = quantize(model, output, config=variant(chosen), stats=stats, run=run)
-    logger.info("kept %d nodes in float for %g%% of FP16 (%s)", chosen, target, "met" if met else "not met")
-    result = FallbackResult(target, metric, tried, order[:chosen], met, final, sens.to_json()["nodes"])
+    with Candidates(model, config, sens.stats, eval_data, run) as candidates:
+        tried, chosen = search(sens, candidates, target, limit)
+    evaluations = sens.evaluations + candidates.evaluated
+    metric = candidates.metric
+    if chosen is None:
+        best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
+        result = FallbackResult(target, metric, tried, order[:best], False, None, evaluations, sens.to_json()["nodes"])
+        shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
+        raise TargetNotMet(
+            f"Accuracy target {target:g}% of FP16 ({metric}) not met on {as_path(eval_data) or 'the evaluation data'} "
+            f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
+            "nothing written (raise --max-float-nodes or lower --accuracy-target).",
+            result,
+        )
+    final = quantize(model, output, config=candidates.config_keeping(order[:chosen]), stats=sens.stats, run=run)
+    logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, target, evaluations)
+    result = FallbackResult(target, metric, tried, order[:chosen], True, final, evaluations, sens.to_json()["nodes"])
     if report is not None:  # the usual report, plus how the target was met and the sensitivity it used
         doc = {**final.to_json(), "accuracy_target": result.to_json(), "sensitivity": result.sensitivity}
         del doc["accuracy_target"]["report"]

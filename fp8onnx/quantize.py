@@ -38,7 +38,7 @@ from .passes import (
 from .plan import activation_tensors, candidate_activations, in_main_graph, plan
 from .prepare import prepare_model
 from .report import NodeReport, QuantizeReport
-from .runtime import RunOptions, resolve_provider
+from .runtime import RunOptions, resolve_provider, weight_bytes
 from .targets import check_tensorrt
 
 __all__ = [
@@ -90,6 +90,7 @@ def quantize(
     provider = resolve_provider(run.provider)
     run = RunOptions.of(run, provider=provider)
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
+    layer_by_layer = weight_bytes(ir_model) > run.weight_memory
     decisions, skipped = plan(ir_model, config)
     act_names = activation_tensors(decisions, ir_model)
 
@@ -152,8 +153,27 @@ def quantize(
         target_problems=target_problems,
     )
     if report is not None:
-        write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")
+        doc = result.to_json()
+        doc.update(_sensitivity_section(model, calib, calibration, config, run, modified, layer_by_layer))
+        write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
     return result
+
+
+def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:
+    """The report's ``sensitivity``: per node, as :func:`fp8onnx.sensitivity.sensitivity` measures it,
+    with the scales just used (one more pass over the calibration data); or why it was not measured."""
+    if not modified:
+        why = "nothing was quantized"
+    elif config.activations == "dynamic" or as_path(calib) is None:
+        why = "it needs calibration data read from a file (run `fp8onnx sensitivity MODEL --data DATA`)"
+    elif layer_by_layer:
+        why = "the model is calibrated layer by layer (its weights exceed --weight-memory)"
+    else:
+        from .sensitivity import sensitivity
+
+        measured = sensitivity(model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False))
+        return {"sensitivity": measured.to_json()["nodes"]}
+    return {"sensitivity_not_measured": why}
 
 
 def _file_size(path) -> int:

@@ -23,7 +23,9 @@ def describe_config(cfg: dict) -> str:
     how += f", {scaling} scaling"
     if cfg.get("activations") == "dynamic":
         how += ", dynamic activations"
-    if cfg.get("per_channel"):
+    if cfg.get("per_channel") == "conv":
+        how += ", per-channel Conv weights"
+    elif cfg.get("per_channel"):
         how += ", per-channel weights"
     if cfg.get("precision") == "fp16":
         how += ", FP16 graph"

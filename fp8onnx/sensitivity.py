@@ -8,6 +8,16 @@ node alone. Per node, the graph reduces ``sum((y_fp8 - y)^2)`` and ``sum(y^2)`` 
 scalars per batch; only those leave onnxruntime. The result is the SQNR of each node's output in dB
 (low = sensitive), ranked.
 
+SQNR is a proxy: what a user cares about is the end metric, and a node's error can be amplified or
+absorbed downstream. With ``eval_data``, the ``refine`` lowest-SQNR nodes are checked against it:
+one ``compare`` run scores the all-FP8 model and, per node, the model with only that node left in
+float (:class:`fp8onnx.candidates.Candidates`); the gain in the headline metric (percentage points
+of FP16's) then orders those nodes first (:meth:`SensitivityResult.order`), the rest by SQNR.
+
+Weights of a vocabulary-sized projection (an ``lm_head``: as many output channels as an embedding
+table has rows, or at least ``VOCAB_SIZE`` of them) are flagged as high-risk: FP8 recipes for LLMs
+leave them in float by default, and on SmolLM2 it is the most sensitive node by far.
+
 Nodes inside If/Loop/Scan bodies are not measured (onnxruntime cannot return tensors from inside a
 body); they are listed with that reason.
 """
@@ -47,6 +57,9 @@ class NodeSensitivity:
     sqnr_db: float | None  # None: not measured (see reason)
     rank: int | None = None  # 1 = the most sensitive (lowest SQNR)
     reason: str | None = None
+    risk: str | None = None  # why this node is high-risk whatever its SQNR (a vocabulary projection)
+    metric_ratio: float | None = None  # with refinement: headline / FP16's with only this node in float
+    metric_gain: float | None = None  # ... minus that of the all-FP8 model (a fraction of FP16's metric)
 
 
 @dataclasses.dataclass
@@ -56,9 +69,21 @@ class SensitivityResult:
     samples: int
     batches: int
     nodes: list[NodeSensitivity]  # graph order
+    metric: str = ""  # with refinement: the headline metric compared
+    base_ratio: float | None = None  # with refinement: the all-FP8 model's headline / FP16's
+    evaluations: int = 0  # models scored on the end metric
+    stats: Stats | None = dataclasses.field(default=None, repr=False)  # the statistics the scales came from
 
     def ranked(self) -> list[NodeSensitivity]:
+        """Measured nodes by SQNR, lowest first."""
         return sorted((n for n in self.nodes if n.rank is not None), key=lambda n: n.rank)
+
+    def order(self) -> list[NodeSensitivity]:
+        """The order to leave nodes in float: refined nodes by end-metric gain (largest first), then
+        the rest by SQNR. Without refinement, :meth:`ranked`."""
+        ranked = self.ranked()
+        refined = sorted((n for n in ranked if n.metric_gain is not None), key=lambda n: (-n.metric_gain, n.rank))
+        return refined + [n for n in ranked if n.metric_gain is None]
 
     def to_json(self) -> dict:
         return {
@@ -67,20 +92,33 @@ class SensitivityResult:
             "samples": self.samples,
             "batches": self.batches,
             "metric": "SQNR in dB of the node's output with only that node quantized (lower = more sensitive)",
+            "end_metric": self.metric or None,
+            "base_ratio_to_fp16": self.base_ratio,
+            "evaluations": self.evaluations,
+            "order": [n.name for n in self.order()],
             "nodes": [dataclasses.asdict(n) for n in self.nodes],
         }
 
     def table(self, top: int | None = None) -> str:
         rows = self.ranked()[:top] if top else self.ranked()
         width = max([len("node"), *(len(n.name) for n in rows)])
+        refined = self.base_ratio is not None
         lines = [
             f"{self.model}: {len(self.ranked())} nodes measured on {self.samples} samples; SQNR of each node's "
             "output with only it in FP8 (lowest first)",
-            f"{'rank':>4}  {'node':<{width}}  {'op':<13}  SQNR dB",
+            f"{'rank':>4}  {'node':<{width}}  {'op':<13}  {'SQNR dB':>7}" + ("  gain if float" if refined else ""),
         ]
         for n in rows:
             shown = "inf" if math.isinf(n.sqnr_db) else f"{n.sqnr_db:.2f}"
-            lines.append(f"{n.rank:>4}  {n.name:<{width}}  {n.op_type:<13}  {shown}")
+            line = f"{n.rank:>4}  {n.name:<{width}}  {n.op_type:<13}  {shown:>7}"
+            if refined:
+                line += f"  {n.metric_gain * 100:+12.2f}" if n.metric_gain is not None else f"  {'-':>12}"
+            lines.append(line + (f"  HIGH RISK: {n.risk}" if n.risk else ""))
+        if refined:
+            lines.append(
+                f"  gain if float: {self.metric} in points of FP16's when only that node stays in float; all in FP8: "
+                f"{self.base_ratio:.2%} of FP16 ({self.evaluations} models evaluated)"
+            )
         reasons: dict[str, list[str]] = {}
         for n in self.nodes:
             if n.rank is None:
@@ -98,18 +136,22 @@ def sensitivity(
     *,
     config: QuantizeConfig | None = None,
     stats: str | os.PathLike | Stats | None = None,
+    eval_data=None,
+    refine: int = 5,
     run: RunOptions | None = None,
     **options,
 ) -> SensitivityResult:
     """Rank the nodes ``quantize`` would quantize (with ``config``, or ``options`` that build one) by
     the SQNR of their output when only they are in FP8. Scales come from ``calib`` (or ``stats``);
-    the measurement runs on ``data`` (default: the calibration data)."""
+    the measurement runs on ``data`` (default: the calibration data). With ``eval_data``, the
+    ``refine`` lowest-SQNR nodes are also scored on the end metric (module docstring)."""
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
     run = RunOptions.of(run, provider=resolve_provider(run.provider))
     ir_model, _, _ = prepare_model(model, config.precision)
     decisions, skipped = plan(ir_model, config)
+    risks = vocabulary_projections(ir_model, [d.node for d in decisions])
     calibration = activation_stats(ir_model, activation_tensors(decisions, ir_model), config, calib, stats, run)
     quant, _ = assign_scales(decisions, ir_model, config, calibration)
 
@@ -129,12 +171,17 @@ def sensitivity(
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
     feeds = as_data(source, input_specs(ir_model))
-    session = session_for_model(ir_model, run.provider, "The sensitivity model")
     sums = np.zeros(len(outputs), np.float64)
     samples = batches = 0
     total = feeds.count_batches(run.batch_size)
+    # Nothing measurable (every node in a subgraph): no pass at all (run([]) would fetch every output).
+    session = session_for_model(ir_model, run.provider, "The sensitivity model") if outputs else None
     for batch in progress_bar(
-        feeds.batches(run.batch_size), total=total, desc="sensitivity", unit="batch", enable=run.progress
+        feeds.batches(run.batch_size) if outputs else (),
+        total=total,
+        desc="sensitivity",
+        unit="batch",
+        enable=run.progress,
     ):
         sums += np.array([float(v) for v in session.run(outputs, batch.feed)], np.float64)
         samples += batch.size
@@ -149,7 +196,61 @@ def sensitivity(
     for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
         row.rank = rank
     rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]
-    return SensitivityResult(str(model), config.to_json(), samples, batches, rows)
+    for row in rows:
+        row.risk = risks.get(row.name)
+    result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
+    if eval_data is not None and refine > 0:
+        _refine(result, model, config, eval_data, refine, run)
+    return result
+
+
+def _refine(result: SensitivityResult, model, config: QuantizeConfig, eval_data, top: int, run: RunOptions) -> None:
+    """Score the all-FP8 model and, per lowest-SQNR node, the model with only it in float."""
+    from .candidates import Candidates
+
+    nodes = result.ranked()[:top]
+    with Candidates(model, config, result.stats, eval_data, run) as candidates:
+        base, *ratios = candidates.ratios([(), *((n.name,) for n in nodes)])
+    result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
+    for node, ratio in zip(nodes, ratios):
+        node.metric_ratio = ratio
+        node.metric_gain = None if ratio is None or base is None else ratio - base
+
+
+VOCAB_SIZE = 16384  # output channels from which a projection counts as vocabulary-sized
+
+
+def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str, str]:
+    """Node name -> why it is a vocabulary-sized projection, for MatMul/Gemm nodes with a constant
+    weight whose output channels match the rows of an embedding table (a Gather over a constant
+    2-D tensor) or number at least ``VOCAB_SIZE``. Weights behind a DequantizeLinear count."""
+    tables = set()
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        table = _constant_2d(node.inputs[0]) if node.op_type == "Gather" and node.inputs else None
+        if table is not None:
+            tables.add(int(table.shape[0]))
+    risks = {}
+    for node in nodes:
+        weight = _constant_2d(node.inputs[1]) if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 else None
+        if weight is None:
+            continue
+        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+        channels = int(weight.shape[0 if transposed else 1])
+        if channels in tables and channels >= 1000:
+            risks[node.name] = f"vocabulary projection ({channels} outputs, the rows of an embedding table)"
+        elif channels >= VOCAB_SIZE:
+            risks[node.name] = f"vocabulary-sized projection ({channels} outputs)"
+    return risks
+
+
+def _constant_2d(value: ir.Value | None) -> ir.Value | None:
+    """``value`` (or the float8 constant its DequantizeLinear reads) when it is a constant 2-D tensor."""
+    producer = value.producer() if value is not None else None
+    if producer is not None and producer.op_type == "DequantizeLinear":
+        value = producer.inputs[0]
+    if value is None or value.const_value is None or value.shape is None or len(value.shape) != 2:
+        return None
+    return value
 
 
 def _shadow(node: ir.Node) -> ir.Node:

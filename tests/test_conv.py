@@ -63,6 +63,24 @@ def test_cnn_with_conv(tmp_path, per_channel):
         assert sqnr_db(run(onnx.load(path), {"x": x})[0], run(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 6)
 
 
+def test_conv_weights_are_per_channel_by_default_and_matmul_weights_per_tensor(tmp_path):
+    path = cnn(tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(3).standard_normal((2, 3, 8, 8)).astype(np.float32))
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, provider="cpu")
+    axes = {t.name: t.axis for n in report.quantized for t in n.tensors if t.kind == "weight"}
+    ops = {n.name: n.op_type for n in report.quantized}
+    assert {ops[n] for n in ops} >= {"Conv", "Gemm"}
+    for node in report.quantized:
+        for t in node.tensors:
+            if t.kind == "weight":
+                assert (t.axis is not None) == (node.op_type == "Conv"), (node.name, t.name, t.axis)
+    assert axes and report.config["per_channel"] == "conv" and "per-channel Conv weights" in report.summary()
+    per_tensor = fp8onnx.quantize(
+        path, tmp_path / "t.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=False, provider="cpu"
+    )
+    assert all(t.axis is None for n in per_tensor.quantized for t in n.tensors)
+
+
 def test_conv_is_opt_in_with_a_reason(tmp_path):
     path = cnn(tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", x=np.ones((2, 3, 8, 8), np.float32))
@@ -78,7 +96,9 @@ def test_conv_bias_survives_ort_bias_quantization(tmp_path):
     path = cnn(tmp_path / "m.onnx", scale=1e-4, bias=[-0.13, 0.5, 2.0, -1.0])
     x = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32) * 1e-4
     np.savez(tmp_path / "d.npz", x=x)
-    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, provider="cpu")
+    report = fp8onnx.quantize(
+        path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=False, provider="cpu"
+    )
     ref = run_ort(onnx.load(path), {"x": x})[0]
     assert sqnr_db(ref, run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 6)
     # the report shows the raised weight scale the model carries, not the one before raising

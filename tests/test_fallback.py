@@ -3,11 +3,13 @@
 import numpy as np
 import onnx
 import pytest
+from click.testing import CliRunner
 from test_sensitivity import chain
 
 import fp8onnx
+from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.fallback import quantize_to_target
+from fp8onnx.fallback import TargetNotMet, quantize_to_target
 
 
 @pytest.fixture
@@ -34,12 +36,45 @@ def test_the_sensitive_node_is_kept_and_the_target_holds(tmp_path, outlier_chain
     assert check.rows[-1].ratio_to_fp16 >= 0.999
 
 
-def test_an_unreachable_target_writes_the_closest_and_says_so(tmp_path, outlier_chain):
+def test_an_unreachable_target_writes_nothing_and_names_the_best(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
-    result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=99.9, max_float_nodes=0)
-    assert not result.met and list(result.tried) == [0] and result.kept_in_float == []
-    assert "NOT met" in result.summary()
-    assert (tmp_path / "q.onnx").exists()
+    out = tmp_path / "q.onnx"
+    with pytest.raises(TargetNotMet, match=r"not met .* the best was \d+\.\d\d% of FP16 with 0 in float") as caught:
+        quantize_to_target(path, out, calib, eval_data, target=99.9, max_float_nodes=0, report=tmp_path / "r.json")
+    result = caught.value.result
+    assert not result.met and list(result.tried) == [0] and result.report is None
+    assert result.tried[0] < 0.999 and "NOT met (nothing written)" in result.summary()
+    assert not out.exists() and not (tmp_path / "r.json").exists()
+
+
+def test_cli_unreachable_target_exits_2_with_the_best_metric(tmp_path, outlier_chain):
+    path, calib, eval_data = outlier_chain
+    out = tmp_path / "q.onnx"
+    args = ["quantize", str(path), "--calib", str(calib), "--eval", str(eval_data), "-o", str(out)]
+    r = CliRunner().invoke(main, [*args, "--accuracy-target", "99.9", "--max-float-nodes", "0"])
+    assert r.exit_code == 2 and "the best was" in r.output and "nothing written" in r.output, r.output
+    last = r.output.strip().splitlines()[-1]  # after the progress bars: one sentence
+    assert last.startswith("fp8onnx: error: Accuracy target 99.9% of FP16") and not out.exists()
+    ok = CliRunner().invoke(main, [*args, "--accuracy-target", "99.9"])
+    assert ok.exit_code == 0 and "accuracy target 99.9% of FP16" in ok.output and out.exists(), ok.output
+
+
+def test_the_search_is_deterministic(tmp_path, outlier_chain):
+    path, calib, eval_data = outlier_chain
+    first = quantize_to_target(path, tmp_path / "a.onnx", calib, eval_data, target=99.9, provider="cpu")
+    second = quantize_to_target(path, tmp_path / "b.onnx", calib, eval_data, target=99.9, provider="cpu")
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    assert first.tried == second.tried and first.kept_in_float == second.kept_in_float
+
+
+def test_refinement_orders_by_measured_gain_and_reuses_its_scores(tmp_path, outlier_chain):
+    path, calib, eval_data = outlier_chain
+    result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=99.9, refine=2, provider="cpu")
+    assert result.met and result.kept_in_float == ["second"]
+    # all-FP8 plus one model per refined node; counts 0 and 1 come from those, nothing else is scored
+    assert result.evaluations == 3 and sorted(result.tried) == [0, 1]
+    gains = {n["name"]: n["metric_gain"] for n in result.sensitivity}
+    assert gains["second"] > gains["first"]
 
 
 @pytest.mark.parametrize("target", [0.0, 100.5])

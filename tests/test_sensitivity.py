@@ -106,3 +106,117 @@ def test_dynamic_activations_need_no_calibration_but_data(tmp_path):
     assert len(result.ranked()) == 2
     with pytest.raises(Fp8OnnxError, match="needs data to run on"):
         sensitivity(path, activations="dynamic", provider="cpu")
+
+
+def deep_chain(path, outliers=(0, 3e4, 1e6, 1e4)):
+    """x (positive) -> 4 x [MatMul -> Relu] (the last without Relu). Column 0 of every weight is
+    negative, so channel 0 after each Relu is always 0; the next weight's entry reading it is set to
+    ``outliers[k]``: no effect in float, a per-tensor E4M3 scale that pushes the other weights of
+    node k into subnormals (1e4: a little, 1e6: all of them)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for k, outlier in enumerate(outliers):
+        w = (rng.standard_normal((16, 16)) * 0.25).astype(np.float32)
+        w[:, 0] = -1.0
+        if outlier:
+            w[0, 0] = outlier
+        inits.append(numpy_helper.from_array(w, f"w{k}"))
+        nodes.append(helper.make_node("MatMul", [prev, f"w{k}"], [f"h{k}"], name=f"mm{k}"))
+        prev = f"h{k}"
+        if k < len(outliers) - 1:
+            nodes.append(helper.make_node("Relu", [prev], [f"r{k}"], name=f"relu{k}"))
+            prev = f"r{k}"
+    graph = helper.make_graph(
+        nodes,
+        "deep",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["n", 16])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    x = np.abs(rng.standard_normal((64, 16))).astype(np.float32)
+    np.savez(path.with_suffix(".npz"), x=x)
+    return path, path.with_suffix(".npz"), x
+
+
+def test_the_ranking_agrees_with_leave_one_out(tmp_path):
+    """One instrumented pass ranks the nodes as quantizing each alone (4 models) ranks them by the
+    SQNR of the model's output."""
+    path, data, x = deep_chain(tmp_path / "m.onnx")
+    ranked = [n.name for n in sensitivity(path, data, provider="cpu").ranked()]
+    ref = make_session(path, "cpu").run(None, {"x": x})[0]
+    names = [f"mm{k}" for k in range(4)]
+    alone = {}
+    for name in names:
+        out = tmp_path / f"{name}.onnx"
+        fp8onnx.quantize(path, out, data, exclude=[m for m in names if m != name], provider="cpu")
+        alone[name] = sqnr_db(ref, make_session(out, "cpu").run(None, {"x": x})[0])
+    assert ranked == sorted(names, key=alone.get) == ["mm2", "mm1", "mm3", "mm0"]
+
+
+def test_refinement_scores_the_top_nodes_on_the_end_metric(tmp_path):
+    path, data, _ = deep_chain(tmp_path / "m.onnx")
+    np.savez(tmp_path / "eval.npz", x=np.abs(np.random.default_rng(9).standard_normal((32, 16))).astype(np.float32))
+    result = sensitivity(path, data, eval_data=tmp_path / "eval.npz", refine=2, provider="cpu")
+    assert result.evaluations == 3 and result.metric == "mean cosine to FP32" and result.base_ratio < 0.5
+    refined = [n for n in result.nodes if n.metric_gain is not None]
+    assert sorted(n.name for n in refined) == ["mm1", "mm2"]  # the two lowest SQNR
+    by_name = {n.name: n for n in result.nodes}
+    # mm2 alone wrecks the output: leaving mm1 in float gains nothing while mm2 stays in FP8
+    assert by_name["mm2"].metric_gain > 0.5 and by_name["mm1"].metric_gain == pytest.approx(0, abs=0.02)
+    assert by_name["mm2"].metric_ratio == pytest.approx(result.base_ratio + by_name["mm2"].metric_gain)
+    assert [n.name for n in result.order()] == ["mm2", "mm1", "mm3", "mm0"]
+    assert "gain if float" in result.table() and "3 models evaluated" in result.table()
+    doc = result.to_json()
+    assert doc["order"] == ["mm2", "mm1", "mm3", "mm0"] and doc["evaluations"] == 3
+
+
+def lm(path, vocab=1200, dim=16, tied=True):
+    """ids -> Gather(embedding [vocab, dim]) -> MatMul(w) -> MatMul(lm_head [dim, vocab]) -> logits."""
+    rng = np.random.default_rng(4)
+    emb = rng.standard_normal((vocab, dim)).astype(np.float32)
+    head = emb.T.copy() if tied else rng.standard_normal((dim, vocab)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["emb", "ids"], ["e"], name="embed"),
+            helper.make_node("MatMul", ["e", "w"], ["h"], name="block"),
+            helper.make_node("MatMul", ["h", "head"], ["logits"], name="lm_head"),
+        ],
+        "lm",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab])],
+        [
+            numpy_helper.from_array(emb, "emb"),
+            numpy_helper.from_array(rng.standard_normal((dim, dim)).astype(np.float32), "w"),
+            numpy_helper.from_array(head, "head"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    np.savez(path.with_suffix(".npz"), ids=rng.integers(0, vocab, (4, 8)))
+    return path, path.with_suffix(".npz")
+
+
+def test_a_vocabulary_projection_is_flagged_high_risk(tmp_path):
+    path, data = lm(tmp_path / "lm.onnx")
+    result = sensitivity(path, data, provider="cpu")
+    risks = {n.name: n.risk for n in result.nodes}
+    assert risks["block"] is None and "1200 outputs, the rows of an embedding table" in risks["lm_head"]
+    assert "HIGH RISK" in result.table()
+    fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
+    for model in (path, tmp_path / "q.onnx"):  # float or already quantized: inspect says so too
+        r = CliRunner().invoke(main, ["inspect", str(model)])
+        assert r.exit_code == 0 and "HIGH RISK for FP8: lm_head" in r.output, r.output
+    small, small_data = lm(tmp_path / "small.onnx", vocab=300)  # not vocabulary-sized
+    assert all(n.risk is None for n in sensitivity(small, small_data, provider="cpu").nodes)
+
+
+def test_the_report_has_a_sensitivity_section(tmp_path):
+    path, data = chain(tmp_path / "m.onnx", outlier=True)
+    fp8onnx.quantize(path, tmp_path / "q.onnx", data, report=tmp_path / "r.json", provider="cpu")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    measured = sensitivity(path, data, provider="cpu")
+    assert [n["name"] for n in doc["sensitivity"]] == ["first", "second"]
+    assert [n["sqnr_db"] for n in doc["sensitivity"]] == [n.sqnr_db for n in measured.nodes]
+    fp8onnx.quantize(path, tmp_path / "d.onnx", activations="dynamic", report=tmp_path / "d.json", provider="cpu")
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert "sensitivity" not in doc and "needs calibration data" in doc["sensitivity_not_measured"]

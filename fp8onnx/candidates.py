@@ -1,0 +1,85 @@
+"""Variants of one quantized model that differ only in which nodes stay in float, scored together.
+
+The sensitivity refinement and the accuracy-target search both ask the same question many times:
+what is the headline metric (relative to FP16's) when these nodes are left in float? Every variant
+is quantized with the same statistics (no new calibration) into a private temporary folder, and a
+round of variants is evaluated in one ``compare`` run, so the FP32 and FP16 references run once per
+round, not once per variant. Results are cached: a variant is never quantized or evaluated twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import tempfile
+
+from .calibration import Stats
+from .compare import compare
+from .config import QuantizeConfig
+from .errors import Fp8OnnxError
+from .quantize import quantize
+from .runtime import RunOptions
+
+__all__ = ["Candidates"]
+
+logger = logging.getLogger(__name__)
+
+
+class Candidates:
+    """``with Candidates(model, config, stats, eval_data, run) as c: c.ratios([(), ("lm_head",)])``
+
+    requires: ``stats`` are the statistics ``config`` needs (None for dynamic activations);
+    ensures: ``ratios`` returns, per variant, its headline metric / FP16's (None where there is no
+    FP16 baseline) and counts each distinct variant once in ``evaluated``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        config: QuantizeConfig,
+        stats: Stats | None,
+        eval_data,
+        run: RunOptions,
+    ):
+        self.model, self.config, self.stats, self.eval_data, self.run = model, config, stats, eval_data, run
+        self.metric = ""
+        self.evaluated = 0  # distinct variants quantized and evaluated
+        self.rounds = 0  # compare runs
+        self._cache: dict[frozenset[str], float | None] = {}
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> Candidates:
+        self._tmp = tempfile.TemporaryDirectory(prefix="fp8onnx-candidates-")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tmp.cleanup()
+
+    def config_keeping(self, keep) -> QuantizeConfig:
+        return dataclasses.replace(self.config, keep_float=tuple(keep))
+
+    def ratios(self, keeps: list[tuple[str, ...]]) -> list[float | None]:
+        """Headline metric relative to FP16's for each variant (nodes kept in float)."""
+        todo = list(dict.fromkeys(frozenset(k) for k in keeps if frozenset(k) not in self._cache))
+        if todo:
+            quiet = RunOptions.of(self.run, progress=False)
+            paths = []
+            for keep in todo:
+                path = pathlib.Path(self._tmp.name) / f"variant{self.evaluated + len(paths)}.onnx"
+                quantize(self.model, path, config=self.config_keeping(sorted(keep)), stats=self.stats, run=quiet)
+                paths.append(path)
+            result = compare(self.model, paths, self.eval_data, run=self.run)
+            by_name = {r.name: r for r in result.rows}
+            for keep, path in zip(todo, paths):
+                row = by_name[path.name]
+                self._cache[keep] = row.ratio_to_fp16
+                self.metric = row.headline
+                path.unlink()
+            self.evaluated += len(todo)
+            self.rounds += 1
+            logger.info("evaluated %d variants (%d so far, %d rounds)", len(todo), self.evaluated, self.rounds)
+            if all(self._cache[k] is None for k in todo):
+                raise Fp8OnnxError(f"No FP16 baseline to measure against: {'; '.join(result.notes)}")
+        return [self._cache[frozenset(k)] for k in keeps]
