@@ -43,7 +43,10 @@ def test_study_ranks_every_configuration(tmp_path):
     assert by_label["e3m4 amax"].emulated and not by_label["e4m3fn amax"].emulated
     assert by_label["e4m3fn amax"].value > 0.99
     fallback = [r for r in result.rows if r.group == "fallback"]  # searched on half the data
-    assert sorted(r.label.split(" (")[0] for r in fallback) == ["e4m3fn amax fallback 99%", "e4m3fn amax fallback 99.5%"]
+    assert sorted(r.label.split(" (")[0] for r in fallback) == [
+        "e4m3fn amax fallback 99%",
+        "e4m3fn amax fallback 99.5%",
+    ]
     assert all(r.ratio_to_fp16 >= 0.99 for r in fallback)
     # far too small a constant scale saturates everything: the paper's window has edges
     smallest = min((r for r in result.rows if r.group == "constant"), key=lambda r: r.config["scale"])
