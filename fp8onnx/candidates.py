@@ -3,8 +3,9 @@
 The sensitivity refinement and the accuracy-target search both ask the same question many times:
 what is the headline metric (relative to FP16's) when these nodes are left in float? Every variant
 is quantized with the same statistics (no new calibration) into a private temporary folder, and a
-round of variants is evaluated in one ``compare`` run, so the FP32 and FP16 references run once per
-round, not once per variant. Results are cached: a variant is never quantized or evaluated twice.
+round of variants is evaluated in one ``compare`` run, so the FP32 reference runs once per round,
+not once per variant, and the FP16 baseline only in the first round (its headline value is kept).
+Results are cached: a variant is never quantized or evaluated twice.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Candidates:
         self.evaluated = 0  # distinct variants quantized and evaluated
         self.rounds = 0  # compare runs
         self._cache: dict[frozenset[str], float | None] = {}
+        self._fp16: float | None = None  # FP16's headline value, from the first round
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> Candidates:
@@ -70,11 +72,15 @@ class Candidates:
                 path = pathlib.Path(self._tmp.name) / f"variant{self.evaluated + len(paths)}.onnx"
                 quantize(self.model, path, config=self.config_keeping(sorted(keep)), stats=self.stats, run=quiet)
                 paths.append(path)
-            result = compare(self.model, paths, self.eval_data, run=self.run)
+            first = self.rounds == 0
+            result = compare(self.model, paths, self.eval_data, fp16=first, run=self.run)
             by_name = {r.name: r for r in result.rows}
+            if first and "FP16" in by_name:
+                self._fp16 = by_name["FP16"].value
             for keep, path in zip(todo, paths):
                 row = by_name[path.name]
-                self._cache[keep] = row.ratio_to_fp16
+                ok = self._fp16 and row.value is not None
+                self._cache[keep] = row.ratio_to_fp16 if first else (row.value / self._fp16 if ok else None)
                 self.metric = row.headline
                 path.unlink()
             self.evaluated += len(todo)

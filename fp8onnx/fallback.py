@@ -3,8 +3,9 @@ metric on held-out data is at least ``target`` percent of the FP16 model's.
 
 The order comes from :mod:`fp8onnx.sensitivity` (one pass, SQNR per node; with ``refine`` > 0 the
 lowest-SQNR nodes are re-ordered by their measured end-metric gain), the statistics from that same
-calibration. Candidates keeping the first 0, 1, 2, 4 nodes in float are scored in one ``compare``
-run, then 8, 16, ... up to the budget in a second one if none passed
+calibration. The all-FP8 model is scored first; if it misses the target, candidates keeping the
+first 1, 2, 4 nodes in float are scored in one ``compare`` run, then 8, 16, ... up to the budget in
+another if none passed
 (:class:`fp8onnx.candidates.Candidates`); the smallest count that meets the target is narrowed
 down between the last failing and the first passing count. If no count within the budget meets
 the target, nothing is written: :class:`TargetNotMet` carries what was tried.
@@ -81,13 +82,14 @@ class TargetNotMet(Fp8OnnxError):
 
 
 def _rounds(limit: int) -> list[list[int]]:
-    """Counts of nodes kept in float, scored round by round: 0, 1, 2, 4; then 8, 16, ... and ``limit``."""
+    """Counts of nodes kept in float, scored round by round: 0 (often enough); 1, 2, 4; then 8, 16,
+    ... and ``limit``."""
     counts, k = [0], 1
     while k < limit:
         counts.append(k)
         k *= 2
     counts = sorted(set(counts + [limit]))
-    return [c for c in [[k for k in counts if k <= 4], [k for k in counts if k > 4]] if c]
+    return [c for c in [[0], [k for k in counts if 0 < k <= 4], [k for k in counts if k > 4]] if c]
 
 
 def search(sens: SensitivityResult, candidates: Candidates, target: float, limit: int):

@@ -93,3 +93,21 @@ def test_the_report_says_how_the_target_was_met(tmp_path, outlier_chain):
     assert doc["accuracy_target"]["kept_in_float"] == ["second"] and doc["accuracy_target"]["met"] is True
     assert [n["name"] for n in doc["sensitivity"]] == ["first", "second"]
     assert doc["sensitivity"][1]["rank"] == 1 and doc["nodes"][0]["name"] == "first"
+
+
+def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path, outlier_chain):
+    from fp8onnx.candidates import Candidates
+    from fp8onnx.config import QuantizeConfig
+    from fp8onnx.runtime import RunOptions
+
+    path, calib, eval_data = outlier_chain
+    stats = fp8onnx.calibrate(path, calib, provider="cpu")
+    config = QuantizeConfig()
+    with Candidates(path, config, stats, eval_data, RunOptions(provider="cpu")) as candidates:
+        (all_fp8,) = candidates.ratios([()])
+        (kept,) = candidates.ratios([("second",)])  # the second round: compare without FP16
+        assert candidates.ratios([(), ("second",)]) == [all_fp8, kept] and candidates.evaluated == 2
+        assert candidates.rounds == 2
+    fp8onnx.quantize(path, tmp_path / "k.onnx", config=candidates.config_keeping(["second"]), stats=stats)
+    fresh = fp8onnx.compare(path, [tmp_path / "k.onnx"], eval_data, provider="cpu").rows[-1].ratio_to_fp16
+    assert kept == fresh and all_fp8 < 0.999 <= kept
