@@ -111,3 +111,20 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     fp8onnx.quantize(path, tmp_path / "k.onnx", config=candidates.config_keeping(["second"]), stats=stats)
     fresh = fp8onnx.compare(path, [tmp_path / "k.onnx"], eval_data, provider="cpu").rows[-1].ratio_to_fp16
     assert kept == fresh and all_fp8 < 0.999 <= kept
+
+
+def test_a_count_that_passes_only_by_noise_is_not_chosen():
+    """The metric is not monotone in the number of float nodes: 1 passes, 2 and 4 fail. The search
+    goes on to 8, narrows down to 5-7, and keeps the smallest count from which every larger one passes."""
+    from types import SimpleNamespace
+
+    from fp8onnx.fallback import search
+
+    ratios = {0: 0.90, 1: 0.999, 2: 0.98, 4: 0.99, 5: 0.992, 6: 0.996, 7: 0.997, 8: 1.0}
+    sens = SimpleNamespace(
+        base_ratio=None, metric="", order=lambda: [SimpleNamespace(name=f"n{i}", metric_gain=None) for i in range(8)]
+    )
+    candidates = SimpleNamespace(metric="m", ratios=lambda keeps: [ratios[len(k)] for k in keeps])
+    tried, chosen = search(sens, candidates, 99.5, 8)
+    assert chosen == 6 and sorted(tried) == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert search(sens, candidates, 99.5, 4)[1] is None  # within 4 nothing passes steadily
