@@ -50,11 +50,26 @@ def assign_scales(decisions: list[Decision], model: ir.Model, config: QuantizeCo
                 continue
             if kind == "weight":
                 quant[value.name], amax[value.name] = weight_quant(d.node, index, value, config)
+            elif config.activations == "dynamic-per-token" and _per_token(value):
+                quant[value.name], amax[value.name] = TensorQuant(config.activation_format, None, axis=-1), None
             else:
                 visible = in_main_graph(value, model)
                 quant[value.name] = activation_quant(value.name, calibration, config, visible)
                 amax[value.name] = None if calibration is None else calibration.amax.get(value.name)
     return quant, amax
+
+
+def _per_token(value: ir.Value) -> bool:
+    """Whether every MatMul/Gemm reading ``value`` reduces over its last axis (MatMul input A, Gemm
+    input A without transA), so that one scale per row of ``value`` is one scale per output row.
+    Others (Conv inputs, MatMul B inputs, transposed Gemm) get one dynamic scale per tensor."""
+    uses = [(u.node, u.idx) for u in value.uses()]
+    return bool(uses) and all(
+        (node.op_type == "MatMul" and idx == 0)
+        or (node.op_type == "Gemm" and idx == 0 and not node.attributes.get_int("transA", 0))
+        or node.op_type not in ("MatMul", "Gemm", "Conv", "ConvTranspose")
+        for node, idx in uses
+    )
 
 
 def check_calibration_source(calib, stats) -> None:
@@ -66,9 +81,12 @@ def check_calibration_source(calib, stats) -> None:
 def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Stats | None:
     """Calibration statistics for static activation scales, or None when none are needed."""
     check_calibration_source(calib, stats)
-    if config.activations == "dynamic":
+    if config.activations.dynamic or config.activations == "none":
         if stats is not None or calib is not None:
-            raise Fp8OnnxError("--activations dynamic needs no calibration; drop --calib/--stats (they contradict it).")
+            raise Fp8OnnxError(
+                f"--activations {config.activations.value} needs no calibration; drop --calib/--stats (they "
+                "contradict it)."
+            )
         return None
     if not names or config.scaling is Scaling.CONSTANT:
         return None
@@ -106,7 +124,7 @@ def describe_source(source, what: str = "statistics") -> str:
 
 def activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:
     fmt = config.activation_format
-    if config.activations == "dynamic" or (not visible and config.scaling is not Scaling.CONSTANT):
+    if config.activations.dynamic or (not visible and config.scaling is not Scaling.CONSTANT):
         return TensorQuant(fmt, None)
     if config.scaling is Scaling.CONSTANT:
         return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))

@@ -234,7 +234,8 @@ _per_channel_option = click.option(
     type=click.Choice(ACTIVATION_MODES),
     default="static",
     show_default=True,
-    help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration).",
+    help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration); "
+    "dynamic-per-token: one in-graph scale per row, with per-channel weights; none: weight-only FP8.",
 )
 @_per_channel_option
 @_precision_option
@@ -322,6 +323,8 @@ def quantize(
       fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx
       fp8onnx quantize model.onnx --scaling constant --scale 0.05 -o model.cscale.onnx
       fp8onnx quantize model.onnx --activations dynamic --per-channel -o model.dyn.onnx
+      fp8onnx quantize llm.onnx --activations dynamic-per-token -o llm.fp8-dynamic.onnx
+      fp8onnx quantize model.onnx --activations none -o model.w8.onnx  # weight-only
       fp8onnx quantize model.onnx --calib calib.npz --weight-format e4m3fn --activation-format e5m2 -o mixed.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx

@@ -30,10 +30,20 @@ DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 
 class Activations(str, enum.Enum):
-    """static: calibrated scales; dynamic: each batch's amax computed in the graph."""
+    """static: calibrated scales; dynamic: each batch's amax computed in the graph;
+    dynamic-per-token: one scale per row (token) of the activation, its amax over the reduction
+    axis, computed in the graph, with per-channel weights (the FP8-dynamic recipe); none: weights
+    only (float8 weights + DequantizeLinear, activations stay in float)."""
 
     STATIC = "static"
     DYNAMIC = "dynamic"
+    DYNAMIC_PER_TOKEN = "dynamic-per-token"
+    NONE = "none"
+
+    @property
+    def dynamic(self) -> bool:
+        """Scales computed in the graph at run time: no calibration."""
+        return self in (Activations.DYNAMIC, Activations.DYNAMIC_PER_TOKEN)
 
 
 class Precision(str, enum.Enum):
@@ -111,16 +121,17 @@ class QuantizeConfig:
                 self.weight_format != self.activation_format
             ):
                 raise Fp8OnnxError("--target tensorrt takes e4m3fn only (TensorRT's FP8 format).")
-            if self.activations == "dynamic" or self.native_gemm:
+            if self.activations.dynamic or self.native_gemm:
                 raise Fp8OnnxError(
-                    "--target tensorrt needs constant scales and standard Q/DQ: drop --activations dynamic and "
-                    "--native-gemm."
+                    f"--target tensorrt needs constant scales and standard Q/DQ: drop --activations "
+                    f"{self.activations.value} and --native-gemm."
                 )
         if self.scaling is Scaling.CONSTANT:
             amax_to_scale(1.0, self.weight_format, self.scaling, constant=self.scale)  # validates --scale
-            if self.activations == "dynamic":
+            if self.activations.dynamic:
                 raise Fp8OnnxError(
-                    "--scaling constant contradicts --activations dynamic (one fixed scale vs one per batch)."
+                    f"--scaling constant contradicts --activations {self.activations.value} (one fixed scale vs "
+                    "one per batch)."
                 )
             if self.per_channel:
                 raise Fp8OnnxError("--scaling constant contradicts --per-channel (one scale for every tensor).")
@@ -135,18 +146,18 @@ class QuantizeConfig:
             if self.scaling is not Scaling.PERCENTILE:
                 raise Fp8OnnxError("--percentile only applies to --scaling percentile.")
             check_percentile(self.percentile)
-        if self.activations == "dynamic" and self.scaling not in (Scaling.AMAX,):
+        if self.activations.dynamic and self.scaling not in (Scaling.AMAX,):
             raise Fp8OnnxError(
-                f"--activations dynamic computes each batch's amax in the graph; --scaling {self.scaling.value} "
-                "needs calibration (use --scaling amax or --activations static)."
+                f"--activations {self.activations.value} computes each batch's amax in the graph; --scaling "
+                f"{self.scaling.value} needs calibration (use --scaling amax or --activations static)."
             )
 
     def weight_per_channel(self, op_type: str) -> bool:
         """Whether ``op_type``'s weights get one scale per output channel: always with --per-channel,
         never with --per-tensor, by default for Conv/ConvTranspose only (what every peer does: a
         convolution's filters differ in range far more than a MatMul's columns)."""
-        if self.per_channel is None:
-            return op_type in PER_CHANNEL_BY_DEFAULT
+        if self.per_channel is None:  # per-token activations pair with per-channel weights (FP8-dynamic)
+            return op_type in PER_CHANNEL_BY_DEFAULT or self.activations == Activations.DYNAMIC_PER_TOKEN
         return self.per_channel
 
     @property
@@ -157,6 +168,8 @@ class QuantizeConfig:
         if self.per_channel is not None:
             return self.per_channel
         # The default is "conv" only where it makes a difference: MatMul-only outputs are unchanged.
+        if self.activations == Activations.DYNAMIC_PER_TOKEN:
+            return True
         return "conv" if any(t in PER_CHANNEL_BY_DEFAULT for t in self.op_types) else False
 
     def to_json(self) -> dict:

@@ -180,7 +180,7 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    if config.activations == "dynamic":  # the scales need no calibration; sensitivity still runs on calib
+    if config.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
         sens = sensitivity(model, None, calib, config=config, eval_data=eval_data, refine=refine, run=run)
     else:
         sens = sensitivity(model, calib, config=config, eval_data=eval_data, refine=refine, run=run)

@@ -55,6 +55,11 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
         if value.is_initializer() and value.is_graph_input():
             return Decision(node, [], f"weight {value.name!r} is also a graph input and can be overridden at run time")
         inputs.append((index, "weight" if _is_weight(value) else "activation"))
+    if config.activations == "none":  # weight-only FP8
+        inputs = [(i, kind) for i, kind in inputs if kind == "weight"]
+        if not inputs:
+            return Decision(node, [], "no constant weight (--activations none quantizes weights only)")
+        return Decision(node, inputs)
     if all(kind == "activation" for _, kind in inputs) and not config.activation_matmuls:
         return Decision(
             node, [], "both inputs are activations (e.g. attention scores); opt in with --activation-matmuls"

@@ -164,7 +164,7 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
     with the scales just used (one more pass over the calibration data); or why it was not measured."""
     if not modified:
         why = "nothing was quantized"
-    elif config.activations == "dynamic" or as_path(calib) is None:
+    elif config.activations != "static" or as_path(calib) is None:
         why = "it needs calibration data read from a file (run `fp8onnx sensitivity MODEL --data DATA`)"
     elif layer_by_layer:
         why = "the model is calibrated layer by layer (its weights exceed --weight-memory)"

@@ -21,8 +21,13 @@ def describe_config(cfg: dict) -> str:
     elif scaling == "percentile":
         scaling += f" {cfg['percentile']:g}"
     how += f", {scaling} scaling"
-    if cfg.get("activations") == "dynamic":
+    activations = cfg.get("activations")
+    if activations == "dynamic":
         how += ", dynamic activations"
+    elif activations == "dynamic-per-token":
+        how += ", dynamic per-token activations"
+    elif activations == "none":
+        how += ", weight-only (activations in float)"
     if cfg.get("per_channel") == "conv":
         how += ", per-channel Conv weights"
     elif cfg.get("per_channel"):

@@ -6,7 +6,8 @@ is then evaluated in one ``compare`` pass over the data (the FP32 reference runs
 * formats E4M3FN / E5M2 / E3M4 (emulated), amax scaling - the PTQ paper's format comparison;
 * scaling amax / pow2 / percentile / mse, and ``constant`` over a sweep of powers of two across the
   range the calibration saw - the FP8 LLM paper's FP8-AMAX versus FP8-CSCALE comparison;
-* static versus dynamic activation scales; per-tensor versus per-channel weight scales;
+* static versus dynamic (per tensor, per token) activation scales, and weight-only FP8; per-tensor
+  versus per-channel weight scales;
 * the accuracy-target fallback to 99.5% and 99% of FP16 (:mod:`fp8onnx.fallback`), searched on the
   first half of the evaluation batches (the calibration data rarely has the labels that make the
   headline metric) and reported, like every row, on all of them.
@@ -51,7 +52,11 @@ def study_configs(constant_scales: list[float]) -> list[tuple[str, str, Quantize
         for f in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4)
     ]
     configs += [(f"e4m3fn {s}", "scaling", QuantizeConfig(scaling=s)) for s in ("pow2", "percentile", "mse")]
-    configs += [("e4m3fn amax dynamic", "activations", QuantizeConfig(activations="dynamic"))]
+    configs += [
+        ("e4m3fn amax dynamic", "activations", QuantizeConfig(activations="dynamic")),
+        ("e4m3fn dynamic per-token", "activations", QuantizeConfig(activations="dynamic-per-token")),
+        ("e4m3fn weight-only", "activations", QuantizeConfig(activations="none")),
+    ]
     configs += [("e4m3fn amax per-channel", "weights", QuantizeConfig(per_channel=True))]
     configs += [
         (f"e4m3fn constant 2^{int(math.log2(s))}", "constant", QuantizeConfig(scaling="constant", scale=s))

@@ -52,7 +52,8 @@ class TensorQuant:
     """How one tensor is quantized.
 
     ``scale``: a float (per tensor), a 1-D array (per channel along ``axis``, weights only), or
-    None for a dynamic scale computed in the graph (activations only).
+    None for a dynamic scale computed in the graph (activations only): per tensor, or with
+    ``axis=-1`` one per row (token), the amax over the last axis.
     """
 
     format: Fp8Format
@@ -138,30 +139,29 @@ def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format,
     return b.cast(y, x.dtype, f"{prefix}/emulated")
 
 
-def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.Value:
+def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False) -> ir.Value:
     f32 = lambda v: np.array(v, np.float32)  # noqa: E731
-    amax = b.op(
-        "ReduceMax",
-        [b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)],
-        f"{prefix}/amax",
-        x.dtype,
-        ir.Shape([]),
-        keepdims=0,
-    )
+    abs_x = b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)
+    if per_token:  # [..., K] -> [..., 1]: one scale per row
+        last = b.const("const/axes_last", np.array([-1], np.int64))
+        amax = b.op("ReduceMax", [abs_x, last], f"{prefix}/amax", x.dtype, None, keepdims=1)
+    else:
+        amax = b.op("ReduceMax", [abs_x], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
+    shape = amax.shape
     s = b.op(
         "Mul",
         [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
         f"{prefix}/raw_scale",
         _F32,
-        ir.Shape([]),
+        shape,
     )
-    is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, ir.Shape([]))
+    is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, shape)
     s = b.op(
         "Where",
         [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(amax_to_scale(SAFE_AMAX, fmt)))],
         f"{prefix}/finite_scale",
         _F32,
-        ir.Shape([]),
+        shape,
     )
     lo, hi = _scale_range(x.dtype)
     same = x.dtype == _F32
@@ -170,7 +170,7 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str) -> ir.
         [s, b.const(f"const/scale_min/{x.dtype.name}", f32(lo)), b.const(f"const/scale_max/{x.dtype.name}", f32(hi))],
         f"{prefix}/scale" if same else f"{prefix}/scale_f32",
         _F32,
-        ir.Shape([]),
+        shape,
     )
     return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
 
@@ -289,12 +289,29 @@ class InsertQDQPass(ir.passes.InPlacePass):
 
     def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         name = value.name
+        per_token = tq.scale is None and tq.axis is not None
         if tq.scale is None:
-            scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic")
+            scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic", per_token=per_token)
         else:
             scale = b.const(f"{name}/scale", scale_array(tq.scale, value.dtype))
         if not tq.format.deployable:
             return emulated_rounding(b, value, scale, tq.format, f"{name}/{tq.format.value}")
+        if per_token:
+            # Per-row scales are not a per-axis Q/DQ; blocked QuantizeLinear would be (it runs on ORT
+            # 1.32's CPU EP), but its float8 support on the CUDA EP is unverified. Div, Cast(saturate)
+            # and Mul compute exactly QuantizeLinear/DequantizeLinear's values and run on both EPs.
+            scaled = b.op("Div", [value, scale], f"{name}/per_token_scaled", value.dtype, value.shape)
+            q = b.op(
+                "Cast",
+                [scaled],
+                f"{name}/per_token_fp8",
+                tq.format.ir_type,
+                value.shape,
+                to=int(tq.format.onnx_type),
+                saturate=1,
+            )
+            back = b.cast(q, value.dtype, f"{name}/per_token_float")
+            return b.op("Mul", [back, scale], f"{name}/dequantized", value.dtype, value.shape)
         q = b.op(
             "QuantizeLinear",
             [value, scale],

@@ -323,7 +323,11 @@ def test_recipe_choices_are_enums_that_read_as_their_names():
     assert cfg.precision is Precision.FP16
     assert json.loads(json.dumps(cfg.to_json()))["activations"] == "dynamic"
     for field, bad, message in [
-        ("activations", "sometimes", "Unknown --activations 'sometimes'; choose one of static, dynamic."),
+        (
+            "activations",
+            "sometimes",
+            "Unknown --activations 'sometimes'; choose one of static, dynamic, dynamic-per-token, none.",
+        ),
         ("precision", "fp8", "Unknown --precision 'fp8'; choose one of model, fp16."),
         ("target", "coreml", "Unknown --target 'coreml'; choose one of onnxruntime, tensorrt."),
     ]:

@@ -95,6 +95,13 @@ def model(tmp_path_factory):
     return t
 
 
+def _default_signals() -> None:
+    """The child starts as from an interactive shell. Under nohup or as a background job, SIGHUP or
+    SIGINT arrive ignored, and fp8onnx (rightly) keeps ignoring what its parent ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _run(phase: str, sig: signal.Signals, model_dir, tmp_path):
     setup, args = PHASES[phase]
     src = model_dir / ("ext" if "external" in phase else "") / "m.onnx"
@@ -111,7 +118,14 @@ def _run(phase: str, sig: signal.Signals, model_dir, tmp_path):
     # onnxruntime itself keeps a session-id file (.ses) in TMPDIR: what it leaves on import is not ours.
     subprocess.run([sys.executable, "-c", "import onnxruntime"], env=env, check=True)
     before = sorted(spill_dir.iterdir())
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        preexec_fn=_default_signals,
+    )
     return proc, out, before, spill_dir
 
 

@@ -28,7 +28,8 @@ def test_configs_cover_the_papers_grid():
     assert groups["format"] == ["e4m3fn amax", "e5m2 amax", "e3m4 amax"]
     assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn percentile", "e4m3fn mse"]
     assert groups["constant"] == ["e4m3fn constant 2^-4", "e4m3fn constant 2^-2"]
-    assert groups["activations"] == ["e4m3fn amax dynamic"] and groups["weights"] == ["e4m3fn amax per-channel"]
+    assert groups["activations"] == ["e4m3fn amax dynamic", "e4m3fn dynamic per-token", "e4m3fn weight-only"]
+    assert groups["weights"] == ["e4m3fn amax per-channel"]
 
 
 def test_study_ranks_every_configuration(tmp_path):

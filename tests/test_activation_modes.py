@@ -1,0 +1,142 @@
+"""--activations dynamic-per-token (one in-graph scale per row) and none (weight-only FP8)."""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format
+
+from helpers import run_ort, run_reference, sqnr_db, sqnr_floor_db
+
+FMAX = np.float32(448.0)
+
+
+def matmul(path, w, shape=("b", "s", 16)):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*shape[:-1], w.shape[1]])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+def tokens(rng, magnitudes=(1.0, 100.0, 0.01, 0.0, 5.0, 3e4)):
+    """[2, 6, 16] rows whose magnitudes differ by up to 1e6, and an all-zero row."""
+    return (rng.standard_normal((2, len(magnitudes), 16)) * np.array(magnitudes)[None, :, None]).astype(np.float32)
+
+
+def per_token_reference(x: np.ndarray) -> np.ndarray:
+    """NumPy: scale = max(amax_row * (1/448), tiny) in float32; x/scale cast to E4M3 (saturating), times scale."""
+    scale = np.abs(x).max(-1, keepdims=True) * np.float32(1 / FMAX)
+    scale = np.clip(scale, np.finfo(np.float32).tiny, None).astype(np.float32)
+    return (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+
+
+def test_per_token_activations_match_numpy_bit_for_bit(tmp_path):
+    """With an identity weight (exact in E4M3 per channel), the output is the quantized activation itself."""
+    rng = np.random.default_rng(0)
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic-per-token", provider="cpu")
+    assert "dynamic per-token activations, per-channel weights" in report.summary()
+    x = tokens(rng)
+    want = per_token_reference(x)
+    for run in (run_ort, run_reference):
+        got = run(tmp_path / "q.onnx", {"x": x})[0]
+        assert np.array_equal(got, want), np.abs(got - want).max()
+    ops = [n.op_type for n in onnx.load(tmp_path / "q.onnx").graph.node]
+    assert "QuantizeLinear" not in ops and ops.count("Cast") == 2 and "ReduceMax" in ops
+
+
+def test_per_token_beats_per_tensor_on_rows_of_different_magnitude(tmp_path):
+    rng = np.random.default_rng(1)
+    path = matmul(tmp_path / "m.onnx", rng.standard_normal((16, 8)).astype(np.float32))
+    x = tokens(rng)
+    ref = run_ort(path, {"x": x})[0]
+    got = {}
+    for mode in ("dynamic", "dynamic-per-token"):
+        fp8onnx.quantize(path, tmp_path / f"{mode}.onnx", activations=mode, provider="cpu")
+        got[mode] = run_ort(tmp_path / f"{mode}.onnx", {"x": x})[0]
+    small = slice(0, 3)  # the rows of magnitude 1, 100 and 0.01: per tensor, 0.01 is flushed by the 3e4 row
+    row_small = [sqnr_db(ref[:, 2], got[m][:, 2]) for m in ("dynamic", "dynamic-per-token")]
+    assert row_small[1] > sqnr_floor_db(Fp8Format.E4M3FN, 2) and row_small[1] > row_small[0] + 10
+    assert sqnr_db(ref[:, small], got["dynamic-per-token"][:, small]) > sqnr_floor_db(Fp8Format.E4M3FN, 2)
+
+
+def test_per_token_only_where_the_rows_are_the_reduction_rows(tmp_path):
+    """Gemm with transA reduces over axis 0: that input gets one dynamic scale per tensor instead."""
+    rng = np.random.default_rng(2)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], name="gemm", transA=1)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    report = fp8onnx.quantize(tmp_path / "m.onnx", tmp_path / "q.onnx", activations="dynamic-per-token")
+    x_report = next(t for n in report.quantized for t in n.tensors if t.name == "x")
+    assert x_report.axis is None
+    assert "QuantizeLinear" in [n.op_type for n in onnx.load(tmp_path / "q.onnx").graph.node]
+    x = rng.standard_normal((16, 5)).astype(np.float32)
+    ref = run_ort(tmp_path / "m.onnx", {"x": x})[0]
+    assert sqnr_db(ref, run_ort(tmp_path / "q.onnx", {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 2)
+
+
+def test_weight_only_has_no_activation_qdq(tmp_path):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    path = matmul(tmp_path / "m.onnx", w)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="none", provider="cpu")
+    assert "weight-only" in report.summary() and report.calibration is None
+    assert [t.kind for n in report.quantized for t in n.tensors] == ["weight"]
+    q = onnx.load(tmp_path / "q.onnx")
+    assert [n.op_type for n in q.graph.node] == ["DequantizeLinear", "MatMul"]
+    x = tokens(rng)
+    ref = run_ort(path, {"x": x})[0]
+    for run in (run_ort, run_reference):
+        got = run(q, {"x": x})[0]
+        assert sqnr_db(ref, got) > sqnr_floor_db(Fp8Format.E4M3FN, 1)
+        wq = (w / (np.abs(w).max() / FMAX)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * (
+            np.abs(w).max() / FMAX
+        )
+        assert np.allclose(got, x @ wq, rtol=1e-5, atol=1e-3)
+
+
+def test_weight_only_leaves_activation_matmuls_alone(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["y"], name="attn")],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 4]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    report = fp8onnx.quantize(
+        tmp_path / "m.onnx", tmp_path / "q.onnx", activations="none", activation_matmuls=True, provider="cpu"
+    )
+    assert not report.quantized and "weights only" in {n.name: n.reason for n in report.skipped}["attn"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"activations": "none", "calib": "d.npz"}, "--activations none needs no calibration"),
+        ({"activations": "dynamic-per-token", "calib": "d.npz"}, "--activations dynamic-per-token needs no"),
+        ({"activations": "dynamic-per-token", "scaling": "percentile"}, "needs calibration (use --scaling amax"),
+        ({"activations": "dynamic-per-token", "target": "tensorrt"}, "drop --activations dynamic-per-token"),
+    ],
+)
+def test_what_the_modes_refuse(tmp_path, options, message):
+    path = matmul(tmp_path / "m.onnx", np.ones((16, 8), np.float32))
+    np.savez(tmp_path / "d.npz", x=np.ones((2, 3, 16), np.float32))
+    calib = tmp_path / options.pop("calib") if "calib" in options else None
+    with pytest.raises(Fp8OnnxError, match=re.escape(message)):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", calib, provider="cpu", **options)
