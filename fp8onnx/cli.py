@@ -27,7 +27,7 @@ from . import inspect as api_inspect
 from . import quantize as api_quantize
 from . import study as run_study
 from .api import inspect_summary
-from .config import ACTIVATION_MODES, DEFAULT_OP_TYPES, PRECISIONS, QuantizeConfig
+from .config import ACTIVATION_MODES, DEFAULT_OP_TYPES, EMBEDDING_MODES, PRECISIONS, QuantizeConfig
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
@@ -256,6 +256,13 @@ _per_channel_option = click.option(
 )
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
+@click.option(
+    "--embeddings",
+    type=click.Choice(EMBEDDING_MODES),
+    default="float",
+    show_default=True,
+    help="fp8: store embedding tables (Gather over a constant table) as float8 codes with per-row scales.",
+)
 @_batch_size_option
 @_weight_memory_option
 @_provider_option
@@ -304,6 +311,7 @@ def quantize(
     op_types,
     exclude,
     activation_matmuls,
+    embeddings,
     batch_size,
     weight_memory,
     provider,
@@ -356,6 +364,7 @@ def quantize(
         op_types=op_types,
         exclude=exclude,
         activation_matmuls=activation_matmuls,
+        embeddings=embeddings,
     )
     t0 = time.perf_counter()
     run = _run_options(batch_size, provider, weight_memory)

@@ -15,6 +15,7 @@ from .targets import TARGETS
 __all__ = [
     "ACTIVATION_MODES",
     "DEFAULT_OP_TYPES",
+    "EMBEDDING_MODES",
     "PRECISIONS",
     "SUPPORTED_OP_TYPES",
     "QuantizeConfig",
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 PER_CHANNEL_BY_DEFAULT = ("Conv", "ConvTranspose")
+EMBEDDING_MODES = ("float", "fp8")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 
@@ -94,6 +96,7 @@ class QuantizeConfig:
     exclude: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
     activation_matmuls: bool = False
+    embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
     precision: Precision | str = Precision.MODEL
     native_gemm: bool = False
     target: Target | str = "onnxruntime"
@@ -114,6 +117,9 @@ class QuantizeConfig:
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
         object.__setattr__(self, "precision", check_precision(self.precision))
+        if self.embeddings not in EMBEDDING_MODES:
+            raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
+
         object.__setattr__(self, "target", _choice(Target, self.target, "--target"))
         object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
         if self.target == "tensorrt":
@@ -192,6 +198,8 @@ class QuantizeConfig:
             "target": self.target.value,
             "emulated": self.emulated,
         }
+        if self.embeddings != "float":  # only then, like keep_float
+            doc["embeddings"] = self.embeddings
         if self.keep_float:  # only then: outputs without it stay byte-identical to earlier versions
             doc["keep_float"] = list(self.keep_float)
         return doc

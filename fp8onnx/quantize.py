@@ -33,6 +33,7 @@ from .model_io import EXTERNAL_META, load_model, save_model, write_text_atomic
 from .passes import (
     InsertQDQPass,
     LowerGemmFloat8Pass,
+    QuantizeEmbeddingsPass,
     ShieldBiasPass,
 )
 from .plan import activation_tensors, candidate_activations, in_main_graph, plan
@@ -113,6 +114,15 @@ def quantize(
         ShieldBiasPass(shielded)(ir_model)
         prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
     modified = InsertQDQPass(targets, quant)(ir_model).modified
+    if config.embeddings == "fp8":
+        embedded = QuantizeEmbeddingsPass(config.weight_format)(ir_model)
+        modified |= embedded.modified
+        if embedded.quantized:
+            prepared.append(
+                f"stored {len(embedded.quantized)} embedding tables as {config.weight_format.value} codes with "
+                f"per-row scales ({', '.join(embedded.quantized[:3])})"
+            )
+        prepared += [f"embedding table {name!r} left in float: {why}" for name, why in embedded.skipped.items()]
     lowering = None
     if modified and config.native_gemm:
         lowering = LowerGemmFloat8Pass()(ir_model)

@@ -58,6 +58,7 @@ def study_configs(constant_scales: list[float]) -> list[tuple[str, str, Quantize
         ("e4m3fn weight-only", "activations", QuantizeConfig(activations="none")),
     ]
     configs += [("e4m3fn amax per-channel", "weights", QuantizeConfig(per_channel=True))]
+    configs += [("e4m3fn amax + fp8 embeddings", "weights", QuantizeConfig(embeddings="fp8"))]
     configs += [
         (f"e4m3fn constant 2^{int(math.log2(s))}", "constant", QuantizeConfig(scaling="constant", scale=s))
         for s in constant_scales

@@ -10,6 +10,7 @@ from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
+from .quantize_embeddings import EmbeddingsResult, QuantizeEmbeddingsPass
 from .shield_bias import ShieldBiasPass, bias_of
 from .upgrade_opset import TARGET_OPSET, UpgradeError, UpgradeOpsetPass, default_opset
 
@@ -21,9 +22,11 @@ __all__ = [
     "VALUE_SUFFIX",
     "AddAmaxOutputsPass",
     "ConvertFloat16Pass",
+    "EmbeddingsResult",
     "FoldWeightTransformsPass",
     "InsertQDQPass",
     "LowerGemmFloat8Pass",
+    "QuantizeEmbeddingsPass",
     "ShieldBiasPass",
     "TensorQuant",
     "UpgradeError",

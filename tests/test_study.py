@@ -29,7 +29,7 @@ def test_configs_cover_the_papers_grid():
     assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn percentile", "e4m3fn mse"]
     assert groups["constant"] == ["e4m3fn constant 2^-4", "e4m3fn constant 2^-2"]
     assert groups["activations"] == ["e4m3fn amax dynamic", "e4m3fn dynamic per-token", "e4m3fn weight-only"]
-    assert groups["weights"] == ["e4m3fn amax per-channel"]
+    assert groups["weights"] == ["e4m3fn amax per-channel", "e4m3fn amax + fp8 embeddings"]
 
 
 def test_study_ranks_every_configuration(tmp_path):
