@@ -97,7 +97,7 @@ def test_weight_only_has_no_activation_qdq(tmp_path):
     path = matmul(tmp_path / "m.onnx", w)
     report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="none", provider="cpu")
     assert "weight-only" in report.summary() and report.calibration is None
-    assert [t.kind for n in report.quantized for t in n.tensors] == ["weight"]
+    assert [(t.kind, t.axis) for n in report.quantized for t in n.tensors] == [("weight", 1)]  # per channel
     q = onnx.load(tmp_path / "q.onnx")
     assert [n.op_type for n in q.graph.node] == ["DequantizeLinear", "MatMul"]
     x = tokens(rng)
@@ -105,9 +105,8 @@ def test_weight_only_has_no_activation_qdq(tmp_path):
     for run in (run_ort, run_reference):
         got = run(q, {"x": x})[0]
         assert sqnr_db(ref, got) > sqnr_floor_db(Fp8Format.E4M3FN, 1)
-        wq = (w / (np.abs(w).max() / FMAX)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * (
-            np.abs(w).max() / FMAX
-        )
+        scale = np.abs(w).max(0) / FMAX
+        wq = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
         assert np.allclose(got, x @ wq, rtol=1e-5, atol=1e-3)
 
 
