@@ -110,7 +110,7 @@ def inspect(model: str | os.PathLike) -> dict:
         if v.const_value is not None:
             by_type[str(v.const_value.dtype)] += v.const_value.nbytes
     meta = m.metadata_props.get("fp8onnx")
-    from .sensitivity import vocabulary_projections
+    from .plan import vocabulary_projections
 
     return {
         "model": str(model),

@@ -257,6 +257,11 @@ _per_channel_option = click.option(
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
+    "--float-vocab",
+    is_flag=True,
+    help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
+)
+@click.option(
     "--embeddings",
     type=click.Choice(EMBEDDING_MODES),
     default="float",
@@ -311,6 +316,7 @@ def quantize(
     op_types,
     exclude,
     activation_matmuls,
+    float_vocab,
     embeddings,
     batch_size,
     weight_memory,
@@ -364,6 +370,7 @@ def quantize(
         op_types=op_types,
         exclude=exclude,
         activation_matmuls=activation_matmuls,
+        float_vocab=float_vocab,
         embeddings=embeddings,
     )
     t0 = time.perf_counter()

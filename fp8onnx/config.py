@@ -101,6 +101,7 @@ class QuantizeConfig:
     exclude: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
     activation_matmuls: bool = False
+    float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
     precision: Precision | str = Precision.MODEL
     native_gemm: bool = False
@@ -203,6 +204,8 @@ class QuantizeConfig:
             "target": self.target.value,
             "emulated": self.emulated,
         }
+        if self.float_vocab:  # only then, like keep_float
+            doc["float_vocab"] = True
         if self.embeddings != "float":  # only then, like keep_float
             doc["embeddings"] = self.embeddings
         if self.keep_float:  # only then: outputs without it stay byte-identical to earlier versions

@@ -17,7 +17,15 @@ from .passes import (
 )
 from .report import NodeReport
 
-__all__ = ["Decision", "activation_tensors", "candidate_activations", "in_main_graph", "plan"]
+__all__ = [
+    "VOCAB_SIZE",
+    "Decision",
+    "activation_tensors",
+    "candidate_activations",
+    "in_main_graph",
+    "plan",
+    "vocabulary_projections",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,11 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
 def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[NodeReport]]:
     """Per MatMul/Gemm of the model: the inputs to quantize, or why it is left alone."""
     decisions, skipped = [], []
+    vocab_nodes = {}
+    if config.float_vocab:
+        candidates = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type in ("MatMul", "Gemm")]
+        by_name = {n.name: n for n in candidates}
+        vocab_nodes = {by_name[name]: why for name, why in vocabulary_projections(model, candidates).items()}
     # If/Loop/Scan bodies included: their activations get dynamic scales (see in_main_graph).
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx"):
@@ -81,6 +94,8 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
             skipped.append(NodeReport(node.name, node.op_type, False, reason))
             continue
         decision = _decide(node, config)
+        if not decision.reason and config.float_vocab and node in vocab_nodes:
+            decision = Decision(node, [], f"kept in float: {vocab_nodes[node]} (--float-vocab)")
         if decision.reason:
             skipped.append(NodeReport(node.name, node.op_type, False, decision.reason))
         else:
@@ -117,3 +132,39 @@ def candidate_activations(model: ir.Model) -> list[str]:
     that one statistics file serves any later choice of --op-types, --exclude or --activation-matmuls."""
     config = QuantizeConfig(activation_matmuls=True, op_types=SUPPORTED_OP_TYPES)
     return activation_tensors(plan(model, config)[0], model)
+
+
+VOCAB_SIZE = 16384  # output channels from which a projection counts as vocabulary-sized
+
+
+def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str, str]:
+    """Node name -> why it is a vocabulary-sized projection, for MatMul/Gemm nodes with a constant
+    weight whose output channels match the rows of an embedding table (a Gather over a constant
+    2-D tensor) or number at least ``VOCAB_SIZE``. Weights behind a DequantizeLinear count."""
+    tables = set()
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        table = _constant_2d(node.inputs[0]) if node.op_type == "Gather" and node.inputs else None
+        if table is not None:
+            tables.add(int(table.shape[0]))
+    risks = {}
+    for node in nodes:
+        weight = _constant_2d(node.inputs[1]) if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 else None
+        if weight is None:
+            continue
+        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+        channels = int(weight.shape[0 if transposed else 1])
+        if channels in tables and channels >= 1000:
+            risks[node.name] = f"vocabulary projection ({channels} outputs, the rows of an embedding table)"
+        elif channels >= VOCAB_SIZE:
+            risks[node.name] = f"vocabulary-sized projection ({channels} outputs)"
+    return risks
+
+
+def _constant_2d(value: ir.Value | None) -> ir.Value | None:
+    """``value`` (or the float8 constant its DequantizeLinear reads) when it is a constant 2-D tensor."""
+    producer = value.producer() if value is not None else None
+    if producer is not None and producer.op_type == "DequantizeLinear":
+        value = producer.inputs[0]
+    if value is None or value.const_value is None or value.shape is None or len(value.shape) != 2:
+        return None
+    return value

@@ -39,7 +39,7 @@ from .config import QuantizeConfig
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError
 from .passes import InsertQDQPass
-from .plan import activation_tensors, plan
+from .plan import activation_tensors, plan, vocabulary_projections
 from .prepare import prepare_model
 from .progress import progress_bar
 from .runtime import RunOptions, resolve_provider, session_for_model
@@ -215,42 +215,6 @@ def _refine(result: SensitivityResult, model, config: QuantizeConfig, eval_data,
     for node, ratio in zip(nodes, ratios):
         node.metric_ratio = ratio
         node.metric_gain = None if ratio is None or base is None else ratio - base
-
-
-VOCAB_SIZE = 16384  # output channels from which a projection counts as vocabulary-sized
-
-
-def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str, str]:
-    """Node name -> why it is a vocabulary-sized projection, for MatMul/Gemm nodes with a constant
-    weight whose output channels match the rows of an embedding table (a Gather over a constant
-    2-D tensor) or number at least ``VOCAB_SIZE``. Weights behind a DequantizeLinear count."""
-    tables = set()
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        table = _constant_2d(node.inputs[0]) if node.op_type == "Gather" and node.inputs else None
-        if table is not None:
-            tables.add(int(table.shape[0]))
-    risks = {}
-    for node in nodes:
-        weight = _constant_2d(node.inputs[1]) if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 else None
-        if weight is None:
-            continue
-        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-        channels = int(weight.shape[0 if transposed else 1])
-        if channels in tables and channels >= 1000:
-            risks[node.name] = f"vocabulary projection ({channels} outputs, the rows of an embedding table)"
-        elif channels >= VOCAB_SIZE:
-            risks[node.name] = f"vocabulary-sized projection ({channels} outputs)"
-    return risks
-
-
-def _constant_2d(value: ir.Value | None) -> ir.Value | None:
-    """``value`` (or the float8 constant its DequantizeLinear reads) when it is a constant 2-D tensor."""
-    producer = value.producer() if value is not None else None
-    if producer is not None and producer.op_type == "DequantizeLinear":
-        value = producer.inputs[0]
-    if value is None or value.const_value is None or value.shape is None or len(value.shape) != 2:
-        return None
-    return value
 
 
 def _shadow(node: ir.Node) -> ir.Node:

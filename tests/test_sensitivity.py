@@ -220,3 +220,14 @@ def test_the_report_has_a_sensitivity_section(tmp_path):
     fp8onnx.quantize(path, tmp_path / "d.onnx", activations="dynamic", report=tmp_path / "d.json", provider="cpu")
     doc = json.loads((tmp_path / "d.json").read_text())
     assert "sensitivity" not in doc and "needs calibration data" in doc["sensitivity_not_measured"]
+
+
+def test_float_vocab_leaves_the_vocabulary_projection_in_float(tmp_path):
+    path, data = lm(tmp_path / "lm.onnx")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, float_vocab=True, provider="cpu")
+    assert [n.name for n in report.quantized] == ["block"]
+    assert "vocabulary projection (1200 outputs" in {n.name: n.reason for n in report.skipped}["lm_head"]
+    r = CliRunner().invoke(
+        main, ["quantize", str(path), "--calib", str(data), "--float-vocab", "-o", str(tmp_path / "c.onnx")]
+    )
+    assert r.exit_code == 0 and "quantized 1 of 2 MatMul" in r.output, r.output

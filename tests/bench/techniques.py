@@ -1,0 +1,148 @@
+"""Each accuracy technique of `fp8onnx quantize` against plain amax, on real models, in one run.
+
+Per model: every technique is quantized in its own subprocess (wall time and peak RSS of that
+process), then all outputs are evaluated in one `fp8onnx compare` run (the FP32 reference and the
+FP16 baseline run once). Printed per technique: the headline metric relative to FP16, mean cosine
+and top-1 agreement with FP32, the file size relative to FP32, and quantize time and peak RSS
+relative to plain amax (the same model, the same calibration data). With ``--perplexity`` (models
+whose eval data has next-token ``labels``) also the perplexity of each model.
+
+Usage: python tests/bench/techniques.py NAME:MODEL:CALIB:EVAL [...] [--techniques amax per-token ...]
+       [--exclude-vocab] [--perplexity] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+# label -> quantize options (CLI); "{calib}" is replaced by the calibration data
+TECHNIQUES = {
+    "amax": ["--calib", "{calib}"],
+    "amax per-channel": ["--calib", "{calib}", "--per-channel"],
+    "dynamic": ["--activations", "dynamic"],
+    "per-token": ["--activations", "dynamic-per-token"],
+    "weight-only": ["--activations", "none"],
+    "amax + fp8 embeddings": ["--calib", "{calib}", "--embeddings", "fp8"],
+    "per-token + fp8 embeddings": ["--activations", "dynamic-per-token", "--embeddings", "fp8"],
+}
+
+
+def quantize(model, out, calib, options, exclude) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one `fp8onnx quantize` in its own process."""
+    args = [a.format(calib=calib) for a in options] + [x for name in exclude for x in ("--exclude", name)]
+    code = (
+        "import resource, sys, time\nfrom fp8onnx.cli import main\nt0 = time.perf_counter()\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print('BENCH', time.perf_counter() - t0, rss, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "quantize", str(model), "-o", str(out), *args], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise SystemExit(f"quantize {options} failed: {proc.stderr.strip().splitlines()[-1]}")
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("BENCH"))
+    _, seconds, rss_kib = line.split()
+    return float(seconds), float(rss_kib) / 1024
+
+
+def size(path: pathlib.Path) -> int:
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def bench(name, model, calib, eval_data, techniques, exclude_vocab, want_ppl, tmp) -> list[dict]:
+    import fp8onnx
+    from fp8onnx.prepare import prepare_model
+    from fp8onnx.sensitivity import vocabulary_projections
+
+    exclude = []
+    if exclude_vocab:
+        ir_model = prepare_model(model, "model")[0]
+        nodes = [n for n in ir_model.graph if n.op_type in ("MatMul", "Gemm")]
+        exclude = sorted(vocabulary_projections(ir_model, nodes))
+    rows = []
+    for label in techniques:
+        out = tmp / f"{len(rows)}.onnx"
+        seconds, rss = quantize(model, out, calib, TECHNIQUES[label], exclude)
+        rows.append({"model": name, "technique": label, "file": out, "seconds": seconds, "rss_mib": rss})
+        print(f"  {name}: {label}: {seconds:.1f} s, {rss:.0f} MiB", file=sys.stderr, flush=True)
+    result = fp8onnx.compare(model, [r["file"] for r in rows], eval_data, provider="cpu")
+    by_file = {r.name: r for r in result.rows}
+    fp32_bytes = size(pathlib.Path(model))
+    base = rows[0]
+    for r in rows:
+        row = by_file[r["file"].name]
+        first = next(iter(row.outputs.values()))
+        r.update(
+            ratio_to_fp16=row.ratio_to_fp16,
+            headline=row.headline,
+            cosine=first["cosine_mean"],
+            top1=first["top1_agreement"],
+            size_ratio=size(r["file"]) / fp32_bytes,
+            time_ratio=r["seconds"] / base["seconds"],
+            rss_ratio=r["rss_mib"] / base["rss_mib"],
+            excluded=exclude,
+        )
+        if want_ppl:
+            sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "models"))
+            from build_smollm2 import perplexity
+
+            r["perplexity"] = perplexity(r["file"], pathlib.Path(eval_data))
+    if want_ppl:
+        from build_smollm2 import perplexity
+
+        fp16 = tmp / "fp16.onnx"
+        fp8onnx.convert_fp16(model, fp16)
+        rows.append({"model": name, "technique": "FP16", "perplexity": perplexity(fp16, pathlib.Path(eval_data))})
+    for r in rows:
+        r.pop("file", None)
+    return rows
+
+
+def _f(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="+", metavar="NAME:MODEL:CALIB:EVAL")
+    ap.add_argument("--techniques", nargs="+", default=list(TECHNIQUES), choices=list(TECHNIQUES))
+    ap.add_argument("--exclude-vocab", action="store_true", help="leave vocabulary projections (lm_head) in float")
+    ap.add_argument("--perplexity", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(f"started {time.strftime('%Y-%m-%d %H:%M')}", file=sys.stderr)
+    rows = []
+    for case in args.cases:
+        name, model, calib, eval_data = case.split(":")
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += bench(
+                name, model, calib, eval_data, args.techniques, args.exclude_vocab, args.perplexity, pathlib.Path(tmp)
+            )
+    head = (
+        f"{'model':<10} {'technique':<27} {'vs FP16':>8} {'cosine':>8} {'top-1':>6} {'ppl':>6} {'size':>5} "
+        f"{'time':>5} {'RSS':>5}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['model']:<10} {r['technique']:<27} {_f(r.get('ratio_to_fp16'), '.2%'):>8} "
+            f"{_f(r.get('cosine'), '.5f'):>8} {_f(r.get('top1'), '.3f'):>6} {_f(r.get('perplexity'), '.2f'):>6} "
+            f"{_f(r.get('size_ratio'), '.2f'):>5} {_f(r.get('time_ratio'), '.2f'):>5} "
+            f"{_f(r.get('rss_ratio'), '.2f'):>5}"
+        )
+    print("vs FP16: headline metric / FP16's; size: file / FP32 file; time, RSS: quantize relative to plain amax")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
