@@ -82,7 +82,8 @@ def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Sta
     """Calibration statistics for static activation scales, or None when none are needed."""
     check_calibration_source(calib, stats)
     if config.activations.dynamic or config.activations == "none":
-        if stats is not None or calib is not None:
+        # with --weight-rounding gptq the calibration data serves the weights' Hessians only
+        if stats is not None or (calib is not None and config.weight_rounding != "gptq"):
             raise Fp8OnnxError(
                 f"--activations {config.activations.value} needs no calibration; drop --calib/--stats (they "
                 "contradict it)."

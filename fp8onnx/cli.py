@@ -27,7 +27,14 @@ from . import inspect as api_inspect
 from . import quantize as api_quantize
 from . import study as run_study
 from .api import inspect_summary
-from .config import ACTIVATION_MODES, DEFAULT_OP_TYPES, EMBEDDING_MODES, PRECISIONS, QuantizeConfig
+from .config import (
+    ACTIVATION_MODES,
+    DEFAULT_OP_TYPES,
+    EMBEDDING_MODES,
+    PRECISIONS,
+    WEIGHT_ROUNDINGS,
+    QuantizeConfig,
+)
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
@@ -257,6 +264,13 @@ _per_channel_option = click.option(
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
+    "--weight-rounding",
+    type=click.Choice(WEIGHT_ROUNDINGS),
+    default="nearest",
+    show_default=True,
+    help="gptq: round weights on the FP8 grid compensating each layer's error with X^T X from --calib (GPTQ).",
+)
+@click.option(
     "--float-vocab",
     is_flag=True,
     help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
@@ -316,6 +330,7 @@ def quantize(
     op_types,
     exclude,
     activation_matmuls,
+    weight_rounding,
     float_vocab,
     embeddings,
     batch_size,
@@ -370,6 +385,7 @@ def quantize(
         op_types=op_types,
         exclude=exclude,
         activation_matmuls=activation_matmuls,
+        weight_rounding=weight_rounding,
         float_vocab=float_vocab,
         embeddings=embeddings,
     )

@@ -18,6 +18,7 @@ __all__ = [
     "EMBEDDING_MODES",
     "PRECISIONS",
     "SUPPORTED_OP_TYPES",
+    "WEIGHT_ROUNDINGS",
     "QuantizeConfig",
     "check_precision",
 ]
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 PER_CHANNEL_BY_DEFAULT = ("Conv", "ConvTranspose")
 EMBEDDING_MODES = ("float", "fp8")
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 
@@ -101,6 +103,7 @@ class QuantizeConfig:
     exclude: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
     activation_matmuls: bool = False
+    weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (fp8onnx.gptq)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
     precision: Precision | str = Precision.MODEL
@@ -123,6 +126,12 @@ class QuantizeConfig:
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
         object.__setattr__(self, "precision", check_precision(self.precision))
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise Fp8OnnxError(
+                f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."
+            )
+        if self.weight_rounding == "gptq" and self.scaling is Scaling.CONSTANT:
+            raise Fp8OnnxError("--weight-rounding gptq needs calibration; --scaling constant has none.")
         if self.embeddings not in EMBEDDING_MODES:
             raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
 
@@ -204,6 +213,8 @@ class QuantizeConfig:
             "target": self.target.value,
             "emulated": self.emulated,
         }
+        if self.weight_rounding != "nearest":  # only then, like keep_float
+            doc["weight_rounding"] = self.weight_rounding
         if self.float_vocab:  # only then, like keep_float
             doc["float_vocab"] = True
         if self.embeddings != "float":  # only then, like keep_float

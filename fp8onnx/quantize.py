@@ -99,6 +99,11 @@ def quantize(
     quant, amax = assign_scales(decisions, ir_model, config, calibration)
     targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
     keep_conv_bias_in_int32_range(decisions, quant)
+    if config.weight_rounding == "gptq":
+        from .gptq import apply_gptq
+
+        rounded = apply_gptq(ir_model, decisions, quant, calib, run)
+        prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
     nodes = [
         NodeReport(
             d.node.name,

@@ -1,0 +1,183 @@
+"""Error-compensating weight rounding on the FP8 grid (GPTQ, Frantar et al. 2022), for MatMul/Gemm.
+
+Plain rounding puts every weight on its nearest FP8 value independently. GPTQ rounds one input row
+of ``W`` [K, N] at a time and spreads that row's rounding error over the rows not yet rounded, in
+proportion to how the inputs correlate: with ``H = X^T X`` of the layer's input X [rows, K], row i's
+error ``e = (w_i - q_i) / Hinv[i, i]`` is subtracted as ``Hinv[i, i+1:]^T e`` (``Hinv`` the upper
+Cholesky factor of ``H^-1``, damped by 1% of its mean diagonal). The result minimises
+``||X W - X Q||`` far better than rounding each weight alone. Scales are those plain quantization
+chose (per tensor or per output channel): GPTQ only picks *which* grid value each weight takes.
+
+``H`` is accumulated in the graph during calibration: per activation feeding a quantized MatMul/Gemm,
+the instrumented model outputs ``Reshape(x, [-1, K])^T @ Reshape(x, [-1, K])`` in float32, and only
+that K x K matrix leaves onnxruntime per batch (summed in float64 here). Models larger than the
+weight budget run layer by layer, as calibration does.
+
+The rounded weights replace the float initializers *on the grid*: quantizing them again with the
+same scales (which :class:`~fp8onnx.passes.InsertQDQPass` does) gives exactly GPTQ's values.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from .data import as_data, input_specs
+from .errors import Fp8OnnxError
+from .formats import Fp8Format, dequantize, quantize
+from .passes import TensorQuant
+from .plan import Decision, in_main_graph
+from .progress import progress_bar
+from .runtime import RunOptions, session_for_model, weight_bytes
+from .segments import run_segmented
+
+__all__ = ["apply_gptq", "collect_hessians", "gptq_round"]
+
+logger = logging.getLogger(__name__)
+_XTX = "/fp8onnx_xtx"
+DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
+BLOCK = 128  # rows rounded before the deferred update of the rest (GPTQ's lazy batch)
+
+
+def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
+    """activation name -> the (MatMul/Gemm, weight index) pairs whose weight it multiplies."""
+    out: dict[str, list[tuple[ir.Node, int]]] = {}
+    for d in decisions:
+        node = d.node
+        if node.op_type not in ("MatMul", "Gemm") or dict(d.inputs).get(1) != "weight":
+            continue
+        if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+            continue
+        x = node.inputs[0]
+        if x is None or not in_main_graph(x, model) or x.shape is None or not isinstance(x.shape[-1], int):
+            continue
+        out.setdefault(x.name, []).append((node, 1))
+    return out
+
+
+def collect_hessians(model: ir.Model, names: list[str], calib, run: RunOptions) -> dict[str, np.ndarray]:
+    """``X^T X`` (float64, K x K) of each named activation over ``calib``, computed in the graph."""
+    instrumented = model.clone()
+    graph = instrumented.graph
+    values = {v.name: v for n in graph for v in n.outputs}
+    values.update({v.name: v for v in graph.inputs})
+    outputs = []
+    for name in names:
+        x = values[name]
+        k = int(x.shape[-1])
+        shape = ir.Value(name=f"{name}/fp8onnx_xtx_shape", const_value=ir.tensor(np.array([-1, k], np.int64)))
+        shape.dtype, shape.shape = ir.DataType.INT64, ir.Shape([2])
+        graph.register_initializer(shape)
+        nodes = [ir.node("Reshape", [x, shape], name=f"{name}/fp8onnx_xtx_2d")]
+        nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], {"to": int(ir.DataType.FLOAT)}, name=f"{name}/xtx_f32"))
+        x2 = nodes[-1].outputs[0]
+        nodes.append(ir.node("Transpose", [x2], {"perm": [1, 0]}, name=f"{name}/fp8onnx_xtx_t"))
+        nodes.append(ir.node("MatMul", [nodes[-1].outputs[0], x2], name=f"{name}{_XTX}"))
+        for n in nodes:
+            n.outputs[0].name = n.name
+        out = nodes[-1].outputs[0]
+        out.dtype, out.shape = ir.DataType.FLOAT, ir.Shape([k, k])
+        graph.insert_after(x.producer(), nodes) if x.producer() is not None else graph.insert_before(graph[0], nodes)
+        graph.outputs.append(out)
+        outputs.append(out.name)
+    sums = {name: None for name in names}
+
+    def add(values: dict) -> None:
+        for name in names:
+            h = np.asarray(values[name + _XTX], np.float64)
+            sums[name] = h if sums[name] is None else sums[name] + h
+
+    source = as_data(calib, input_specs(model))
+    total = source.count_batches(run.batch_size)
+    feeds = (b.feed for b in source.batches(run.batch_size))
+    if weight_bytes(model) > run.weight_memory:
+        bar = functools.partial(progress_bar, unit="batch", enable=run.progress)
+        run_segmented(
+            instrumented,
+            outputs,
+            feeds,
+            lambda _, values: add(values),
+            budget=run.weight_memory,
+            provider=run.provider,
+            progress=lambda it, n, desc: bar(it, total=n, desc=desc),
+        )
+    else:
+        session = session_for_model(instrumented, run.provider, "The Hessian model")
+        for feed in progress_bar(feeds, total=total, desc="hessians", unit="batch", enable=run.progress):
+            add(dict(zip(outputs, session.run(outputs, feed))))
+    missing = next((n for n, h in sums.items() if h is None), None)
+    if missing is not None:
+        raise Fp8OnnxError(f"--weight-rounding gptq saw no calibration batch for tensor {missing!r}.")
+    return sums
+
+
+def gptq_round(w: np.ndarray, h: np.ndarray, scale, fmt: Fp8Format, damp: float = DAMP) -> np.ndarray:
+    """``w`` [K, N] (y = x @ w) rounded to the FP8 grid of ``scale`` (scalar, or [N] per output
+    column) by GPTQ with ``h`` = X^T X [K, K]; returns the rounded values in float32."""
+    w = np.array(w, dtype=np.float64)
+    k = w.shape[0]
+    scale = np.asarray(scale, np.float32)
+    h = np.array(h, dtype=np.float64)
+    dead = np.diag(h) == 0  # inputs that were always zero: their weights do not matter
+    h[dead, dead] = 1.0
+    w[dead, :] = 0.0
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    try:
+        hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: Hinv[i, j] for j >= i
+    except np.linalg.LinAlgError:
+        raise Fp8OnnxError("--weight-rounding gptq: the input's X^T X is not positive definite.") from None
+
+    def grid(v: np.ndarray) -> np.ndarray:
+        return dequantize(quantize(v.astype(np.float32), scale, fmt), scale, np.float32).astype(np.float64)
+
+    q = np.empty_like(w)
+    for i1 in range(0, k, BLOCK):
+        i2 = min(i1 + BLOCK, k)
+        block, errs, hb = w[i1:i2].copy(), np.zeros((i2 - i1, w.shape[1])), hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            row = block[i]
+            q[i1 + i] = grid(row)
+            err = (row - q[i1 + i]) / hb[i, i]
+            block[i:] -= np.outer(hb[i, i:], err)
+            errs[i] = err
+        w[i2:] -= hinv[i1:i2, i2:].T @ errs
+    return q.astype(np.float32)
+
+
+def apply_gptq(
+    model: ir.Model, decisions: list[Decision], quant: dict[str, TensorQuant], calib, run: RunOptions
+) -> list[str]:
+    """Replace each quantized MatMul/Gemm weight by its GPTQ rounding (on the grid of the scales in
+    ``quant``); returns the names of the weights rounded. Weights read by several nodes, Conv
+    weights and nodes whose input is inside a subgraph keep plain rounding."""
+    targets = _targets(decisions, model)
+    if calib is None:
+        raise Fp8OnnxError("--weight-rounding gptq needs --calib DATA (the Hessian X^T X of each layer's input).")
+    shared = {}
+    for x, nodes in targets.items():
+        for node, index in nodes:
+            shared.setdefault(node.inputs[index].name, set()).add(x)
+    hessians = collect_hessians(model, list(targets), calib, run)
+    rounded = []
+    for x, nodes in targets.items():
+        for node, index in nodes:
+            value = node.inputs[index]
+            tq = quant.get(value.name)
+            if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in rounded:
+                continue
+            w = value.const_value.numpy().astype(np.float32)
+            transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+            w_kn = w.T if transposed else w
+            if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
+                scale = np.asarray(tq.scale, np.float32).reshape(-1)
+            else:
+                scale = np.float32(tq.scale)
+            q = gptq_round(w_kn, hessians[x], scale, tq.format)
+            q = (q.T if transposed else q).astype(w.dtype)
+            value.const_value = ir.tensor(q, name=value.name)
+            rounded.append(value.name)
+    logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
+    return rounded

@@ -1,0 +1,92 @@
+"""GPTQ on the FP8 grid: the same scales, values on the grid, less output error than plain rounding."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format, dequantize, quantize
+from fp8onnx.gptq import gptq_round
+
+from helpers import run_ort, run_reference, sqnr_db
+
+
+def correlated(rng, rows=1024, k=64):
+    """Inputs that live near an 8-dimensional subspace: where GPTQ's error spreading pays."""
+    base = rng.standard_normal((rows, 8))
+    return (base @ rng.standard_normal((8, k)) + 0.1 * rng.standard_normal((rows, k))).astype(np.float32)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gptq_rounding_is_on_the_grid_and_beats_nearest(per_channel):
+    rng = np.random.default_rng(0)
+    x, w = correlated(rng), rng.standard_normal((64, 32)).astype(np.float32)
+    amax = np.abs(w).max(0) if per_channel else np.abs(w).max()
+    scale = (amax / 448).astype(np.float32)
+    nearest = dequantize(quantize(w, scale, Fp8Format.E4M3FN), scale, np.float32)
+    rounded = gptq_round(w, x.T.astype(np.float64) @ x, scale, Fp8Format.E4M3FN)
+    assert np.array_equal(dequantize(quantize(rounded, scale, Fp8Format.E4M3FN), scale, np.float32), rounded)
+    ref = x @ w
+    assert sqnr_db(ref, x @ rounded) > sqnr_db(ref, x @ nearest) + 6  # at least 4x less error power
+
+
+def test_an_input_that_is_always_zero_does_not_break_it():
+    rng = np.random.default_rng(1)
+    x = correlated(rng, k=16)
+    x[:, 3] = 0.0
+    w = rng.standard_normal((16, 4)).astype(np.float32)
+    rounded = gptq_round(w, x.T.astype(np.float64) @ x, np.float32(np.abs(w).max() / 448), Fp8Format.E4M3FN)
+    assert np.all(np.isfinite(rounded)) and np.all(rounded[3] == 0)
+
+
+def two_layers(path, rng):
+    w1, w2 = (
+        (rng.standard_normal((64, 64)) / 8).astype(np.float32),
+        (rng.standard_normal((64, 16)) / 8).astype(np.float32),
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+            helper.make_node("Gemm", ["h", "w2t"], ["y"], name="gemm2", transB=1),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2.T.copy(), "w2t")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+@pytest.mark.parametrize("activations", ["static", "none", "dynamic-per-token"])
+def test_quantize_with_gptq_has_less_error_on_held_out_inputs(tmp_path, activations):
+    rng = np.random.default_rng(2)
+    path = two_layers(tmp_path / "m.onnx", rng)
+    x = correlated(rng, rows=512)
+    np.savez(tmp_path / "calib.npz", x=x[:256])
+    held_out = {"x": x[256:]}
+    ref = run_ort(path, held_out)[0]
+    got = {}
+    for rounding in ("nearest", "gptq"):
+        calib = tmp_path / "calib.npz" if activations == "static" or rounding == "gptq" else None
+        report = fp8onnx.quantize(
+            path,
+            tmp_path / f"{rounding}.onnx",
+            calib,
+            activations=activations,
+            weight_rounding=rounding,
+            provider="cpu",
+        )
+        got[rounding] = run_ort(tmp_path / f"{rounding}.onnx", held_out)[0]
+    assert any("GPTQ rounding of 2 weights" in p for p in report.prepared)
+    assert report.config["weight_rounding"] == "gptq"
+    assert sqnr_db(ref, got["gptq"]) > sqnr_db(ref, got["nearest"]) + 1
+    assert np.allclose(run_reference(tmp_path / "gptq.onnx", held_out)[0], got["gptq"], rtol=1e-3, atol=1e-3)
+
+
+def test_gptq_needs_calibration_data(tmp_path):
+    path = two_layers(tmp_path / "m.onnx", np.random.default_rng(3))
+    with pytest.raises(Fp8OnnxError, match="--weight-rounding gptq needs --calib DATA"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", activations="none", weight_rounding="gptq", provider="cpu")
