@@ -19,6 +19,7 @@ import tempfile
 import time
 
 import click
+from click.core import ParameterSource
 
 from . import __version__, convert_fp16
 from . import calibrate as api_calibrate
@@ -32,6 +33,7 @@ from .config import (
     DEFAULT_OP_TYPES,
     EMBEDDING_MODES,
     PRECISIONS,
+    PRESETS,
     WEIGHT_ROUNDINGS,
     QuantizeConfig,
 )
@@ -194,6 +196,9 @@ def _csv(ctx, param, value):
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else DEFAULT_OP_TYPES
 
 
+_DEFAULT = ParameterSource.DEFAULT
+_PARAM = {"format": "fmt"}  # QuantizeConfig field -> click parameter name, where they differ
+
 _per_channel_option = click.option(
     "--per-channel/--per-tensor",
     default=None,
@@ -264,6 +269,11 @@ _per_channel_option = click.option(
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
+    "--preset",
+    type=click.Choice(list(PRESETS)),
+    help="The measured best settings for a model family (docs/usage.md); options given explicitly override them.",
+)
+@click.option(
     "--weight-rounding",
     type=click.Choice(WEIGHT_ROUNDINGS),
     default="nearest",
@@ -330,6 +340,7 @@ def quantize(
     op_types,
     exclude,
     activation_matmuls,
+    preset,
     weight_rounding,
     float_vocab,
     embeddings,
@@ -369,7 +380,7 @@ def quantize(
         [("the evaluation data", check_data), ("the evaluation data", eval_data)],
         model_writes("the output model", output) + [("the report", report)],
     )
-    config = QuantizeConfig(
+    options = dict(
         format=fmt,
         weight_format=weight_format,
         activation_format=activation_format,
@@ -389,6 +400,12 @@ def quantize(
         float_vocab=float_vocab,
         embeddings=embeddings,
     )
+    if preset:  # the preset's settings, except where the command line says otherwise
+        ctx = click.get_current_context()
+        given = {k: v for k, v in options.items() if ctx.get_parameter_source(_PARAM.get(k, k)) != _DEFAULT}
+        config = QuantizeConfig.for_preset(preset, **given)
+    else:
+        config = QuantizeConfig(**options)
     t0 = time.perf_counter()
     run = _run_options(batch_size, provider, weight_memory)
     if accuracy_target is not None:

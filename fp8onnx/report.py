@@ -32,8 +32,16 @@ def describe_config(cfg: dict) -> str:
         how += ", per-channel Conv weights"
     elif cfg.get("per_channel"):
         how += ", per-channel weights"
+    if cfg.get("weight_rounding") == "gptq":
+        how += ", GPTQ weight rounding"
+    if cfg.get("float_vocab"):
+        how += ", vocabulary projections in float"
+    if cfg.get("embeddings") == "fp8":
+        how += ", fp8 embeddings"
     if cfg.get("precision") == "fp16":
         how += ", FP16 graph"
+    if cfg.get("preset"):
+        how += f" (preset {cfg['preset']})"
     return how
 
 

@@ -139,3 +139,26 @@ def test_what_the_modes_refuse(tmp_path, options, message):
     calib = tmp_path / options.pop("calib") if "calib" in options else None
     with pytest.raises(Fp8OnnxError, match=re.escape(message)):
         fp8onnx.quantize(path, tmp_path / "q.onnx", calib, provider="cpu", **options)
+
+
+def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+    from fp8onnx.config import PRESETS, QuantizeConfig
+
+    llm = QuantizeConfig.for_preset("llm")
+    assert llm.activations == "dynamic-per-token" and llm.float_vocab and llm.embeddings == "fp8"
+    assert (
+        llm.to_json()["preset"] == "llm" and QuantizeConfig.for_preset("llm", embeddings="float").embeddings == "float"
+    )
+    assert set(PRESETS) == {"llm", "encoder", "cnn"} and all(p["why"] for p in PRESETS.values())
+    with pytest.raises(Fp8OnnxError, match="Unknown --preset 'gan'"):
+        QuantizeConfig.for_preset("gan")
+    path = matmul(tmp_path / "m.onnx", np.ones((16, 8), np.float32))
+    r = CliRunner().invoke(main, ["quantize", str(path), "--preset", "llm", "-o", str(tmp_path / "q.onnx")])
+    assert r.exit_code == 0 and "dynamic per-token activations" in r.output and "(preset llm)" in r.output, r.output
+    r = CliRunner().invoke(
+        main, ["quantize", str(path), "--preset", "llm", "--activations", "none", "-o", str(tmp_path / "w.onnx")]
+    )
+    assert r.exit_code == 0 and "weight-only" in r.output and "(preset llm)" in r.output, r.output
