@@ -2,7 +2,8 @@
 
 The package root is the library's one face, and the command line calls it for every command:
 :func:`quantize`, :func:`calibrate`, :func:`compare`, :func:`study`, :func:`convert_fp16`,
-:func:`inspect`. The recipe is a :class:`QuantizeConfig`, the runtime knobs a :class:`RunOptions`.
+:func:`inspect`, :func:`sensitivity` and :func:`quantize_to_target` (``quantize --accuracy-target``).
+The recipe is a :class:`QuantizeConfig`, the runtime knobs a :class:`RunOptions`.
 Bad input raises :class:`Fp8OnnxError` with one sentence.
 """
 
@@ -15,10 +16,12 @@ __version__ = "0.1.0"
 from .api import calibrate, convert_fp16, inspect
 from .compare import compare
 from .errors import Fp8OnnxError
+from .fallback import TargetNotMet, quantize_to_target
 from .formats import Fp8Format
 from .quantize import QuantizeConfig, quantize
 from .runtime import RunOptions
 from .scaling import Scaling, amax_to_scale
+from .sensitivity import sensitivity
 from .study import study
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -29,6 +32,7 @@ __all__ = [
     "QuantizeConfig",
     "RunOptions",
     "Scaling",
+    "TargetNotMet",
     "__version__",
     "amax_to_scale",
     "calibrate",
@@ -36,5 +40,7 @@ __all__ = [
     "convert_fp16",
     "inspect",
     "quantize",
+    "quantize_to_target",
+    "sensitivity",
     "study",
 ]

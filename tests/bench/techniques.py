@@ -30,6 +30,12 @@ TECHNIQUES = {
     "weight-only": ["--activations", "none"],
     "amax + fp8 embeddings": ["--calib", "{calib}", "--embeddings", "fp8"],
     "per-token + fp8 embeddings": ["--activations", "dynamic-per-token", "--embeddings", "fp8"],
+    "amax + gptq": ["--calib", "{calib}", "--weight-rounding", "gptq"],
+    "per-token + gptq": ["--calib", "{calib}", "--activations", "dynamic-per-token", "--weight-rounding", "gptq"],
+    "weight-only + gptq": ["--calib", "{calib}", "--activations", "none", "--weight-rounding", "gptq"],
+    "preset llm": ["--preset", "llm"],
+    "preset encoder": ["--preset", "encoder"],
+    "preset cnn": ["--calib", "{calib}", "--preset", "cnn"],
 }
 
 
