@@ -8,7 +8,7 @@ relative to plain amax (the same model, the same calibration data). With ``--per
 whose eval data has next-token ``labels``) also the perplexity of each model.
 
 Usage: python tests/bench/techniques.py NAME:MODEL:CALIB:EVAL [...] [--techniques amax per-token ...]
-       [--exclude-vocab] [--perplexity] [--json out.json]
+       [--exclude-vocab] [--perplexity NAME ...] [--skip NAME:TECHNIQUE ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ TECHNIQUES = {
     "amax + gptq": ["--calib", "{calib}", "--weight-rounding", "gptq"],
     "per-token + gptq": ["--calib", "{calib}", "--activations", "dynamic-per-token", "--weight-rounding", "gptq"],
     "weight-only + gptq": ["--calib", "{calib}", "--activations", "none", "--weight-rounding", "gptq"],
-    "preset llm": ["--preset", "llm"],
-    "preset encoder": ["--preset", "encoder"],
+    "preset llm": ["--calib", "{calib}", "--preset", "llm"],
+    "preset encoder": ["--calib", "{calib}", "--preset", "encoder"],
     "preset cnn": ["--calib", "{calib}", "--preset", "cnn"],
 }
 
@@ -122,7 +122,8 @@ def main() -> None:
     ap.add_argument("cases", nargs="+", metavar="NAME:MODEL:CALIB:EVAL")
     ap.add_argument("--techniques", nargs="+", default=list(TECHNIQUES), choices=list(TECHNIQUES))
     ap.add_argument("--exclude-vocab", action="store_true", help="leave vocabulary projections (lm_head) in float")
-    ap.add_argument("--perplexity", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="NAME:TECHNIQUE", help="combinations not to run")
+    ap.add_argument("--perplexity", nargs="*", default=[], metavar="NAME", help="cases to measure perplexity on")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"started {time.strftime('%Y-%m-%d %H:%M')}", file=sys.stderr)
@@ -130,9 +131,9 @@ def main() -> None:
     for case in args.cases:
         name, model, calib, eval_data = case.split(":")
         with tempfile.TemporaryDirectory() as tmp:
-            rows += bench(
-                name, model, calib, eval_data, args.techniques, args.exclude_vocab, args.perplexity, pathlib.Path(tmp)
-            )
+            techniques = [t for t in args.techniques if f"{name}:{t}" not in args.skip]
+            want_ppl = name in args.perplexity
+            rows += bench(name, model, calib, eval_data, techniques, args.exclude_vocab, want_ppl, pathlib.Path(tmp))
     head = (
         f"{'model':<10} {'technique':<27} {'vs FP16':>8} {'cosine':>8} {'top-1':>6} {'ppl':>6} {'size':>5} "
         f"{'time':>5} {'RSS':>5}"
