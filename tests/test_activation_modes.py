@@ -155,10 +155,13 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     assert set(PRESETS) == {"llm", "encoder", "cnn"} and all(p["why"] for p in PRESETS.values())
     with pytest.raises(Fp8OnnxError, match="Unknown --preset 'gan'"):
         QuantizeConfig.for_preset("gan")
-    path = matmul(tmp_path / "m.onnx", np.ones((16, 8), np.float32))
-    r = CliRunner().invoke(main, ["quantize", str(path), "--preset", "llm", "-o", str(tmp_path / "q.onnx")])
+    path = matmul(tmp_path / "m.onnx", np.random.default_rng(4).standard_normal((16, 8)).astype(np.float32))
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(5).standard_normal((4, 3, 16)).astype(np.float32))
+    args = ["quantize", str(path), "--preset", "llm"]
+    r = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "q.onnx")])
+    assert r.exit_code == 2 and "--weight-rounding gptq needs --calib DATA" in r.output, r.output
+    r = CliRunner().invoke(main, [*args, "--calib", str(tmp_path / "d.npz"), "-o", str(tmp_path / "q.onnx")])
     assert r.exit_code == 0 and "dynamic per-token activations" in r.output and "(preset llm)" in r.output, r.output
-    r = CliRunner().invoke(
-        main, ["quantize", str(path), "--preset", "llm", "--activations", "none", "-o", str(tmp_path / "w.onnx")]
-    )
-    assert r.exit_code == 0 and "weight-only" in r.output and "(preset llm)" in r.output, r.output
+    assert "GPTQ weight rounding" in r.output
+    r = CliRunner().invoke(main, [*args, "--weight-rounding", "nearest", "-o", str(tmp_path / "w.onnx")])
+    assert r.exit_code == 0 and "GPTQ" not in r.output and "(preset llm)" in r.output, r.output
