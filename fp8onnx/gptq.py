@@ -19,25 +19,21 @@ same scales (which :class:`~fp8onnx.passes.InsertQDQPass` does) gives exactly GP
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
 import onnx_ir as ir
 
-from .data import as_data, input_specs
 from .errors import Fp8OnnxError
 from .formats import Fp8Format, dequantize, quantize
+from .graph_stats import F32, sum_in_graph
 from .passes import TensorQuant
 from .plan import Decision, in_main_graph
-from .progress import progress_bar
-from .runtime import RunOptions, session_for_model, weight_bytes
-from .segments import run_segmented
+from .runtime import RunOptions
 
 __all__ = ["apply_gptq", "collect_hessians", "gptq_round"]
 
 logger = logging.getLogger(__name__)
-_XTX = "/fp8onnx_xtx"
 DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
 BLOCK = 128  # rows rounded before the deferred update of the rest (GPTQ's lazy batch)
 
@@ -60,58 +56,14 @@ def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple
 
 def collect_hessians(model: ir.Model, names: list[str], calib, run: RunOptions) -> dict[str, np.ndarray]:
     """``X^T X`` (float64, K x K) of each named activation over ``calib``, computed in the graph."""
-    instrumented = model.clone()
-    graph = instrumented.graph
-    values = {v.name: v for n in graph for v in n.outputs}
-    values.update({v.name: v for v in graph.inputs})
-    outputs = []
-    for name in names:
-        x = values[name]
+
+    def xtx(x: ir.Value, add) -> list[ir.Value]:
         k = int(x.shape[-1])
-        shape = ir.Value(name=f"{name}/fp8onnx_xtx_shape", const_value=ir.tensor(np.array([-1, k], np.int64)))
-        shape.dtype, shape.shape = ir.DataType.INT64, ir.Shape([2])
-        graph.register_initializer(shape)
-        nodes = [ir.node("Reshape", [x, shape], name=f"{name}/fp8onnx_xtx_2d")]
-        nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], {"to": int(ir.DataType.FLOAT)}, name=f"{name}/xtx_f32"))
-        x2 = nodes[-1].outputs[0]
-        nodes.append(ir.node("Transpose", [x2], {"perm": [1, 0]}, name=f"{name}/fp8onnx_xtx_t"))
-        nodes.append(ir.node("MatMul", [nodes[-1].outputs[0], x2], name=f"{name}{_XTX}"))
-        for n in nodes:
-            n.outputs[0].name = n.name
-        out = nodes[-1].outputs[0]
-        out.dtype, out.shape = ir.DataType.FLOAT, ir.Shape([k, k])
-        graph.insert_after(x.producer(), nodes) if x.producer() is not None else graph.insert_before(graph[0], nodes)
-        graph.outputs.append(out)
-        outputs.append(out.name)
-    sums = {name: None for name in names}
+        x2 = add("Cast", [add("Reshape", [x, np.array([-1, k], np.int64)], "2d")], "f32", to=int(F32))
+        return [add("MatMul", [add("Transpose", [x2], "t", perm=[1, 0]), x2], "xtx", dtype=F32, shape=[k, k])]
 
-    def add(values: dict) -> None:
-        for name in names:
-            h = np.asarray(values[name + _XTX], np.float64)
-            sums[name] = h if sums[name] is None else sums[name] + h
-
-    source = as_data(calib, input_specs(model))
-    total = source.count_batches(run.batch_size)
-    feeds = (b.feed for b in source.batches(run.batch_size))
-    if weight_bytes(model) > run.weight_memory:
-        bar = functools.partial(progress_bar, unit="batch", enable=run.progress)
-        run_segmented(
-            instrumented,
-            outputs,
-            feeds,
-            lambda _, values: add(values),
-            budget=run.weight_memory,
-            provider=run.provider,
-            progress=lambda it, n, desc: bar(it, total=n, desc=desc),
-        )
-    else:
-        session = session_for_model(instrumented, run.provider, "The Hessian model")
-        for feed in progress_bar(feeds, total=total, desc="hessians", unit="batch", enable=run.progress):
-            add(dict(zip(outputs, session.run(outputs, feed))))
-    missing = next((n for n, h in sums.items() if h is None), None)
-    if missing is not None:
-        raise Fp8OnnxError(f"--weight-rounding gptq saw no calibration batch for tensor {missing!r}.")
-    return sums
+    sums = sum_in_graph(model, {name: xtx for name in names}, calib, run, "hessians")
+    return {name: values[0] for name, values in sums.items()}
 
 
 def gptq_round(w: np.ndarray, h: np.ndarray, scale, fmt: Fp8Format, damp: float = DAMP) -> np.ndarray:

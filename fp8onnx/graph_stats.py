@@ -1,0 +1,97 @@
+"""Statistics computed in the graph and summed over calibration batches (GPTQ's X^T X, bias
+correction's input means): only the reduced tensors leave onnxruntime, batch by batch.
+
+``sum_in_graph(model, {tensor: build}, data, run, desc)``: for each named tensor, ``build(x, add)``
+adds nodes computing its statistics from ``x`` (``add(op, inputs, suffix, **attrs)`` makes one node
+and returns its output; NumPy arrays among the inputs become constants) and returns the values to
+fetch; the result is, per tensor, the float64 sums of those values over every batch. The model is
+cloned, never changed; a model above the weight budget runs layer by layer (:mod:`fp8onnx.segments`),
+as calibration does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx_ir as ir
+
+from .data import as_data, input_specs
+from .errors import Fp8OnnxError
+from .progress import progress_bar
+from .runtime import RunOptions, session_for_model, weight_bytes
+from .segments import run_segmented
+
+__all__ = ["F32", "sum_in_graph"]
+
+F32 = ir.DataType.FLOAT
+_PREFIX = "fp8onnx_stat/"
+
+
+def sum_in_graph(model: ir.Model, builders: dict, data, run: RunOptions, desc: str) -> dict[str, list[np.ndarray]]:
+    instrumented = model.clone()
+    graph = instrumented.graph
+    values = {v.name: v for n in graph for v in n.outputs}
+    values.update({v.name: v for v in graph.inputs})
+    fetch: dict[str, list[str]] = {}
+    for k, (name, build) in enumerate(builders.items()):
+        x = values[name]
+        nodes: list[ir.Node] = []
+
+        def add(op_type, inputs, suffix, dtype=None, shape=None, _k=k, _nodes=nodes, **attrs):
+            inputs = [_constant(graph, v, f"{_PREFIX}{_k}/c{len(_nodes)}_{i}") for i, v in enumerate(inputs)]
+            node = ir.node(op_type, inputs, attrs or None, name=f"{_PREFIX}{_k}/{suffix}{len(_nodes)}")
+            node.outputs[0].name = node.name
+            if dtype is not None:
+                node.outputs[0].dtype = dtype
+            if shape is not None:
+                node.outputs[0].shape = ir.Shape(shape)
+            _nodes.append(node)
+            return node.outputs[0]
+
+        outs = build(x, add)
+        producer = x.producer()
+        if producer is not None:
+            graph.insert_after(producer, nodes)
+        else:
+            graph.insert_before(graph[0], nodes)
+        graph.outputs.extend(outs)
+        fetch[name] = [o.name for o in outs]
+    outputs = [o for names in fetch.values() for o in names]
+    sums: dict[str, np.ndarray] = {}
+
+    def accumulate(got: dict) -> None:
+        for o in outputs:
+            v = np.asarray(got[o], np.float64)
+            sums[o] = v if o not in sums else sums[o] + v
+
+    source = as_data(data, input_specs(model))
+    total = source.count_batches(run.batch_size)
+    feeds = (b.feed for b in source.batches(run.batch_size))
+    if weight_bytes(model) > run.weight_memory:
+        bar = functools.partial(progress_bar, unit="batch", enable=run.progress)
+        run_segmented(
+            instrumented,
+            outputs,
+            feeds,
+            lambda _, got: accumulate(got),
+            budget=run.weight_memory,
+            provider=run.provider,
+            progress=lambda it, n, d: bar(it, total=n, desc=d),
+        )
+    else:
+        session = session_for_model(instrumented, run.provider, f"The {desc} model")
+        for feed in progress_bar(feeds, total=total, desc=desc, unit="batch", enable=run.progress):
+            accumulate(dict(zip(outputs, session.run(outputs, feed))))
+    if not sums:
+        raise Fp8OnnxError(f"No calibration batch to compute {desc} on.")
+    return {name: [sums[o] for o in names] for name, names in fetch.items()}
+
+
+def _constant(graph: ir.Graph, value, name: str) -> ir.Value:
+    if not isinstance(value, np.ndarray):
+        return value
+    const = ir.Value(name=name, const_value=ir.tensor(value, name=name), shape=ir.Shape(value.shape))
+    const.dtype = const.const_value.dtype
+    graph.register_initializer(const)
+    return const
