@@ -83,7 +83,7 @@ def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Sta
     check_calibration_source(calib, stats)
     if config.activations.dynamic or config.activations == "none":
         # with --weight-rounding gptq the calibration data serves the weights' Hessians only
-        if stats is not None or (calib is not None and config.weight_rounding != "gptq"):
+        if stats is not None or (calib is not None and not config.weights_need_data):
             raise Fp8OnnxError(
                 f"--activations {config.activations.value} needs no calibration; drop --calib/--stats (they "
                 "contradict it)."

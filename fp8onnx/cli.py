@@ -281,6 +281,9 @@ _per_channel_option = click.option(
     help="gptq: round weights on the FP8 grid compensating each layer's error with X^T X from --calib (GPTQ).",
 )
 @click.option(
+    "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
+)
+@click.option(
     "--float-vocab",
     is_flag=True,
     help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
@@ -342,6 +345,7 @@ def quantize(
     activation_matmuls,
     preset,
     weight_rounding,
+    bias_correction,
     float_vocab,
     embeddings,
     batch_size,
@@ -397,6 +401,7 @@ def quantize(
         exclude=exclude,
         activation_matmuls=activation_matmuls,
         weight_rounding=weight_rounding,
+        bias_correction=bias_correction,
         float_vocab=float_vocab,
         embeddings=embeddings,
     )

@@ -128,6 +128,7 @@ class QuantizeConfig:
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
     activation_matmuls: bool = False
     weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (fp8onnx.gptq)
+    bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (fp8onnx.bias_correction)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
     preset: str | None = None  # recorded only: the fields a preset set are already in place (for_preset)
@@ -155,6 +156,8 @@ class QuantizeConfig:
             raise Fp8OnnxError(
                 f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."
             )
+        if self.bias_correction and self.scaling is Scaling.CONSTANT:
+            raise Fp8OnnxError("--bias-correction needs calibration; --scaling constant has none.")
         if self.weight_rounding == "gptq" and self.scaling is Scaling.CONSTANT:
             raise Fp8OnnxError("--weight-rounding gptq needs calibration; --scaling constant has none.")
         if self.embeddings not in EMBEDDING_MODES:
@@ -205,6 +208,11 @@ class QuantizeConfig:
             raise Fp8OnnxError(f"Unknown --preset {name!r}; choose one of {', '.join(PRESETS)}.")
         return cls(**{**PRESETS[name]["settings"], **explicit, "preset": name})
 
+    @property
+    def weights_need_data(self) -> bool:
+        """GPTQ and bias correction read the calibration data for the weights, whatever the activations."""
+        return self.weight_rounding == "gptq" or self.bias_correction
+
     def weight_per_channel(self, op_type: str) -> bool:
         """Whether ``op_type``'s weights get one scale per output channel: always with --per-channel,
         never with --per-tensor, by default for Conv/ConvTranspose only (what every peer does: a
@@ -249,6 +257,8 @@ class QuantizeConfig:
             doc["preset"] = self.preset
         if self.weight_rounding != "nearest":  # only then, like keep_float
             doc["weight_rounding"] = self.weight_rounding
+        if self.bias_correction:  # only then, like keep_float
+            doc["bias_correction"] = True
         if self.float_vocab:  # only then, like keep_float
             doc["float_vocab"] = True
         if self.embeddings != "float":  # only then, like keep_float

@@ -104,6 +104,11 @@ def quantize(
 
         rounded = apply_gptq(ir_model, decisions, quant, calib, run)
         prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
+    if config.bias_correction:
+        from .bias_correction import correct_biases
+
+        corrected = correct_biases(ir_model, decisions, quant, calib, run)
+        prepared.append(f"bias correction of {len(corrected)} layers (mean input from the calibration data)")
     nodes = [
         NodeReport(
             d.node.name,

@@ -34,6 +34,8 @@ def describe_config(cfg: dict) -> str:
         how += ", per-channel weights"
     if cfg.get("weight_rounding") == "gptq":
         how += ", GPTQ weight rounding"
+    if cfg.get("bias_correction"):
+        how += ", bias correction"
     if cfg.get("float_vocab"):
         how += ", vocabulary projections in float"
     if cfg.get("embeddings") == "fp8":
