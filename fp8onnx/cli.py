@@ -281,6 +281,12 @@ _per_channel_option = click.option(
     help="gptq: round weights on the FP8 grid compensating each layer's error with X^T X from --calib (GPTQ).",
 )
 @click.option(
+    "--smooth",
+    type=click.FloatRange(0, 1),
+    metavar="ALPHA",
+    help="SmoothQuant: move activation outliers into the weights, s = amax_x^ALPHA / amax_w^(1-ALPHA) (0.5 usual).",
+)
+@click.option(
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
 )
 @click.option(
@@ -345,6 +351,7 @@ def quantize(
     activation_matmuls,
     preset,
     weight_rounding,
+    smooth,
     bias_correction,
     float_vocab,
     embeddings,
@@ -401,6 +408,7 @@ def quantize(
         exclude=exclude,
         activation_matmuls=activation_matmuls,
         weight_rounding=weight_rounding,
+        smooth=smooth,
         bias_correction=bias_correction,
         float_vocab=float_vocab,
         embeddings=embeddings,

@@ -128,6 +128,7 @@ class QuantizeConfig:
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
     activation_matmuls: bool = False
     weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (fp8onnx.gptq)
+    smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (fp8onnx.smoothing)
     bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (fp8onnx.bias_correction)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
@@ -156,6 +157,8 @@ class QuantizeConfig:
             raise Fp8OnnxError(
                 f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."
             )
+        if self.smooth is not None and not 0 <= self.smooth <= 1:
+            raise Fp8OnnxError(f"--smooth must be in [0, 1], got {self.smooth!r}.")
         if self.bias_correction and self.scaling is Scaling.CONSTANT:
             raise Fp8OnnxError("--bias-correction needs calibration; --scaling constant has none.")
         if self.weight_rounding == "gptq" and self.scaling is Scaling.CONSTANT:
@@ -211,7 +214,7 @@ class QuantizeConfig:
     @property
     def weights_need_data(self) -> bool:
         """GPTQ and bias correction read the calibration data for the weights, whatever the activations."""
-        return self.weight_rounding == "gptq" or self.bias_correction
+        return self.weight_rounding == "gptq" or self.bias_correction or self.smooth is not None
 
     def weight_per_channel(self, op_type: str) -> bool:
         """Whether ``op_type``'s weights get one scale per output channel: always with --per-channel,
@@ -257,6 +260,8 @@ class QuantizeConfig:
             doc["preset"] = self.preset
         if self.weight_rounding != "nearest":  # only then, like keep_float
             doc["weight_rounding"] = self.weight_rounding
+        if self.smooth is not None:  # only then, like keep_float
+            doc["smooth"] = self.smooth
         if self.bias_correction:  # only then, like keep_float
             doc["bias_correction"] = True
         if self.float_vocab:  # only then, like keep_float

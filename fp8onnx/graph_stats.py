@@ -28,7 +28,11 @@ F32 = ir.DataType.FLOAT
 _PREFIX = "fp8onnx_stat/"
 
 
-def sum_in_graph(model: ir.Model, builders: dict, data, run: RunOptions, desc: str) -> dict[str, list[np.ndarray]]:
+def sum_in_graph(
+    model: ir.Model, builders: dict, data, run: RunOptions, desc: str, combine=np.add
+) -> dict[str, list[np.ndarray]]:
+    """See the module docstring; ``combine`` merges one batch's values into the running ones
+    (``np.maximum`` for a running max)."""
     instrumented = model.clone()
     graph = instrumented.graph
     values = {v.name: v for n in graph for v in n.outputs}
@@ -63,7 +67,7 @@ def sum_in_graph(model: ir.Model, builders: dict, data, run: RunOptions, desc: s
     def accumulate(got: dict) -> None:
         for o in outputs:
             v = np.asarray(got[o], np.float64)
-            sums[o] = v if o not in sums else sums[o] + v
+            sums[o] = v if o not in sums else combine(sums[o], v)
 
     source = as_data(data, input_specs(model))
     total = source.count_batches(run.batch_size)

@@ -93,6 +93,15 @@ def quantize(
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
     decisions, skipped = plan(ir_model, config)
+    if config.smooth is not None:  # before calibration: the activations it measures change
+        from .smoothing import smooth
+
+        smoothed = smooth(ir_model, decisions, config.smooth, calib, run)
+        folded = sum(how.startswith("folded") for how in smoothed.values())
+        prepared.append(
+            f"smoothed {len(smoothed)} activations into their weights (alpha {config.smooth:g}; {folded} folded "
+            "into norms)"
+        )
     act_names = activation_tensors(decisions, ir_model)
 
     calibration = activation_stats(ir_model, act_names, config, calib, stats, run)

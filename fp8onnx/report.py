@@ -34,6 +34,8 @@ def describe_config(cfg: dict) -> str:
         how += ", per-channel weights"
     if cfg.get("weight_rounding") == "gptq":
         how += ", GPTQ weight rounding"
+    if cfg.get("smooth") is not None:
+        how += f", smoothing alpha {cfg['smooth']:g}"
     if cfg.get("bias_correction"):
         how += ", bias correction"
     if cfg.get("float_vocab"):

@@ -1,0 +1,134 @@
+"""Smoothing of activation outliers into the weights (SmoothQuant, Xiao et al. 2023, migrated to FP8).
+
+A few input channels of an LLM's activations carry values 10-100x the others, and a per-tensor
+scale sized for them leaves the rest with few grid points. Per input channel k of a quantized
+MatMul/Gemm, ``s_k = amax_x[k]^alpha / amax_w[k]^(1 - alpha)`` (``amax_w[k]``: the largest |w| in
+row k of the weight, over every layer reading that activation) moves range from the activation into
+the weights: ``x' = x / s`` and ``W' = diag(s) W`` compute the same product. ``1/s`` is folded into
+the producer where one exists: the scale (and bias) of a LayerNormalization or of ORT's
+SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization (RMSNorm) whose weights nothing else
+reads; elsewhere a ``Mul`` by ``1/s`` is inserted. The per-channel amax of each activation comes
+from one streaming pass over the calibration data (in the graph, memory flat in sample count).
+
+Only activations that feed MatMul/Gemm as input A (reduction over the last axis, no ``transA``) and
+whose every quantized reader has a constant weight are smoothed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from .errors import Fp8OnnxError
+from .graph_stats import F32, sum_in_graph
+from .plan import Decision, in_main_graph
+from .runtime import RunOptions
+
+__all__ = ["smooth"]
+
+logger = logging.getLogger(__name__)
+_NORMS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def _groups(decisions: list[Decision], model: ir.Model) -> dict[str, tuple[ir.Value, list[ir.Node]]]:
+    """activation name -> (value, the MatMul/Gemm nodes reading it as A with a constant weight)."""
+    groups: dict[str, tuple[ir.Value, list[ir.Node]]] = {}
+    bad = set()
+    for d in decisions:
+        node, kinds = d.node, dict(d.inputs)
+        x = node.inputs[0]
+        if x is None or node.op_type not in ("MatMul", "Gemm") or not in_main_graph(x, model):
+            continue
+        ok = kinds.get(1) == "weight" and not (node.op_type == "Gemm" and node.attributes.get_int("transA", 0))
+        ok = ok and x.shape is not None and isinstance(x.shape[-1], int) and len(node.inputs[1].shape) == 2
+        if not ok:
+            bad.add(x.name)
+        groups.setdefault(x.name, (x, []))[1].append(node)
+    for name in bad:
+        groups.pop(name, None)
+    return groups
+
+
+def _weight_rows(node: ir.Node) -> np.ndarray:
+    """|W| max per input row k, for y = x W (a transposed Gemm weight is [N, K])."""
+    w = np.abs(node.inputs[1].const_value.numpy().astype(np.float32))
+    return w.max(axis=0) if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else w.max(axis=1)
+
+
+def _scale_weight(node: ir.Node, s: np.ndarray) -> None:
+    w_value = node.inputs[1]
+    w = w_value.const_value.numpy()
+    transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+    scaled = w * (s[None, :] if transposed else s[:, None]).astype(w.dtype)
+    w_value.const_value = ir.tensor(scaled.astype(w.dtype), name=w_value.name)
+
+
+def _fold_into_norm(x: ir.Value, inv: np.ndarray) -> bool:
+    """Fold ``x * inv`` into the norm producing ``x`` (output 0), if its weights are its own."""
+    producer = x.producer()
+    if producer is None or producer.op_type not in _NORMS or producer.outputs[0] is not x:
+        return False
+    if producer.attributes.get_int("axis", -1) not in (-1, len(x.shape) - 1):
+        return False
+    index = 2 if producer.op_type == "SkipSimplifiedLayerNormalization" else 1
+    params = [producer.inputs[index]]
+    if producer.op_type == "LayerNormalization" and len(producer.inputs) > 2 and producer.inputs[2] is not None:
+        params.append(producer.inputs[2])
+    if any(p is None or p.const_value is None or len(list(p.uses())) != 1 for p in params):
+        return False
+    for p in params:
+        values = p.const_value.numpy()
+        p.const_value = ir.tensor((values * inv.astype(values.dtype)).astype(values.dtype), name=p.name)
+    return True
+
+
+def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run: RunOptions) -> dict[str, str]:
+    """Smooth every eligible activation (module docstring); returns activation name -> how
+    (``"folded into <norm>"`` or ``"Mul inserted"``)."""
+    if not 0 <= alpha <= 1:
+        raise Fp8OnnxError(f"--smooth must be in [0, 1], got {alpha!r}.")
+    if calib is None:
+        raise Fp8OnnxError("--smooth needs --calib DATA (the per-channel amax of each activation).")
+    groups = _groups(decisions, model)
+    if not groups:
+        return {}
+
+    def amax_per_channel(x: ir.Value, add) -> list[ir.Value]:
+        axes = np.array(list(range(len(x.shape) - 1)), np.int64)
+        x32 = add("Cast", [add("Abs", [x], "abs")], "f32", to=int(F32))
+        return [add("ReduceMax", [x32, axes], "amax", dtype=F32, keepdims=0)]
+
+    amax = sum_in_graph(
+        model, {name: amax_per_channel for name in groups}, calib, run, "channel amax", combine=np.maximum
+    )
+    done = {}
+    for name, (x, nodes) in groups.items():
+        ax = amax[name][0]
+        aw = np.max([_weight_rows(n) for n in nodes], axis=0)
+        s = np.where((ax > 0) & (aw > 0), ax**alpha / np.maximum(aw, 1e-12) ** (1 - alpha), 1.0)
+        s = np.clip(s, 1e-5, 1e5)  # a dead channel keeps s = 1
+        for node in nodes:
+            _scale_weight(node, s)
+        inv = (1.0 / s).astype(np.float32)
+        only_group = {id(u.node) for u in x.uses()} == {id(n) for n in nodes} and not x.is_graph_output()
+        if only_group and _fold_into_norm(x, inv):  # no other reader sees x / s
+            done[name] = f"folded into {x.producer().op_type} {x.producer().name!r}"
+            continue
+        const = ir.Value(name=f"fp8onnx/{name}/smooth_inv", const_value=ir.tensor(inv.astype(x.dtype.numpy())))
+        const.dtype, const.shape = x.dtype, ir.Shape([len(inv)])
+        model.graph.register_initializer(const)
+        mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
+        mul.outputs[0].name = f"fp8onnx/{name}/smoothed"
+        mul.outputs[0].dtype, mul.outputs[0].shape = x.dtype, x.shape
+        producer = x.producer()
+        if producer is not None:
+            producer.graph.insert_after(producer, mul)
+        else:
+            model.graph.insert_before(model.graph[0], mul)
+        for node in nodes:
+            node.replace_input_with(0, mul.outputs[0])
+        done[name] = "Mul inserted"
+    logger.info("smoothed %d activations (alpha %g)", len(done), alpha)
+    return done

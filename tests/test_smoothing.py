@@ -1,0 +1,74 @@
+"""SmoothQuant for FP8: outlier channels move into the weights; the float function is unchanged."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format
+
+from helpers import run_ort, run_reference, sqnr_db, sqnr_floor_db
+
+
+def block(path, rng, norm=True):
+    """x -> [LayerNormalization] -> MatMul(q), MatMul(k). Channel 0 of the MatMuls' input is a 3e4x outlier
+    (by the norm's scale, or in x itself): per tensor, the other channels fall into E4M3's subnormals."""
+    d = 32
+    gamma = np.ones(d, np.float32)
+    gamma[0] = 3e4
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], name="ln", axis=-1)] if norm else []
+    src = "h" if norm else "x"
+    nodes += [
+        helper.make_node("MatMul", [src, "wq"], ["q"], name="mm_q"),
+        helper.make_node("MatMul", [src, "wk"], ["k"], name="mm_k"),
+    ]
+    weights = [(rng.standard_normal((d, 16)) / 6).astype(np.float32) for _ in range(2)]
+    for w in weights:  # the outlier channel's weights are small: it adds to the output like the others
+        w[0] /= 3e4
+    inits = [numpy_helper.from_array(w, n) for w, n in zip(weights, ("wq", "wk"))]
+    if norm:
+        inits += [numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(np.zeros(d, np.float32), "beta")]
+    graph = helper.make_graph(
+        nodes,
+        "block",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", d])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 16]) for n in ("q", "k")],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    x = rng.standard_normal((512, d)).astype(np.float32)
+    if not norm:
+        x[:, 0] *= 3e4
+    return path, x
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_smoothing_helps_per_tensor_fp8_and_keeps_the_function(tmp_path, norm):
+    rng = np.random.default_rng(0)
+    path, x = block(tmp_path / "m.onnx", rng, norm)
+    np.savez(tmp_path / "calib.npz", x=x[:256])
+    held_out = {"x": x[256:]}
+    refs = run_ort(path, held_out)
+    sqnr = {}
+    for alpha in (None, 0.5):
+        out = tmp_path / f"q{alpha}.onnx"
+        report = fp8onnx.quantize(path, out, tmp_path / "calib.npz", smooth=alpha, provider="cpu")
+        got = run_ort(out, held_out)
+        sqnr[alpha] = min(sqnr_db(r, g) for r, g in zip(refs, got))
+    assert sqnr[0.5] > sqnr[None] + 6 and sqnr[0.5] > sqnr_floor_db(Fp8Format.E4M3FN, 2)
+    folded = "1 folded into norms" if norm else "0 folded into norms"
+    assert any(f"smoothed 1 activations into their weights (alpha 0.5; {folded})" in p for p in report.prepared)
+    ops = [n.op_type for n in onnx.load(out).graph.node]
+    assert ("Mul" in ops) != norm  # folded into the LayerNormalization's scale, else one Mul
+    for r, g in zip(refs, run_reference(out, held_out)):
+        assert sqnr_db(r, g) > sqnr_floor_db(Fp8Format.E4M3FN, 2)
+
+
+def test_smoothing_needs_calibration_and_an_alpha_in_range(tmp_path):
+    path, _ = block(tmp_path / "m.onnx", np.random.default_rng(1))
+    with pytest.raises(Fp8OnnxError, match="--smooth must be in"):
+        fp8onnx.QuantizeConfig(smooth=1.5)
+    with pytest.raises(Fp8OnnxError, match="--smooth needs --calib DATA"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", smooth=0.5)
