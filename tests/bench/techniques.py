@@ -30,6 +30,8 @@ TECHNIQUES = {
     "weight-only": ["--activations", "none"],
     "amax + fp8 embeddings": ["--calib", "{calib}", "--embeddings", "fp8"],
     "per-token + fp8 embeddings": ["--activations", "dynamic-per-token", "--embeddings", "fp8"],
+    "amax + smooth 0.5": ["--calib", "{calib}", "--smooth", "0.5"],
+    "amax + bias correction": ["--calib", "{calib}", "--bias-correction"],
     "amax + gptq": ["--calib", "{calib}", "--weight-rounding", "gptq"],
     "per-token + gptq": ["--calib", "{calib}", "--activations", "dynamic-per-token", "--weight-rounding", "gptq"],
     "weight-only + gptq": ["--calib", "{calib}", "--activations", "none", "--weight-rounding", "gptq"],
