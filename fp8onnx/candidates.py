@@ -43,8 +43,10 @@ class Candidates:
         stats: Stats | None,
         eval_data,
         run: RunOptions,
+        calib=None,
     ):
         self.model, self.config, self.stats, self.eval_data, self.run = model, config, stats, eval_data, run
+        self.calib = calib  # for configs whose weights read the data (GPTQ, smoothing, bias correction)
         self.metric = ""
         self.evaluated = 0  # distinct variants quantized and evaluated
         self.rounds = 0  # compare runs
@@ -62,6 +64,16 @@ class Candidates:
     def config_keeping(self, keep) -> QuantizeConfig:
         return dataclasses.replace(self.config, keep_float=tuple(keep))
 
+    def write(self, keep, path, run: RunOptions):
+        """Quantize the variant keeping ``keep`` in float to ``path``; its QuantizeReport. Configs
+        whose weights read the calibration data re-read it (the statistics alone do not suffice)."""
+        config = self.config_keeping(keep)
+        if config.weights_need_data:
+            if self.calib is None:
+                raise Fp8OnnxError("GPTQ, --smooth and --bias-correction need the calibration data here, not --stats.")
+            return quantize(self.model, path, self.calib, config=config, run=run)
+        return quantize(self.model, path, config=config, stats=self.stats, run=run)
+
     def ratios(self, keeps: list[tuple[str, ...]]) -> list[float | None]:
         """Headline metric relative to FP16's for each variant (nodes kept in float)."""
         todo = list(dict.fromkeys(frozenset(k) for k in keeps if frozenset(k) not in self._cache))
@@ -70,7 +82,7 @@ class Candidates:
             paths = []
             for keep in todo:
                 path = pathlib.Path(self._tmp.name) / f"variant{self.evaluated + len(paths)}.onnx"
-                quantize(self.model, path, config=self.config_keeping(sorted(keep)), stats=self.stats, run=quiet)
+                self.write(sorted(keep), path, quiet)
                 paths.append(path)
             first = self.rounds == 0
             result = compare(self.model, paths, self.eval_data, fp16=first, run=self.run)

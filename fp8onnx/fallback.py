@@ -27,7 +27,6 @@ from .config import QuantizeConfig
 from .errors import Fp8OnnxError
 from .guard import as_path, check_paths, model_reads, model_writes
 from .model_io import write_text_atomic
-from .quantize import quantize
 from .report import QuantizeReport
 from .runtime import RunOptions
 from .sensitivity import SensitivityResult, sensitivity
@@ -186,7 +185,7 @@ def quantize_to_target(
         sens = sensitivity(model, calib, config=config, eval_data=eval_data, refine=refine, run=run)
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
-    with Candidates(model, config, sens.stats, eval_data, run) as candidates:
+    with Candidates(model, config, sens.stats, eval_data, run, calib=calib) as candidates:
         tried, chosen = search(sens, candidates, target, limit)
     evaluations = sens.evaluations + candidates.evaluated
     metric = candidates.metric
@@ -202,7 +201,7 @@ def quantize_to_target(
             "nothing written (raise --max-float-nodes or lower --accuracy-target).",
             result,
         )
-    final = quantize(model, output, config=candidates.config_keeping(order[:chosen]), stats=sens.stats, run=run)
+    final = candidates.write(order[:chosen], output, run)
     logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, target, evaluations)
     result = FallbackResult(target, metric, tried, order[:chosen], True, final, evaluations, sens.to_json()["nodes"])
     if report is not None:  # the usual report, plus how the target was met and the sensitivity it used

@@ -106,6 +106,8 @@ def apply_gptq(
     ``quant``); returns the names of the weights rounded. Weights read by several nodes, Conv
     weights and nodes whose input is inside a subgraph keep plain rounding."""
     targets = _targets(decisions, model)
+    if not targets:
+        return []
     if calib is None:
         raise Fp8OnnxError("--weight-rounding gptq needs --calib DATA (the Hessian X^T X of each layer's input).")
     shared = {}

@@ -33,6 +33,8 @@ def sum_in_graph(
 ) -> dict[str, list[np.ndarray]]:
     """See the module docstring; ``combine`` merges one batch's values into the running ones
     (``np.maximum`` for a running max)."""
+    if not builders:
+        return {}
     instrumented = model.clone()
     graph = instrumented.graph
     values = {v.name: v for n in graph for v in n.outputs}

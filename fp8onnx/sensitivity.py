@@ -200,16 +200,16 @@ def sensitivity(
         row.risk = risks.get(row.name)
     result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
     if eval_data is not None and refine > 0:
-        _refine(result, model, config, eval_data, refine, run)
+        _refine(result, model, config, eval_data, refine, run, calib if calib is not None else data)
     return result
 
 
-def _refine(result: SensitivityResult, model, config: QuantizeConfig, eval_data, top: int, run: RunOptions) -> None:
+def _refine(result: SensitivityResult, model, config: QuantizeConfig, eval_data, top: int, run, calib) -> None:
     """Score the all-FP8 model and, per lowest-SQNR node, the model with only it in float."""
     from .candidates import Candidates
 
     nodes = result.ranked()[:top]
-    with Candidates(model, config, result.stats, eval_data, run) as candidates:
+    with Candidates(model, config, result.stats, eval_data, run, calib=calib) as candidates:
         base, *ratios = candidates.ratios([(), *((n.name,) for n in nodes)])
     result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
     for node, ratio in zip(nodes, ratios):

@@ -128,3 +128,12 @@ def test_a_count_that_passes_only_by_noise_is_not_chosen():
     tried, chosen = search(sens, candidates, 99.5, 8)
     assert chosen == 6 and sorted(tried) == [0, 1, 2, 4, 5, 6, 7, 8]
     assert search(sens, candidates, 99.5, 4)[1] is None  # within 4 nothing passes steadily
+
+
+def test_the_search_applies_weight_techniques_to_every_candidate(tmp_path, outlier_chain):
+    path, calib, eval_data = outlier_chain
+    out = tmp_path / "q.onnx"
+    result = quantize_to_target(path, out, calib, eval_data, target=99.9, weight_rounding="gptq", provider="cpu")
+    assert result.met and result.kept_in_float == ["second"]
+    assert any("GPTQ rounding of 1 weights" in p for p in result.report.prepared)
+    assert result.report.config["weight_rounding"] == "gptq"
