@@ -66,10 +66,13 @@ def sum_in_graph(
     outputs = [o for names in fetch.values() for o in names]
     sums: dict[str, np.ndarray] = {}
 
-    def accumulate(got: dict) -> None:
-        for o in outputs:
-            v = np.asarray(got[o], np.float64)
-            sums[o] = v if o not in sums else combine(sums[o], v)
+    wanted = set(outputs)
+
+    def accumulate(got: dict) -> None:  # all outputs at once, or one segment's (layer by layer)
+        for o, value in got.items():
+            if o in wanted:
+                v = np.asarray(value, np.float64)
+                sums[o] = v if o not in sums else combine(sums[o], v)
 
     source = as_data(data, input_specs(model))
     total = source.count_batches(run.batch_size)
@@ -89,7 +92,7 @@ def sum_in_graph(
         session = session_for_model(instrumented, run.provider, f"The {desc} model")
         for feed in progress_bar(feeds, total=total, desc=desc, unit="batch", enable=run.progress):
             accumulate(dict(zip(outputs, session.run(outputs, feed))))
-    if not sums:
+    if len(sums) != len(outputs):
         raise Fp8OnnxError(f"No calibration batch to compute {desc} on.")
     return {name: [sums[o] for o in names] for name, names in fetch.items()}
 

@@ -90,3 +90,15 @@ def test_gptq_needs_calibration_data(tmp_path):
     path = two_layers(tmp_path / "m.onnx", np.random.default_rng(3))
     with pytest.raises(Fp8OnnxError, match="--weight-rounding gptq needs --calib DATA"):
         fp8onnx.quantize(path, tmp_path / "q.onnx", activations="none", weight_rounding="gptq", provider="cpu")
+
+
+def test_layer_by_layer_gives_the_same_model(tmp_path):
+    """Above the weight budget X^T X is collected segment by segment: the same rounding, byte for byte."""
+    rng = np.random.default_rng(4)
+    path = two_layers(tmp_path / "m.onnx", rng)
+    np.savez(tmp_path / "calib.npz", x=correlated(rng, rows=256))
+    options = {"activations": "none", "weight_rounding": "gptq", "provider": "cpu"}
+    whole = fp8onnx.quantize(path, tmp_path / "whole.onnx", tmp_path / "calib.npz", **options)
+    parts = fp8onnx.quantize(path, tmp_path / "parts.onnx", tmp_path / "calib.npz", weight_memory=1, **options)
+    assert whole.prepared == parts.prepared
+    assert (tmp_path / "whole.onnx").read_bytes() == (tmp_path / "parts.onnx").read_bytes()
