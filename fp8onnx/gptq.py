@@ -14,7 +14,9 @@ that K x K matrix leaves onnxruntime per batch (summed in float64 here). Models 
 weight budget run layer by layer, as calibration does.
 
 The rounded weights replace the float initializers *on the grid*: quantizing them again with the
-same scales (which :class:`~fp8onnx.passes.InsertQDQPass` does) gives exactly GPTQ's values.
+same scales (which :class:`~fp8onnx.passes.InsertQDQPass` does) gives exactly GPTQ's values. They
+are lazy: each is rounded when the model is saved, one at a time, so memory stays at one weight
+(reading one again, as bias correction does, rounds it again).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .errors import Fp8OnnxError
 from .formats import Fp8Format, dequantize, quantize
 from .graph_stats import F32, sum_in_graph
 from .passes import TensorQuant
+from .passes._common import derived_tensor
 from .plan import Decision, in_main_graph
 from .runtime import RunOptions
 
@@ -122,16 +125,19 @@ def apply_gptq(
             tq = quant.get(value.name)
             if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in rounded:
                 continue
-            w = value.const_value.numpy().astype(np.float32)
-            transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-            w_kn = w.T if transposed else w
+            transposed = bool(node.op_type == "Gemm" and node.attributes.get_int("transB", 0))
             if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
                 scale = np.asarray(tq.scale, np.float32).reshape(-1)
             else:
                 scale = np.float32(tq.scale)
-            q = gptq_round(w_kn, hessians[x], scale, tq.format)
-            q = (q.T if transposed else q).astype(w.dtype)
-            value.const_value = ir.tensor(q, name=value.name)
+
+            def compute(w, h=hessians[x], scale=scale, fmt=tq.format, transposed=transposed):
+                q = gptq_round(w.T if transposed else w, h, scale, fmt)
+                return (q.T if transposed else q).astype(w.dtype)
+
+            # Evaluated when the model is saved, one weight at a time (a large model is never resident whole).
+            source = value.const_value
+            value.const_value = derived_tensor(source, compute, value.dtype, source.shape, value.name)
             rounded.append(value.name)
     logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
     return rounded
