@@ -29,10 +29,11 @@ _PREFIX = "fp8onnx_stat/"
 
 
 def sum_in_graph(
-    model: ir.Model, builders: dict, data, run: RunOptions, desc: str, combine=np.add
+    model: ir.Model, builders: dict, data, run: RunOptions, desc: str, combine=np.add, dtype=np.float64
 ) -> dict[str, list[np.ndarray]]:
     """See the module docstring; ``combine`` merges one batch's values into the running ones
-    (``np.maximum`` for a running max)."""
+    (``np.maximum`` for a running max), kept in ``dtype`` (float32 halves the memory of large sums
+    such as the X^T X of every layer)."""
     if not builders:
         return {}
     instrumented = model.clone()
@@ -71,7 +72,7 @@ def sum_in_graph(
     def accumulate(got: dict) -> None:  # all outputs at once, or one segment's (layer by layer)
         for o, value in got.items():
             if o in wanted:
-                v = np.asarray(value, np.float64)
+                v = np.asarray(value, dtype)
                 sums[o] = v if o not in sums else combine(sums[o], v)
 
     source = as_data(data, input_specs(model))
