@@ -10,8 +10,8 @@ chose (per tensor or per output channel): GPTQ only picks *which* grid value eac
 
 ``H`` is accumulated in the graph during calibration: per activation feeding a quantized MatMul/Gemm,
 the instrumented model outputs ``Reshape(x, [-1, K])^T @ Reshape(x, [-1, K])`` in float32, and only
-that K x K matrix leaves onnxruntime per batch (summed in float32 here, as GPTQ implementations do). Models larger than the
-weight budget run layer by layer, as calibration does.
+that K x K matrix leaves onnxruntime per batch (summed in float32 here, as GPTQ implementations do).
+Models larger than the weight budget run layer by layer, as calibration does.
 
 The rounded weights replace the float initializers *on the grid*: quantizing them again with the
 same scales (which :class:`~fp8onnx.passes.InsertQDQPass` does) gives exactly GPTQ's values. They
