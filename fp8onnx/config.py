@@ -213,7 +213,7 @@ class QuantizeConfig:
 
     @property
     def weights_need_data(self) -> bool:
-        """GPTQ and bias correction read the calibration data for the weights, whatever the activations."""
+        """GPTQ, bias correction and smoothing read the calibration data, whatever the activations."""
         return self.weight_rounding == "gptq" or self.bias_correction or self.smooth is not None
 
     def weight_per_channel(self, op_type: str) -> bool:

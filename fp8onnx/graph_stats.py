@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError
+from .passes._common import initializer, insert_at_definition
 from .progress import progress_bar
 from .runtime import RunOptions, session_for_model, weight_bytes
 from .segments import run_segmented
@@ -46,7 +47,10 @@ def sum_in_graph(
         nodes: list[ir.Node] = []
 
         def add(op_type, inputs, suffix, dtype=None, shape=None, _k=k, _nodes=nodes, **attrs):
-            inputs = [_constant(graph, v, f"{_PREFIX}{_k}/c{len(_nodes)}_{i}") for i, v in enumerate(inputs)]
+            inputs = [
+                initializer(graph, f"{_PREFIX}{_k}/c{len(_nodes)}_{i}", v) if isinstance(v, np.ndarray) else v
+                for i, v in enumerate(inputs)
+            ]
             node = ir.node(op_type, inputs, attrs or None, name=f"{_PREFIX}{_k}/{suffix}{len(_nodes)}")
             node.outputs[0].name = node.name
             if dtype is not None:
@@ -57,11 +61,7 @@ def sum_in_graph(
             return node.outputs[0]
 
         outs = build(x, add)
-        producer = x.producer()
-        if producer is not None:
-            graph.insert_after(producer, nodes)
-        else:
-            graph.insert_before(graph[0], nodes)
+        insert_at_definition(x, nodes)
         graph.outputs.extend(outs)
         fetch[name] = [o.name for o in outs]
     outputs = [o for names in fetch.values() for o in names]
@@ -96,12 +96,3 @@ def sum_in_graph(
     if len(sums) != len(outputs):
         raise Fp8OnnxError(f"No calibration batch to compute {desc} on.")
     return {name: [sums[o] for o in names] for name, names in fetch.items()}
-
-
-def _constant(graph: ir.Graph, value, name: str) -> ir.Value:
-    if not isinstance(value, np.ndarray):
-        return value
-    const = ir.Value(name=name, const_value=ir.tensor(value, name=name), shape=ir.Shape(value.shape))
-    const.dtype = const.const_value.dtype
-    graph.register_initializer(const)
-    return const

@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from .errors import Fp8OnnxError
 from .graph_stats import F32, sum_in_graph
+from .passes._common import initializer, insert_at_definition
 from .plan import Decision, in_main_graph
 from .runtime import RunOptions
 
@@ -116,17 +117,11 @@ def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run:
         if only_group and _fold_into_norm(x, inv):  # no other reader sees x / s
             done[name] = f"folded into {x.producer().op_type} {x.producer().name!r}"
             continue
-        const = ir.Value(name=f"fp8onnx/{name}/smooth_inv", const_value=ir.tensor(inv.astype(x.dtype.numpy())))
-        const.dtype, const.shape = x.dtype, ir.Shape([len(inv)])
-        model.graph.register_initializer(const)
+        const = initializer(model.graph, f"fp8onnx/{name}/smooth_inv", inv.astype(x.dtype.numpy()))
         mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
         mul.outputs[0].name = f"fp8onnx/{name}/smoothed"
         mul.outputs[0].dtype, mul.outputs[0].shape = x.dtype, x.shape
-        producer = x.producer()
-        if producer is not None:
-            producer.graph.insert_after(producer, mul)
-        else:
-            model.graph.insert_before(model.graph[0], mul)
+        insert_at_definition(x, [mul])
         for node in nodes:
             node.replace_input_with(0, mul.outputs[0])
         done[name] = "Mul inserted"
