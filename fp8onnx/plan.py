@@ -144,8 +144,10 @@ def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str, s
     tables = set()
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         table = _constant_2d(node.inputs[0]) if node.op_type == "Gather" and node.inputs else None
-        if table is not None:
-            tables.add(int(table.shape[0]))
+        if table is not None:  # a tied table is gathered along axis 1 of the projection's weight
+            axis = node.attributes.get_int("axis", 0)
+            if isinstance(table.shape[axis], int):
+                tables.add(int(table.shape[axis]))
     risks = {}
     for node in nodes:
         weight = _constant_2d(node.inputs[1]) if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 else None

@@ -15,6 +15,7 @@ from .model_io import EXTERNAL_META, load_model
 from .passes import (
     ConvertFloat16Pass,
     FoldWeightTransformsPass,
+    TieEmbeddingsPass,
     UpgradeError,
     UpgradeOpsetPass,
     default_opset,
@@ -48,6 +49,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
         (ir.passes.common.LiftConstantsToInitializersPass(), "lifted Constant nodes to initializers"),
         (ir.passes.common.InlinePass(), "inlined model-local functions"),
         (FoldWeightTransformsPass(), "folded Identity/Cast/Transpose of weights into initializers"),
+        (TieEmbeddingsPass(), "stored the tied input/output embedding table once"),
     ]
     if precision == "fp16":
         steps.append((ConvertFloat16Pass(), "converted the unquantized graph to float16 (inputs and outputs kept)"))

@@ -132,15 +132,20 @@ def quantize(
     if shielded:
         ShieldBiasPass(shielded)(ir_model)
         prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
-    modified = InsertQDQPass(targets, quant)(ir_model).modified
+    inserted = InsertQDQPass(targets, quant)(ir_model)
+    modified = inserted.modified
     if config.embeddings == "fp8":
-        embedded = QuantizeEmbeddingsPass(config.weight_format)(ir_model)
+        embedded = QuantizeEmbeddingsPass(config.weight_format, dequantized=inserted.dequantized)(ir_model)
         modified |= embedded.modified
         if embedded.quantized:
             prepared.append(
                 f"stored {len(embedded.quantized)} embedding tables as {config.weight_format.value} codes with "
                 f"per-row scales ({', '.join(embedded.quantized[:3])})"
             )
+        prepared += [
+            f"tied embedding table {name!r} gathered from its projection's {config.weight_format.value} weight"
+            for name in embedded.shared
+        ]
         prepared += [f"embedding table {name!r} left in float: {why}" for name, why in embedded.skipped.items()]
     lowering = None
     if modified and config.native_gemm:

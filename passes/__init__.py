@@ -12,6 +12,7 @@ from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
 from .quantize_embeddings import EmbeddingsResult, QuantizeEmbeddingsPass
 from .shield_bias import ShieldBiasPass, bias_of
+from .tie_embeddings import TieEmbeddingsPass
 from .upgrade_opset import TARGET_OPSET, UpgradeError, UpgradeOpsetPass, default_opset
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "QuantizeEmbeddingsPass",
     "ShieldBiasPass",
     "TensorQuant",
+    "TieEmbeddingsPass",
     "UpgradeError",
     "UpgradeOpsetPass",
     "bias_of",

@@ -40,7 +40,7 @@ from ..formats import Fp8Format, dequantize, quantize
 from ..scaling import SAFE_AMAX, amax_to_scale
 from ._common import derived_tensor, initializer, insert_at_definition
 
-__all__ = ["NODE_PREFIX", "InsertQDQPass", "TensorQuant", "emulated_rounding", "is_quantized", "scale_array"]
+__all__ = ["NODE_PREFIX", "InsertQDQPass", "QDQResult", "TensorQuant", "emulated_rounding", "is_quantized", "scale_array"]
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "fp8onnx/"
@@ -178,6 +178,11 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_to
 MIN_OPSET = 21  # QuantizeLinear with output_dtype (float8 without a zero point)
 
 
+@dataclasses.dataclass
+class QDQResult(ir.passes.PassResult):
+    dequantized: dict[str, ir.Value] = dataclasses.field(default_factory=dict)  # weight name -> what reads it now
+
+
 class InsertQDQPass(ir.passes.InPlacePass):
     """requires: default opset >= 21; every target is a node of the model with a float input of known
     dtype at that index and a TensorQuant for it. ensures: every target input is read from a
@@ -232,6 +237,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
             wanted.setdefault(node, set()).add(index)
         builder = _Builder(graph)  # constants live in the main graph, visible from every subgraph
         replaced: dict[str, ir.Value] = {}  # tensor name -> what its quantized consumers read
+        weights: list[str] = []
         rewired = 0
         for node in list(ir.traversal.RecursiveGraphIterator(graph)):
             for index in sorted(wanted.get(node, set()) | wanted.get(node.name, set())):
@@ -243,6 +249,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
                     tq = self.quant[value.name]
                     if value.const_value is not None and value.is_initializer():
                         new = self._weight(builder, value, tq)
+                        weights.append(value.name)
                     else:
                         new = self._activation(builder, value, tq)
                     insert_at_definition(value, builder.take())
@@ -255,7 +262,8 @@ class InsertQDQPass(ir.passes.InPlacePass):
                 del graph.initializers[name]
         if rewired:
             logger.info("quantized %d node inputs (%d tensors)", rewired, len(replaced))
-        return ir.passes.PassResult(model, modified=bool(rewired))
+        dequantized = {name: replaced[name] for name in weights}
+        return QDQResult(model, modified=bool(rewired), dequantized=dequantized)
 
     def _weight(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         source = value.const_value

@@ -10,8 +10,10 @@ scales ``amax_row / fmax``), and decoded after the Gather with a 256-entry looku
 
 Only the gathered rows are decoded at run time; every op has CPU and CUDA kernels. The values are
 exactly ``DequantizeLinear(QuantizeLinear(table, scale_row))`` (round to nearest even, saturating).
-A table that something other than a Gather on axis 0 also reads (e.g. a tied lm_head MatMul) is
-left alone, with the reason, as is a table with fewer than ``min_rows`` rows.
+A tied table (TieEmbeddingsPass: the Gather reads the lm_head weight) shares the lm_head's float8
+copy when the lm_head was quantized (``dequantized``: the Gather reads its DequantizeLinear), and
+stays in float with it otherwise. A table that something other than a Gather also reads is left
+alone, with the reason, as is a table with fewer than ``min_rows`` rows.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PREFIX = "fp8onnx/"
 @dataclasses.dataclass
 class EmbeddingsResult(ir.passes.PassResult):
     quantized: list[str] = dataclasses.field(default_factory=list)  # table names
+    shared: list[str] = dataclasses.field(default_factory=list)  # tied tables now read through lm_head's copy
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # table name -> why
 
 
@@ -44,8 +47,9 @@ def _lut(fmt: Fp8Format, dtype: ir.DataType) -> np.ndarray:
     return np.arange(256, dtype=np.uint8).view(fmt.np_dtype).astype(dtype.numpy())
 
 
-def _tables(model: ir.Model, min_rows: int):
-    """(table value, its Gather nodes) for every constant 2-D float table read by a Gather on axis 0."""
+def _tables(model: ir.Model, min_rows: int, dequantized: dict[str, ir.Value]):
+    """(table value, its Gather nodes, why it stays as it is) for every constant 2-D float table
+    read by a Gather; the Gathers are on axis 0 unless the table is in ``dequantized``."""
     seen = {}
     for node in model.graph:
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or not node.inputs:
@@ -58,16 +62,15 @@ def _tables(model: ir.Model, min_rows: int):
         seen.setdefault(table.name, table)
     for table in seen.values():
         uses = [u.node for u in table.uses()]
-        other = next(
-            (
-                n
-                for n in uses
-                if n.op_type != "Gather" or n.attributes.get_int("axis", 0) != 0 or n.graph is not model.graph
-            ),
-            None,
-        )
+        other = next((n for n in uses if n.op_type != "Gather" or n.graph is not model.graph), None)
+        axes = {n.attributes.get_int("axis", 0) for n in uses}
         if other is not None:
-            yield table, [], f"also read by {other.op_type} {other.name!r}"
+            tied = " (a tied table: it stays in float with it)" if other.op_type in ("MatMul", "Gemm") else ""
+            yield table, [], f"also read by {other.op_type} {other.name!r}{tied}"
+        elif table.name in dequantized:
+            yield table, uses, None
+        elif axes != {0}:
+            yield table, [], f"gathered along axis {sorted(axes)[-1]}, not 0"
         elif int(table.shape[0]) < min_rows:
             yield table, [], f"{table.shape[0]} rows, fewer than {min_rows}"
         else:
@@ -78,21 +81,31 @@ class QuantizeEmbeddingsPass(ir.passes.InPlacePass):
     """requires: opset >= 13 (Gather, Unsqueeze with axes input); ensures: every table it reports
     as quantized is read only through its uint8 codes (the float initializer is gone)."""
 
-    def __init__(self, fmt: Fp8Format = Fp8Format.E4M3FN, min_rows: int = 256):
+    def __init__(
+        self, fmt: Fp8Format = Fp8Format.E4M3FN, min_rows: int = 256, dequantized: dict[str, ir.Value] | None = None
+    ):
+        """``dequantized``: weight name -> the value its quantized readers now read (InsertQDQPass's
+        result); a table listed there is shared, not stored a second time."""
         super().__init__()
-        self.fmt, self.min_rows = fmt, min_rows
+        self.fmt, self.min_rows, self.dequantized = fmt, min_rows, dict(dequantized or {})
 
     def call(self, model: ir.Model) -> EmbeddingsResult:
         result = EmbeddingsResult(model, modified=False)
         graph = model.graph
-        for table, gathers, why in list(_tables(model, self.min_rows)):
+        for table, gathers, why in list(_tables(model, self.min_rows, self.dequantized)):
             if why:
                 logger.info("embedding table %r left in float: %s", table.name, why)
                 result.skipped[table.name] = why
-                continue
-            self._rewrite(graph, table, gathers)
-            result.quantized.append(table.name)
-        result.modified = bool(result.quantized)
+            elif table.name in self.dequantized:
+                for gather in gathers:
+                    gather.replace_input_with(0, self.dequantized[table.name])
+                del graph.initializers[table.name]
+                logger.info("tied embedding table %r reads its projection's float8 copy", table.name)
+                result.shared.append(table.name)
+            else:
+                self._rewrite(graph, table, gathers)
+                result.quantized.append(table.name)
+        result.modified = bool(result.quantized or result.shared)
         if result.quantized:
             logger.info("stored %d embedding tables as %s codes", len(result.quantized), self.fmt.value)
         return result
