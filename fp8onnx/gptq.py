@@ -50,23 +50,31 @@ def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple
             continue
         if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
             continue
-        x = node.inputs[0]
-        if x is None or not in_main_graph(x, model) or x.shape is None or not isinstance(x.shape[-1], int):
+        x, w = node.inputs[0], node.inputs[1]
+        if x is None or not in_main_graph(x, model) or w.shape is None or len(w.shape) != 2:
             continue
         out.setdefault(x.name, []).append((node, 1))
     return out
 
 
-def collect_hessians(model: ir.Model, names: list[str], calib, run: RunOptions) -> dict[str, np.ndarray]:
-    """``X^T X`` (float32 sums, K x K) of each named activation over ``calib``, computed in the graph."""
+def _reduction_size(node: ir.Node) -> int:
+    """K of y = x W: the rows of a [K, N] weight (the columns of a transposed Gemm's [N, K]); the
+    activation's own last dim is often unknown to shape inference (e.g. after a Reshape)."""
+    transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+    return int(node.inputs[1].shape[1 if transposed else 0])
+
+
+def collect_hessians(model: ir.Model, sizes: dict[str, int], calib, run: RunOptions) -> dict[str, np.ndarray]:
+    """``X^T X`` (float32 sums, K x K) of each activation named in ``sizes`` (name -> K) over
+    ``calib``, computed in the graph."""
 
     def xtx(x: ir.Value, add) -> list[ir.Value]:
-        k = int(x.shape[-1])
+        k = sizes[x.name]
         x2 = add("Cast", [add("Reshape", [x, np.array([-1, k], np.int64)], "2d")], "f32", to=int(F32))
         return [add("MatMul", [add("Transpose", [x2], "t", perm=[1, 0]), x2], "xtx", dtype=F32, shape=[k, k])]
 
     # float32 sums: a 1B model's X^T X matrices (16 layers x up to 5632^2) would take 5.6 GB in float64
-    sums = sum_in_graph(model, {name: xtx for name in names}, calib, run, "hessians", dtype=np.float32)
+    sums = sum_in_graph(model, {name: xtx for name in sizes}, calib, run, "hessians", dtype=np.float32)
     return {name: values[0] for name, values in sums.items()}
 
 
@@ -118,7 +126,7 @@ def apply_gptq(
     for x, nodes in targets.items():
         for node, index in nodes:
             shared.setdefault(node.inputs[index].name, set()).add(x)
-    hessians = collect_hessians(model, list(targets), calib, run)
+    hessians = collect_hessians(model, {x: _reduction_size(nodes[0][0]) for x, nodes in targets.items()}, calib, run)
     rounded = []
     for x, nodes in targets.items():
         for node, index in nodes:

@@ -100,7 +100,7 @@ def quantize(
         folded = sum(how.startswith("folded") for how in smoothed.values())
         prepared.append(
             f"smoothed {len(smoothed)} activations into their weights (alpha {config.smooth:g}; {folded} folded "
-            "into norms)"
+            "into the norm or MatMul that computes them)"
         )
     act_names = activation_tensors(decisions, ir_model)
 

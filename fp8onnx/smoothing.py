@@ -7,7 +7,9 @@ row k of the weight, over every layer reading that activation) moves range from 
 the weights: ``x' = x / s`` and ``W' = diag(s) W`` compute the same product. ``1/s`` is folded into
 the producer where one exists: the scale (and bias) of a LayerNormalization or of ORT's
 SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization (RMSNorm) whose weights nothing else
-reads; elsewhere a ``Mul`` by ``1/s`` is inserted. The per-channel amax of each activation comes
+reads, or the output columns of a preceding MatMul/Gemm weight (and bias), also through an Add of a
+per-channel constant or a Mul (SwiGLU's ``silu(gate) * up`` folds into ``up``); elsewhere a ``Mul``
+by ``1/s`` is inserted. The per-channel amax of each activation comes
 from one streaming pass over the calibration data (in the graph, memory flat in sample count).
 
 Only activations that feed MatMul/Gemm as input A (reduction over the last axis, no ``transA``) and
@@ -43,7 +45,7 @@ def _groups(decisions: list[Decision], model: ir.Model) -> dict[str, tuple[ir.Va
         if x is None or node.op_type not in ("MatMul", "Gemm") or not in_main_graph(x, model):
             continue
         ok = kinds.get(1) == "weight" and not (node.op_type == "Gemm" and node.attributes.get_int("transA", 0))
-        ok = ok and x.shape is not None and isinstance(x.shape[-1], int) and len(node.inputs[1].shape) == 2
+        ok = ok and x.shape is not None and len(node.inputs[1].shape) == 2  # K from the weight, not x
         if not ok:
             bad.add(x.name)
         groups.setdefault(x.name, (x, []))[1].append(node)
@@ -85,6 +87,76 @@ def _fold_into_norm(x: ir.Value, inv: np.ndarray) -> bool:
     return True
 
 
+def _only_reader(value: ir.Value, node: ir.Node) -> bool:
+    return not value.is_graph_output() and all(u.node is node for u in value.uses())
+
+
+def _channel_const(value: ir.Value | None, node: ir.Node, k: int) -> bool:
+    """A constant read only by ``node`` that varies along the last axis only ([k] or [1, ..., k])."""
+    if value is None or value.const_value is None or not value.is_initializer() or not _only_reader(value, node):
+        return False
+    shape = list(value.const_value.shape)
+    return bool(shape) and shape[-1] == k and all(d == 1 for d in shape[:-1])
+
+
+def _times(value: ir.Value, factor: np.ndarray, axis: int = -1) -> None:
+    """Multiply a constant in place by ``factor`` along ``axis``."""
+    values = value.const_value.numpy()
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    value.const_value = ir.tensor((values * factor.reshape(shape).astype(values.dtype)).astype(values.dtype), name=value.name)
+
+
+def _fold(x: ir.Value, inv: np.ndarray, depth: int = 0) -> str | None:
+    """Fold ``x * inv`` (per channel of the last axis) into what computes ``x``: the weights of a
+    norm, the columns of a MatMul/Gemm weight (and its bias), through an Add of a per-channel constant
+    or a Mul (SwiGLU's ``silu(gate) * up``: into ``up``'s columns). Returns what it was folded into,
+    or None with nothing changed."""
+    producer = x.producer()
+    if producer is None or producer.outputs[0] is not x or depth > 4:
+        return None
+    op, k = producer.op_type, len(inv)
+    where = f"{op} {producer.name!r}"
+    if op in _NORMS:
+        return where if _fold_into_norm(x, inv) else None
+    if producer.domain not in ("", "ai.onnx"):
+        return None
+    if op in ("MatMul", "Gemm") and len(producer.inputs) >= 2:
+        w = producer.inputs[1]
+        if w is None or w.const_value is None or not w.is_initializer() or not _only_reader(w, producer):
+            return None
+        if len(w.const_value.shape) != 2 or (op == "Gemm" and producer.attributes.get_int("transA", 0)):
+            return None
+        axis = 0 if op == "Gemm" and producer.attributes.get_int("transB", 0) else 1
+        if w.const_value.shape[axis] != k:
+            return None
+        bias = producer.inputs[2] if op == "Gemm" and len(producer.inputs) > 2 else None
+        if bias is not None and not _channel_const(bias, producer, k):
+            return None
+        _times(w, inv, axis)
+        if bias is not None:
+            _times(bias, inv)
+        return f"the columns of {where}"
+    if op in ("Add", "Mul") and len(producer.inputs) == 2:
+        a, b = producer.inputs
+        for const, other in ((a, b), (b, a)):
+            if _channel_const(const, producer, k) and other is not None and other.const_value is None:
+                if op == "Mul":  # (v * c) / s = v * (c / s)
+                    _times(const, inv)
+                    return where
+                inner = _fold(other, inv, depth + 1) if _only_reader(other, producer) else None
+                if inner:  # (v + c) / s = v / s + c / s
+                    _times(const, inv)
+                    return f"{inner} through {where}"
+                return None
+        if op == "Mul" and a is not None and b is not None and a is not b and a.const_value is None:
+            for v in (b, a):  # (u * v) / s = u * (v / s)
+                inner = _fold(v, inv, depth + 1) if v.const_value is None and _only_reader(v, producer) else None
+                if inner:
+                    return f"{inner} through {where}"
+    return None
+
+
 def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run: RunOptions) -> dict[str, str]:
     """Smooth every eligible activation (module docstring); returns activation name -> how
     (``"folded into <norm>"`` or ``"Mul inserted"``)."""
@@ -114,8 +186,9 @@ def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run:
             _scale_weight(node, s)
         inv = (1.0 / s).astype(np.float32)
         only_group = {id(u.node) for u in x.uses()} == {id(n) for n in nodes} and not x.is_graph_output()
-        if only_group and _fold_into_norm(x, inv):  # no other reader sees x / s
-            done[name] = f"folded into {x.producer().op_type} {x.producer().name!r}"
+        folded = _fold(x, inv) if only_group else None  # no other reader sees x / s
+        if folded:
+            done[name] = f"folded into {folded}"
             continue
         const = initializer(model.graph, f"fp8onnx/{name}/smooth_inv", inv.astype(x.dtype.numpy()))
         mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")

@@ -58,12 +58,66 @@ def test_smoothing_helps_per_tensor_fp8_and_keeps_the_function(tmp_path, norm):
         got = run_ort(out, held_out)
         sqnr[alpha] = min(sqnr_db(r, g) for r, g in zip(refs, got))
     assert sqnr[0.5] > sqnr[None] + 6 and sqnr[0.5] > sqnr_floor_db(Fp8Format.E4M3FN, 2)
-    folded = "1 folded into norms" if norm else "0 folded into norms"
+    folded = ("1" if norm else "0") + " folded into the norm or MatMul that computes them"
     assert any(f"smoothed 1 activations into their weights (alpha 0.5; {folded})" in p for p in report.prepared)
     ops = [n.op_type for n in onnx.load(out).graph.node]
     assert ("Mul" in ops) != norm  # folded into the LayerNormalization's scale, else one Mul
     for r, g in zip(refs, run_reference(out, held_out)):
         assert sqnr_db(r, g) > sqnr_floor_db(Fp8Format.E4M3FN, 2)
+
+
+def swiglu(path, rng, bias: bool):
+    """x -> up = MatMul(x, wu) [+ bu], gate = MatMul(x, wg); h = silu(gate) * up -> MatMul(h, wd). Channel 0
+    of h is a 1e5x outlier (column 0 of wu), which smoothing folds back into wu's columns (and bu)."""
+    d, f = 16, 32
+    wu, wg = ((rng.standard_normal((d, f)) / 4).astype(np.float32) for _ in range(2))
+    wd = (rng.standard_normal((f, d)) / 6).astype(np.float32)
+    wu[:, 0] *= 1e5
+    wd[0] /= 1e5
+    bu = (rng.standard_normal(f) / 4).astype(np.float32)
+    bu[0] *= 1e5
+    nodes = [
+        helper.make_node("MatMul", ["x", "wu"], ["up0" if bias else "up"], name="mm_up"),
+        helper.make_node("MatMul", ["x", "wg"], ["g"], name="mm_gate"),
+        helper.make_node("Sigmoid", ["g"], ["sg"], name="sig"),
+        helper.make_node("Mul", ["g", "sg"], ["silu"], name="silu"),
+        helper.make_node("Mul", ["silu", "up"], ["h"], name="glu"),
+        helper.make_node("MatMul", ["h", "wd"], ["y"], name="mm_down"),
+    ]
+    inits = [numpy_helper.from_array(w, n) for w, n in ((wu, "wu"), (wg, "wg"), (wd, "wd"))]
+    if bias:
+        nodes.insert(1, helper.make_node("Add", ["up0", "bu"], ["up"], name="add_up"))
+        inits.append(numpy_helper.from_array(bu, "bu"))
+    graph = helper.make_graph(
+        nodes,
+        "swiglu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", d])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path, rng.standard_normal((512, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["matmul", "matmul+add"])
+def test_smoothing_folds_into_the_columns_of_a_preceding_matmul(tmp_path, bias):
+    rng = np.random.default_rng(0)
+    path, x = swiglu(tmp_path / "m.onnx", rng, bias)
+    np.savez(tmp_path / "calib.npz", x=x[:256])
+    held_out = {"x": x[256:]}
+    ref = run_ort(path, held_out)[0]
+    sqnr = {}
+    for alpha in (None, 0.5):
+        out = tmp_path / f"q{alpha}.onnx"
+        report = fp8onnx.quantize(path, out, tmp_path / "calib.npz", smooth=alpha, op_types=["MatMul"])
+        sqnr[alpha] = sqnr_db(ref, run_ort(out, held_out)[0])
+    assert sqnr[0.5] > sqnr[None] + 6 and sqnr[0.5] > sqnr_floor_db(Fp8Format.E4M3FN, 3)
+    assert sqnr_db(ref, run_reference(out, held_out)[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 3)
+    q = onnx.load(out)
+    smooths = {n.name for n in q.graph.node if n.name.endswith("/smooth")}
+    assert smooths == {"fp8onnx/x/smooth"}  # the graph input x needs a Mul; h was folded into wu's columns
+    assert any("1 folded into the norm or MatMul" in p for p in report.prepared)
+    assert [n.op_type for n in q.graph.node if not n.name.startswith("fp8onnx")].count("Mul") == 2  # silu, glu
 
 
 def test_smoothing_needs_calibration_and_an_alpha_in_range(tmp_path):
