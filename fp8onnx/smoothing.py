@@ -104,7 +104,9 @@ def _times(value: ir.Value, factor: np.ndarray, axis: int = -1) -> None:
     values = value.const_value.numpy()
     shape = [1] * values.ndim
     shape[axis] = -1
-    value.const_value = ir.tensor((values * factor.reshape(shape).astype(values.dtype)).astype(values.dtype), name=value.name)
+    value.const_value = ir.tensor(
+        (values * factor.reshape(shape).astype(values.dtype)).astype(values.dtype), name=value.name
+    )
 
 
 def _fold(x: ir.Value, inv: np.ndarray, depth: int = 0) -> str | None:

@@ -40,7 +40,15 @@ from ..formats import Fp8Format, dequantize, quantize
 from ..scaling import SAFE_AMAX, amax_to_scale
 from ._common import derived_tensor, initializer, insert_at_definition
 
-__all__ = ["NODE_PREFIX", "InsertQDQPass", "QDQResult", "TensorQuant", "emulated_rounding", "is_quantized", "scale_array"]
+__all__ = [
+    "NODE_PREFIX",
+    "InsertQDQPass",
+    "QDQResult",
+    "TensorQuant",
+    "emulated_rounding",
+    "is_quantized",
+    "scale_array",
+]
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "fp8onnx/"

@@ -47,7 +47,9 @@ def _gather_tables(graph: ir.Graph) -> dict[str, ir.Value]:
         if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and _constant(node.inputs[0]):
             table = node.inputs[0]
             readers = [u.node for u in table.uses()]
-            if all(n.op_type == "Gather" and n.attributes.get_int("axis", 0) == 0 and n.graph is graph for n in readers):
+            if all(
+                n.op_type == "Gather" and n.attributes.get_int("axis", 0) == 0 and n.graph is graph for n in readers
+            ):
                 tables[table.name] = table
     return tables
 

@@ -36,7 +36,9 @@ def tied_lm(path, dynamo: bool, tied: bool = True):
         torch.onnx.export(LM().eval(), (ids,), path, dynamo=True, input_names=["ids"], verbose=False)
     else:
         axes = {"ids": {0: "b", 1: "s"}}
-        torch.onnx.export(LM().eval(), (ids,), path, dynamo=False, opset_version=17, input_names=["ids"], dynamic_axes=axes)
+        torch.onnx.export(
+            LM().eval(), (ids,), path, dynamo=False, opset_version=17, input_names=["ids"], dynamic_axes=axes
+        )
     return path
 
 
