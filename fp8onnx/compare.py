@@ -5,7 +5,9 @@ outputs wait on disk):
   cosine similarity of each row (vectors along the last axis): mean and min;
   relative L2 error ||c - r|| / ||r||; maximum absolute error;
   top-1 agreement (argmax over the last axis) when the output looks like logits;
-  task accuracy when the data has ``labels`` (argmax of the output whose leading shape they match).
+  task accuracy when the data has ``labels`` (argmax of the output whose leading shape they match),
+  and perplexity: exp of the mean cross-entropy of that output's softmax at the labels (for a
+  language model's next-token labels, its perplexity).
 
 Each candidate's headline metric (task accuracy, else top-1 agreement, else mean cosine) is put
 against the FP16 model's: the FP8 LLM paper's criterion is >= 99.5% of FP16, the PTQ paper's a
@@ -89,6 +91,7 @@ class RowResult:
     path: str | None
     outputs: dict[str, dict]
     accuracy: float | None = None  # task accuracy against labels
+    perplexity: float | None = None  # exp(mean cross-entropy of the labelled output's softmax)
     headline: str = ""  # which metric is compared with FP16
     value: float | None = None
     ratio_to_fp16: float | None = None
@@ -141,6 +144,7 @@ class CompareResult:
             "max abs",
             "top-1 agr",
             "accuracy",
+            "ppl",
             "vs FP16",
             "99.5%",
             "1% rel",
@@ -157,6 +161,7 @@ class CompareResult:
                     _fmt(o.get("max_abs_err"), ".3g"),
                     _fmt(o.get("top1_agreement"), ".4f"),
                     _fmt(r.accuracy, ".4f"),
+                    _fmt(r.perplexity, ".2f"),
                     _fmt(r.ratio_to_fp16, ".2%"),
                     _yes(r.passes_llm),
                     _yes(r.passes_ptq),
@@ -235,6 +240,7 @@ def compare(
         session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
         ref_stats = {o: _OutputStats() for o in out_names}
         ref_correct = labelled = samples = batches = 0
+        ref_nll = 0.0
         bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
         for batch in bar:
             ref = _run(session, _REFERENCE, batch.feed, batches)
@@ -247,6 +253,7 @@ def compare(
             if label_out is not None:
                 labelled += batch.labels.size
                 ref_correct += int((ref[label_out].argmax(axis=-1) == batch.labels).sum())
+                ref_nll += _nll(ref[label_out], batch.labels)
                 spill.save("labels", batches, batch.labels)
             samples += batch.size
             batches += 1
@@ -256,12 +263,20 @@ def compare(
         if batches == 0:
             raise Fp8OnnxError("The evaluation data gave no batches.")
         feed_names = list(batch.feed)
-        rows = [RowResult(_REFERENCE, str(reference), _to_json(ref_stats), _accuracy(ref_correct, labelled))]
+        rows = [
+            RowResult(
+                _REFERENCE,
+                str(reference),
+                _to_json(ref_stats),
+                _accuracy(ref_correct, labelled),
+                _perplexity(ref_nll, labelled),
+            )
+        ]
         for name, (path, build) in models.items():
             try:
                 session = build()
                 stats = {o: _OutputStats() for o in out_names}
-                correct = 0
+                correct, nll = 0, 0.0
                 for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
                     outs = _run(session, name, {k: spill.load(f"in/{k}", b) for k in feed_names}, b)
                     labels = None if label_out is None else spill.load("labels", b)
@@ -270,6 +285,7 @@ def compare(
                         stats[o].update(r, c, _looks_like_logits(o, r.shape, labels))
                     if labels is not None:
                         correct += int((outs[label_out].argmax(axis=-1) == labels).sum())
+                        nll += _nll(outs[label_out], labels)
             except Fp8OnnxError as exc:
                 if name != "FP16":
                     raise
@@ -280,7 +296,9 @@ def compare(
                 continue
             finally:
                 session = None
-            rows.append(RowResult(name, path, _to_json(stats), _accuracy(correct, labelled)))
+            rows.append(
+                RowResult(name, path, _to_json(stats), _accuracy(correct, labelled), _perplexity(nll, labelled))
+            )
     finally:
         spill.close()
     _headline(rows, out_names[0], fp16)
@@ -334,6 +352,25 @@ def _label_output(ref: list[np.ndarray], out_names: list[str], labels: np.ndarra
 
 def _to_json(stats: dict) -> dict:
     return {o: s.to_json() for o, s in stats.items()}
+
+
+def _nll(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Sum over the labelled positions of -log softmax(logits)[label] (one batch, float64 sums)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    y = labels.reshape(-1).astype(np.int64)
+    if y.size and (y.min() < 0 or y.max() >= x.shape[-1]):
+        return float("nan")  # labels that are not class indices of this output
+    total = 0.0
+    for s in range(0, len(x), 1024):  # a bounded float32 copy at a time (LLM vocabularies are large)
+        part = x[s : s + 1024].astype(np.float32)
+        peak = part.max(axis=-1, keepdims=True)
+        logz = np.log(np.exp(part - peak).sum(axis=-1, dtype=np.float64)) + peak[:, 0]
+        total += float((logz - part[np.arange(len(part)), y[s : s + 1024]]).sum())
+    return total
+
+
+def _perplexity(nll: float, labelled: int) -> float | None:
+    return float(np.exp(nll / labelled)) if labelled and np.isfinite(nll) else None
 
 
 def _accuracy(correct: int, labelled: int) -> float | None:

@@ -32,6 +32,7 @@ from .runtime import RunOptions
 __all__ = ["smooth"]
 
 logger = logging.getLogger(__name__)
+_SHAPE_ONLY = ("Shape", "Size")  # readers that see a tensor's shape, not its values
 _NORMS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 
@@ -88,7 +89,8 @@ def _fold_into_norm(x: ir.Value, inv: np.ndarray) -> bool:
 
 
 def _only_reader(value: ir.Value, node: ir.Node) -> bool:
-    return not value.is_graph_output() and all(u.node is node for u in value.uses())
+    """``node`` is the only reader of ``value``'s numbers (Shape/Size read only its shape)."""
+    return not value.is_graph_output() and all(u.node is node or u.node.op_type in _SHAPE_ONLY for u in value.uses())
 
 
 def _channel_const(value: ir.Value | None, node: ir.Node, k: int) -> bool:
@@ -187,7 +189,8 @@ def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run:
         for node in nodes:
             _scale_weight(node, s)
         inv = (1.0 / s).astype(np.float32)
-        only_group = {id(u.node) for u in x.uses()} == {id(n) for n in nodes} and not x.is_graph_output()
+        readers = {id(u.node) for u in x.uses() if u.node.op_type not in _SHAPE_ONLY}
+        only_group = readers == {id(n) for n in nodes} and not x.is_graph_output()
         folded = _fold(x, inv) if only_group else None  # no other reader sees x / s
         if folded:
             done[name] = f"folded into {folded}"

@@ -56,6 +56,11 @@ def test_accuracy_with_labels_and_criteria(tmp_path):
     assert bad.accuracy < 0.8 and bad.passes_llm is False and bad.passes_ptq is False
     assert result.samples == 200 and result.batches == 4
     assert "FAIL" in result.table() and "pass" in result.table()
+    logits = (x @ w).astype(np.float64)  # perplexity: exp of the mean cross-entropy at the labels
+    log_softmax = logits - logits.max(1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))
+    assert fp32.perplexity == pytest.approx(np.exp(-log_softmax[np.arange(200), labels].mean()), rel=1e-6)
+    assert bad.perplexity > fp32.perplexity and "ppl" in result.table()
 
 
 def test_without_labels_uses_cosine(tmp_path):

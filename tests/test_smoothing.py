@@ -83,6 +83,7 @@ def swiglu(path, rng, bias: bool):
         helper.make_node("Mul", ["g", "sg"], ["silu"], name="silu"),
         helper.make_node("Mul", ["silu", "up"], ["h"], name="glu"),
         helper.make_node("MatMul", ["h", "wd"], ["y"], name="mm_down"),
+        helper.make_node("Shape", ["h"], ["h_shape"], name="shape"),  # reads h's shape only: folding is safe
     ]
     inits = [numpy_helper.from_array(w, n) for w, n in ((wu, "wu"), (wg, "wg"), (wd, "wd"))]
     if bias:
@@ -92,7 +93,10 @@ def swiglu(path, rng, bias: bool):
         nodes,
         "swiglu",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", d])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", d])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", d]),
+            helper.make_tensor_value_info("h_shape", TensorProto.INT64, [2]),
+        ],
         inits,
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
