@@ -41,6 +41,8 @@ from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
 from .guard import check_paths, model_reads, model_writes
 from .model_io import write_text_atomic
+from .phases import process_age
+from .phases import table as phases_table
 from .progress import close_all
 from .runtime import PROVIDERS, WEIGHT_MEMORY, RunOptions
 from .scaling import Scaling
@@ -420,6 +422,7 @@ def quantize(
     else:
         config = QuantizeConfig(**options)
     t0 = time.perf_counter()
+    startup = process_age()
     run = _run_options(batch_size, provider, weight_memory)
     if accuracy_target is not None:
         from .fallback import quantize_to_target
@@ -442,6 +445,8 @@ def quantize(
     else:
         result = api_quantize(model, output, calib, config=config, stats=stats, report=report, run=run)
         click.echo(result.summary())
+        if logging.getLogger("fp8onnx").isEnabledFor(logging.INFO):  # -v
+            click.echo(phases_table(result.phases, startup))
     click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
     if check_data:
         click.echo(api_compare(model, [output], check_data, run=_run_options(batch_size, provider)).table())

@@ -20,6 +20,7 @@ import onnx_ir as ir
 from .errors import Fp8OnnxError, first_line
 from .guard import side_file
 from .passes._common import proto_graphs
+from .phases import phase
 from .runtime import inline_proto, make_session, weight_bytes
 
 __all__ = [
@@ -273,11 +274,15 @@ def save_model(
     out = pathlib.Path(out)
     parent = out.resolve().parent
     if not external_data and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
-        data = inline_proto(model).SerializeToString()  # serialized once: checker, session and file share it
-        check_onnx(data, f"The {what}")
+        with phase("serialize (lazy weights computed here)"):
+            data = inline_proto(model).SerializeToString()  # serialized once: checker, session and file share it
+        with phase("onnx.checker"):
+            check_onnx(data, f"The {what}")
         if provider is not None:
-            make_session(data, provider, f"The {what}", optimize=False)
-        write_bytes_atomic(out, data)
+            with phase("onnxruntime load check"):
+                make_session(data, provider, f"The {what}", optimize=False)
+        with phase("write"):
+            write_bytes_atomic(out, data)
         logger.info("wrote %s (%d bytes)", out, len(data))
         return out
     return _save_external(model, out, parent, provider, what)
@@ -289,10 +294,13 @@ def _save_external(
     data_name = side_file(out).name
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=parent) as tmp:
         tmp_model = pathlib.Path(tmp) / out.name
-        ir.save(model, tmp_model, external_data=data_name)
-        check_onnx(tmp_model, f"The {what}")
+        with phase("serialize and write (lazy weights computed here)"):
+            ir.save(model, tmp_model, external_data=data_name)
+        with phase("onnx.checker"):
+            check_onnx(tmp_model, f"The {what}")
         if provider is not None:
-            make_session(tmp_model, provider, f"The {what}", optimize=False)
+            with phase("onnxruntime load check"):
+                make_session(tmp_model, provider, f"The {what}", optimize=False)
         # Data first: the model file that appears last always finds its weights beside it.
         os.replace(pathlib.Path(tmp) / data_name, parent / data_name)
         os.replace(tmp_model, out)

@@ -36,6 +36,7 @@ from .passes import (
     QuantizeEmbeddingsPass,
     ShieldBiasPass,
 )
+from .phases import current_phases, lap, recording
 from .plan import activation_tensors, candidate_activations, in_main_graph, plan
 from .prepare import prepare_model
 from .report import NodeReport, QuantizeReport
@@ -78,6 +79,13 @@ def quantize(
     is calibrated layer by layer (see :mod:`fp8onnx.segments`). Keyword ``options`` are RunOptions
     fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields.
     """
+    with recording() as phases:
+        result = _quantize(model, output, calib, config, stats, report, run, options)
+    result.phases = phases.to_json()
+    return result
+
+
+def _quantize(model, output, calib, config, stats, report, run, options) -> QuantizeReport:
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
@@ -92,7 +100,9 @@ def quantize(
     run = RunOptions.of(run, provider=provider)
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
+    lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
+    lap("plan")
     if config.smooth is not None:  # before calibration: the activations it measures change
         from .smoothing import smooth
 
@@ -102,22 +112,27 @@ def quantize(
             f"smoothed {len(smoothed)} activations into their weights (alpha {config.smooth:g}; {folded} folded "
             "into the norm or MatMul that computes them)"
         )
+        lap("smooth")
     act_names = activation_tensors(decisions, ir_model)
 
     calibration = activation_stats(ir_model, act_names, config, calib, stats, run)
+    lap("calibrate")
     quant, amax = assign_scales(decisions, ir_model, config, calibration)
     targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
     keep_conv_bias_in_int32_range(decisions, quant)
+    lap("scales")
     if config.weight_rounding == "gptq":
         from .gptq import apply_gptq
 
         rounded = apply_gptq(ir_model, decisions, quant, calib, run)
         prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
+        lap("gptq X^T X (the rounding runs when the weights are written)")
     if config.bias_correction:
         from .bias_correction import correct_biases
 
         corrected = correct_biases(ir_model, decisions, quant, calib, run)
         prepared.append(f"bias correction of {len(corrected)} layers (mean input from the calibration data)")
+        lap("bias correction")
     nodes = [
         NodeReport(
             d.node.name,
@@ -159,10 +174,12 @@ def quantize(
         # Nothing to quantize: the output is the input graph as it was, not a rewritten copy.
         ir_model, prepared = load_model(model), []
     target_problems = check_tensorrt(ir_model) if config.target == "tensorrt" else []
+    lap("rewrite")
     # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
     check_on = "cpu" if not (lowering and lowering.lowered) else ("cuda" if provider == "cuda" else None)
     # Weights that came in a side file go out in one too: written tensor by tensor, never whole.
     save_model(ir_model, out, provider=check_on, external_data=ir_model.meta.get(EXTERNAL_META, False))
+    lap("check and write")
     result = QuantizeReport(
         model=str(model),
         output=str(out),
@@ -187,9 +204,11 @@ def quantize(
         target_problems=target_problems,
     )
     if report is not None:
+        result.phases = current_phases()
         doc = result.to_json()
         doc.update(_sensitivity_section(model, calib, calibration, config, run, modified, layer_by_layer))
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
+        lap("report")
     return result
 
 

@@ -85,6 +85,7 @@ class QuantizeReport:
     not_lowered: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> why it kept Q/DQ
     runtime_checked: str | None = "cpu"  # the EP the output was loaded on before writing (None: none)
     target_problems: list[str] = dataclasses.field(default_factory=list)  # what --target would reject
+    phases: list[dict] = dataclasses.field(default_factory=list)  # wall seconds per phase (fp8onnx.phases)
 
     @property
     def quantized(self) -> list[NodeReport]:
