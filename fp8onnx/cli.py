@@ -145,6 +145,25 @@ class _OneLine(logging.Formatter):
         return f"{record.levelname} {record.name}: {printable(lines[0] if lines else '')}"
 
 
+class _SmoothAlpha(click.ParamType):
+    """--smooth: an alpha in [0, 1], or "off" (None)."""
+
+    name = "alpha"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, float):
+            return value
+        if str(value).lower() in ("off", "none"):
+            return None
+        try:
+            alpha = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number in [0, 1] nor 'off'.", param, ctx)
+        if not 0 <= alpha <= 1:
+            self.fail(f"{alpha:g} is not in the range 0<=x<=1.", param, ctx)
+        return alpha
+
+
 def _configure_logging(ctx: click.Context, verbose: int, debug: bool) -> None:
     """One handler on the root logger for the command's duration (removed when it ends)."""
     level = logging.WARNING - 10 * min(verbose, 2)
@@ -284,9 +303,10 @@ _per_channel_option = click.option(
 )
 @click.option(
     "--smooth",
-    type=click.FloatRange(0, 1),
-    metavar="ALPHA",
-    help="SmoothQuant: move activation outliers into the weights, s = amax_x^ALPHA / amax_w^(1-ALPHA) (0.5 usual).",
+    type=_SmoothAlpha(),
+    metavar="ALPHA|off",
+    help="SmoothQuant: move activation outliers into the weights, s = amax_x^ALPHA / amax_w^(1-ALPHA) (0.5 usual); "
+    "off: none (e.g. to turn off a preset's).",
 )
 @click.option(
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
@@ -523,8 +543,13 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the ranked table as JSON.")
 @click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write the ranked table as CSV.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write PNG plots into this folder.")
+@click.option(
+    "--techniques",
+    is_flag=True,
+    help="Also smoothing, GPTQ, bias correction, their combinations and the presets (a pass over --calib each).",
+)
 @_run
-def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_out, plot_dir):
+def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_out, plot_dir, techniques):
     """Run the papers' comparison on MODEL: formats, scaling methods, constant-scale sweep,
     static vs dynamic activations, per-tensor vs per-channel weights; one calibration pass.
 
@@ -542,7 +567,9 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
         [("the JSON output", json_out), ("the CSV output", csv_out), *plots],
     )
     t0 = time.perf_counter()
-    result = run_study(model, calib, data, max_samples=max_samples, run=_run_options(batch_size, provider))
+    result = run_study(
+        model, calib, data, max_samples=max_samples, techniques=techniques, run=_run_options(batch_size, provider)
+    )
     click.echo(result.table())
     write_outputs(result, json_out, csv_out)
     for path in write_plots(result, plot_dir) if plot_dir else []:

@@ -8,6 +8,9 @@ is then evaluated in one ``compare`` pass over the data (the FP32 reference runs
   range the calibration saw - the FP8 LLM paper's FP8-AMAX versus FP8-CSCALE comparison;
 * static versus dynamic (per tensor, per token) activation scales, and weight-only FP8; per-tensor
   versus per-channel weight scales;
+* with ``techniques``: smoothing (alpha 0.5), GPTQ rounding, bias correction, their combinations
+  and the presets (:data:`~fp8onnx.config.PRESETS`) - each needs its own pass over the calibration
+  data (smoothing changes the activations; GPTQ needs X^T X), so they are opt-in;
 * the accuracy-target fallback to 99.5% and 99% of FP16 (:mod:`fp8onnx.fallback`), searched on the
   first half of the evaluation batches (the calibration data rarely has the labels that make the
   headline metric) and reported, like every row, on all of them.
@@ -36,17 +39,33 @@ from .compare import compare
 from .data import LABELS, as_data, input_specs
 from .formats import Fp8Format
 from .model_io import load_model, write_text_atomic
+from .config import DEFAULT_OP_TYPES, PRESETS
 from .quantize import QuantizeConfig, quantize
 from .report import QuantizeReport, describe_config
 from .runtime import RunOptions
 
-__all__ = ["StudyResult", "study", "study_configs"]
+__all__ = ["StudyResult", "study", "study_configs", "technique_configs"]
 
 logger = logging.getLogger(__name__)
 
 
+def technique_configs() -> list[tuple[str, str, QuantizeConfig]]:
+    """(label, "techniques", config) for the accuracy techniques beyond plain amax (``--techniques``)."""
+    per_token = {"activations": "dynamic-per-token"}
+    configs = [
+        ("e4m3fn amax + smooth 0.5", QuantizeConfig(smooth=0.5)),
+        ("e4m3fn amax + gptq", QuantizeConfig(weight_rounding="gptq")),
+        ("e4m3fn amax + bias correction", QuantizeConfig(bias_correction=True)),
+        ("e4m3fn per-token + gptq", QuantizeConfig(weight_rounding="gptq", **per_token)),
+        ("e4m3fn per-token + smooth + gptq", QuantizeConfig(weight_rounding="gptq", smooth=0.5, **per_token)),
+        ("e4m3fn weight-only + gptq", QuantizeConfig(activations="none", weight_rounding="gptq")),
+    ]
+    configs += [(f"preset {name}", QuantizeConfig.for_preset(name)) for name in PRESETS]
+    return [(label, "techniques", config) for label, config in configs]
+
+
 def study_configs(constant_scales: list[float]) -> list[tuple[str, str, QuantizeConfig]]:
-    """(label, group, config) for every configuration of the study."""
+    """(label, group, config) for every configuration of the study (without the techniques)."""
     configs = [
         (f"{f.value} amax", "format", QuantizeConfig(format=f))
         for f in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4)
@@ -161,10 +180,12 @@ def study(
     *,
     constant_scales: list[float] | None = None,
     max_samples: int | None = None,
+    techniques: bool = False,
     run: RunOptions | None = None,
     **run_options,
 ) -> StudyResult:
-    """Quantize ``model`` in every study configuration and rank them on ``data``."""
+    """Quantize ``model`` in every study configuration (with ``techniques``, also
+    :func:`technique_configs`) and rank them on ``data``."""
     run = RunOptions.of(run, **run_options)
     stats = calibrate(model, calib, run=run)
     quiet = RunOptions.of(run, progress=False)  # one bar for calibration and one per evaluated model
@@ -177,6 +198,8 @@ def study(
         sweep = constant_scales or constant_sweep([float(a) for a in amaxes])
         for item in study_configs(sweep)[1:]:
             _run_config(model, tmp, item, stats, quiet, reports)
+        for item in technique_configs() if techniques else []:
+            _run_config(model, tmp, item, stats, quiet, reports, calib)
         for item in _fallback_configs(model, data, stats, max_samples, quiet):
             _run_config(model, tmp, item, stats, quiet, reports)
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
@@ -251,11 +274,16 @@ def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[
     return configs
 
 
-def _run_config(model, tmp, item, stats, run: RunOptions, reports) -> QuantizeReport:
+def _run_config(model, tmp, item, stats, run: RunOptions, reports, calib=None) -> QuantizeReport:
+    """Quantize one configuration from the shared statistics, or from ``calib`` when it needs
+    its own pass over the data (GPTQ, smoothing, bias correction; other op types than the stats')."""
     label, group, config = item
     out = pathlib.Path(tmp) / f"{len(reports)}.onnx"
-    use_stats = stats if config.activations == "static" else None
-    report = quantize(model, out, config=config, stats=use_stats, run=run)
+    if calib is not None and (config.weights_need_data or set(config.op_types) != set(DEFAULT_OP_TYPES)):
+        report = quantize(model, out, calib, config=config, run=run)
+    else:
+        use_stats = stats if config.activations == "static" else None
+        report = quantize(model, out, config=config, stats=use_stats, run=run)
     logger.info("study: %s -> %s", label, out.name)
     reports[label] = (group, config, report)
     return report

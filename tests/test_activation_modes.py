@@ -159,9 +159,11 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(5).standard_normal((4, 3, 16)).astype(np.float32))
     args = ["quantize", str(path), "--preset", "llm"]
     r = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "q.onnx")])
-    assert r.exit_code == 2 and "--weight-rounding gptq needs --calib DATA" in r.output, r.output
+    assert r.exit_code == 2 and "needs --calib DATA" in r.output, r.output
     r = CliRunner().invoke(main, [*args, "--calib", str(tmp_path / "d.npz"), "-o", str(tmp_path / "q.onnx")])
     assert r.exit_code == 0 and "dynamic per-token activations" in r.output and "(preset llm)" in r.output, r.output
     assert "GPTQ weight rounding" in r.output
-    r = CliRunner().invoke(main, [*args, "--weight-rounding", "nearest", "-o", str(tmp_path / "w.onnx")])
+    r = CliRunner().invoke(
+        main, [*args, "--weight-rounding", "nearest", "--smooth", "off", "-o", str(tmp_path / "w.onnx")]
+    )
     assert r.exit_code == 0 and "GPTQ" not in r.output and "(preset llm)" in r.output, r.output

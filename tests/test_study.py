@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from fp8onnx.cli import main
-from fp8onnx.study import constant_sweep, study, study_configs, write_plots
+from fp8onnx.study import constant_sweep, study, study_configs, technique_configs, write_plots
 
 from helpers import mlp_data, mlp_model
 
@@ -30,6 +30,21 @@ def test_configs_cover_the_papers_grid():
     assert groups["constant"] == ["e4m3fn constant 2^-4", "e4m3fn constant 2^-2"]
     assert groups["activations"] == ["e4m3fn amax dynamic", "e4m3fn dynamic per-token", "e4m3fn weight-only"]
     assert groups["weights"] == ["e4m3fn amax per-channel", "e4m3fn amax + fp8 embeddings"]
+    techniques = [label for label, group, _ in technique_configs()]
+    assert {"e4m3fn amax + smooth 0.5", "e4m3fn amax + gptq", "e4m3fn weight-only + gptq", "preset llm"} <= set(
+        techniques
+    ) and all(group == "techniques" for _, group, _ in technique_configs())
+
+
+def test_study_techniques_rows(tmp_path):
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    plain = {r.label for r in study(path, data, data, provider="cpu").rows}
+    result = study(path, data, data, techniques=True, provider="cpu")
+    rows = {r.label: r for r in result.rows}
+    assert set(rows) == plain | {label for label, _, _ in technique_configs()}
+    for label, _, _ in technique_configs():
+        assert rows[label].value is not None and rows[label].value > 0.9  # measured, not a placeholder
+    assert rows["e4m3fn amax + gptq"].value != rows["e4m3fn amax"].value  # its own rounding, measured
 
 
 def test_study_ranks_every_configuration(tmp_path):

@@ -4,11 +4,11 @@ Per model: every technique is quantized in its own subprocess (wall time and pea
 process), then all outputs are evaluated in one `fp8onnx compare` run (the FP32 reference and the
 FP16 baseline run once). Printed per technique: the headline metric relative to FP16, mean cosine
 and top-1 agreement with FP32, the file size relative to FP32, and quantize time and peak RSS
-relative to plain amax (the same model, the same calibration data). With ``--perplexity`` (models
-whose eval data has next-token ``labels``) also the perplexity of each model.
+relative to plain amax (the same model, the same calibration data); with next-token ``labels`` in
+the eval data also each model's perplexity (from the same `compare` run), FP16's on its own row.
 
 Usage: python tests/bench/techniques.py NAME:MODEL:CALIB:EVAL [...] [--techniques amax per-token ...]
-       [--exclude-vocab] [--perplexity NAME ...] [--skip NAME:TECHNIQUE ...] [--json out.json]
+       [--exclude-vocab] [--skip NAME:TECHNIQUE ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,7 +33,18 @@ TECHNIQUES = {
     "amax + smooth 0.5": ["--calib", "{calib}", "--smooth", "0.5"],
     "amax + bias correction": ["--calib", "{calib}", "--bias-correction"],
     "amax + gptq": ["--calib", "{calib}", "--weight-rounding", "gptq"],
+    "amax + smooth + gptq": ["--calib", "{calib}", "--smooth", "0.5", "--weight-rounding", "gptq"],
     "per-token + gptq": ["--calib", "{calib}", "--activations", "dynamic-per-token", "--weight-rounding", "gptq"],
+    "per-token + smooth + gptq": [
+        "--calib",
+        "{calib}",
+        "--activations",
+        "dynamic-per-token",
+        "--smooth",
+        "0.5",
+        "--weight-rounding",
+        "gptq",
+    ],
     "weight-only + gptq": ["--calib", "{calib}", "--activations", "none", "--weight-rounding", "gptq"],
     "preset llm": ["--calib", "{calib}", "--preset", "llm"],
     "preset encoder": ["--calib", "{calib}", "--preset", "encoder"],
@@ -66,7 +77,7 @@ def size(path: pathlib.Path) -> int:
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
-def bench(name, model, calib, eval_data, techniques, exclude_vocab, want_ppl, tmp) -> list[dict]:
+def bench(name, model, calib, eval_data, techniques, exclude_vocab, tmp) -> list[dict]:
     import fp8onnx
     from fp8onnx.prepare import prepare_model
     from fp8onnx.sensitivity import vocabulary_projections
@@ -97,19 +108,12 @@ def bench(name, model, calib, eval_data, techniques, exclude_vocab, want_ppl, tm
             size_ratio=size(r["file"]) / fp32_bytes,
             time_ratio=r["seconds"] / base["seconds"],
             rss_ratio=r["rss_mib"] / base["rss_mib"],
+            perplexity=row.perplexity,
             excluded=exclude,
         )
-        if want_ppl:
-            sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "models"))
-            from build_smollm2 import perplexity
-
-            r["perplexity"] = perplexity(r["file"], pathlib.Path(eval_data))
-    if want_ppl:
-        from build_smollm2 import perplexity
-
-        fp16 = tmp / "fp16.onnx"
-        fp8onnx.convert_fp16(model, fp16)
-        rows.append({"model": name, "technique": "FP16", "perplexity": perplexity(fp16, pathlib.Path(eval_data))})
+    fp16 = by_file.get("FP16")
+    if fp16 is not None and fp16.perplexity is not None:
+        rows.append({"model": name, "technique": "FP16", "perplexity": fp16.perplexity})
     for r in rows:
         r.pop("file", None)
     return rows
@@ -125,7 +129,6 @@ def main() -> None:
     ap.add_argument("--techniques", nargs="+", default=list(TECHNIQUES), choices=list(TECHNIQUES))
     ap.add_argument("--exclude-vocab", action="store_true", help="leave vocabulary projections (lm_head) in float")
     ap.add_argument("--skip", nargs="*", default=[], metavar="NAME:TECHNIQUE", help="combinations not to run")
-    ap.add_argument("--perplexity", nargs="*", default=[], metavar="NAME", help="cases to measure perplexity on")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"started {time.strftime('%Y-%m-%d %H:%M')}", file=sys.stderr)
@@ -134,8 +137,7 @@ def main() -> None:
         name, model, calib, eval_data = case.split(":")
         with tempfile.TemporaryDirectory() as tmp:
             techniques = [t for t in args.techniques if f"{name}:{t}" not in args.skip]
-            want_ppl = name in args.perplexity
-            rows += bench(name, model, calib, eval_data, techniques, args.exclude_vocab, want_ppl, pathlib.Path(tmp))
+            rows += bench(name, model, calib, eval_data, techniques, args.exclude_vocab, pathlib.Path(tmp))
     head = (
         f"{'model':<10} {'technique':<27} {'vs FP16':>8} {'cosine':>8} {'top-1':>6} {'ppl':>6} {'size':>5} "
         f"{'time':>5} {'RSS':>5}"

@@ -1,0 +1,118 @@
+"""How close `fp8onnx quantize` is to the floor: one FP32 onnxruntime pass over the calibration data
+plus one read and one write of the model, in one run per model.
+
+Per model, each in its own process (wall time and peak RSS from wait4, median of --repeat runs):
+  floor     import numpy and onnxruntime, read the model file (and its external data) and write a
+            copy, one InferenceSession, one run per batch of the calibration data (same batch size);
+  quantize  `fp8onnx quantize MODEL --calib CALIB --report R` with defaults;
+then the quantize run's phase table (from its report; the startup row is the process's time before
+the command started: interpreter and imports) and the ratios quantize / floor for wall time and
+peak RSS, and peak RSS / the FP32 model's size.
+
+Usage: python tests/bench/floor.py [decoder] [minilm] [llama-1b-random] [NAME:MODEL:CALIB ...]
+       [--repeat N] [--json out.json] [-- extra quantize options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from peers import SUITE, file_size, machine, median_run
+
+from fp8onnx.phases import table
+
+_FLOOR = """
+import os, shutil, sys, tempfile
+import numpy as np, onnxruntime as ort
+model, calib, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with tempfile.TemporaryDirectory() as tmp:  # one read and one write of the model (and its data)
+    for src in (model, model + ".data"):
+        if os.path.exists(src):
+            with open(src, "rb") as f:
+                blob = f.read()
+            with open(os.path.join(tmp, os.path.basename(src)), "wb") as f:
+                f.write(blob)
+            del blob
+data = np.load(calib)
+sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+names = [i.name for i in sess.get_inputs()]
+n = len(data[names[0]])
+for i in range(0, n, batch):
+    sess.run(None, {k: data[k][i:i + batch] for k in names})
+"""
+
+BATCH = 16  # fp8onnx's default --batch-size
+
+
+def cases(names: list[str]) -> list[tuple[str, pathlib.Path, pathlib.Path]]:
+    out = []
+    for name in names:
+        if name in SUITE:
+            model, calib, *_ = SUITE[name]
+            out.append((name, pathlib.Path(model), pathlib.Path(calib)))
+        else:
+            label, model, calib = name.split(":")
+            out.append((label, pathlib.Path(model), pathlib.Path(calib)))
+    return out
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*", default=["decoder", "minilm"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=pathlib.Path)
+    args = ap.parse_args(argv)
+    limits = {"memory_limit_gib": 20.0, "timeout_s": 3600.0}
+    print(machine())
+    results = []
+    for name, model, calib in cases(args.models):
+        if not model.exists():
+            print(f"[{name}] {model} is missing; build it first")
+            continue
+        size_mib = file_size(model) / 2**20
+        floor = median_run([sys.executable, "-c", _FLOOR, str(model), str(calib), str(BATCH)], args.repeat, **limits)
+        with tempfile.TemporaryDirectory() as tmp:
+            out, report = pathlib.Path(tmp) / "q.onnx", pathlib.Path(tmp) / "r.json"
+            cmd = [sys.executable, "-m", "fp8onnx.cli", "quantize", str(model), "--calib", str(calib)]
+            cmd += ["-o", str(out), "--report", str(report), *extra]
+            runs = []
+            for _ in range(args.repeat):  # keep each run's phases: the median run's are shown
+                run = median_run(cmd, 1, **limits)
+                if "error" in run:
+                    raise SystemExit(f"[{name}] quantize failed: {run['error']}")
+                run["phases"] = json.loads(report.read_text())["phases"]
+                runs.append(run)
+            q = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+        row = {
+            "model": name,
+            "fp32_mib": size_mib,
+            "floor": {k: floor[k] for k in ("wall_s", "peak_rss_mib", "runs_wall_s")},
+            "quantize": {"wall_s": q["wall_s"], "peak_rss_mib": q["peak_rss_mib"], "phases": q["phases"]},
+            "runs_wall_s": [r["wall_s"] for r in runs],
+            "time_ratio": q["wall_s"] / floor["wall_s"],
+            "rss_ratio": q["peak_rss_mib"] / floor["peak_rss_mib"],
+            "rss_over_model": q["peak_rss_mib"] / size_mib,
+        }
+        results.append(row)
+        booked = sum(p["seconds"] for p in q["phases"] if p["depth"] == 0)
+        print(f"\n## {name} ({size_mib:.0f} MiB FP32; calibration {calib.name}, batch {BATCH})")
+        print(
+            f"floor {floor['wall_s']:.2f} s, {floor['peak_rss_mib']:.0f} MiB; quantize {q['wall_s']:.2f} s, "
+            f"{q['peak_rss_mib']:.0f} MiB -> time {row['time_ratio']:.2f}x the floor, peak RSS "
+            f"{row['rss_ratio']:.2f}x the floor's and {row['rss_over_model']:.2f}x the model's size"
+        )
+        print(table(q["phases"], startup=q["wall_s"] - booked))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
