@@ -36,10 +36,10 @@ import numpy as np
 from . import plots
 from .api import calibrate
 from .compare import compare
+from .config import DEFAULT_OP_TYPES, PRESETS
 from .data import LABELS, as_data, input_specs
 from .formats import Fp8Format
 from .model_io import load_model, write_text_atomic
-from .config import DEFAULT_OP_TYPES, PRESETS
 from .quantize import QuantizeConfig, quantize
 from .report import QuantizeReport, describe_config
 from .runtime import RunOptions
