@@ -27,6 +27,7 @@ from .data import as_data, input_specs
 from .errors import Fp8OnnxError, first_line
 from .histogram import NUM_BINS, LogHistogram
 from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
+from .passes._common import keep_only_outputs
 from .phases import phase
 from .progress import progress_bar
 from .runtime import WEIGHT_MEMORY, RunOptions, session_for_model, weight_bytes
@@ -200,7 +201,8 @@ def collect_amax(
     with phase("instrument the graph"):
         instrumented = model.clone()
         AddAmaxOutputsPass(names, values=histograms)(instrumented)
-    outputs = [n + AMAX_SUFFIX for n in names] + ([n + VALUE_SUFFIX for n in names] if histograms else [])
+        outputs = [n + AMAX_SUFFIX for n in names] + ([n + VALUE_SUFFIX for n in names] if histograms else [])
+        keep_only_outputs(instrumented, outputs)  # statistics only: not the model's own outputs
     running = _Running(names, histograms)
     source = as_data(data, input_specs(model))
     total = source.count_batches(batch_size)

@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError
-from .passes._common import initializer, insert_at_definition
+from .passes._common import initializer, insert_at_definition, keep_only_outputs
 from .progress import progress_bar
 from .runtime import RunOptions, session_for_model, weight_bytes
 from .segments import run_segmented
@@ -65,6 +65,7 @@ def sum_in_graph(
         graph.outputs.extend(outs)
         fetch[name] = [o.name for o in outs]
     outputs = [o for names in fetch.values() for o in names]
+    keep_only_outputs(instrumented, outputs)
     sums: dict[str, np.ndarray] = {}
 
     wanted = set(outputs)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import resource
+import sys
 import time
 
-__all__ = ["Phases", "current_phases", "lap", "phase", "process_age", "recording", "table"]
+__all__ = ["Phases", "current_phases", "lap", "peak_rss_mib", "phase", "process_age", "recording", "table"]
 
 _current: contextvars.ContextVar[Phases | None] = contextvars.ContextVar("fp8onnx_phases", default=None)
 
@@ -25,6 +27,7 @@ class Phases:
         self.times: dict[str, float] = {}
         self.depth: dict[str, int] = {}
         self.start: dict[str, float] = {}
+        self.peak: dict[str, float] = {}  # the process's peak RSS (MiB) when the phase last ended
         self._stack: list[str] = []
         self._last = time.perf_counter()
 
@@ -32,6 +35,7 @@ class Phases:
         self.times[name] = self.times.get(name, 0.0) + seconds
         self.depth.setdefault(name, depth)
         self.start.setdefault(name, start)
+        self.peak[name] = peak_rss_mib()
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -42,8 +46,13 @@ class Phases:
         return sorted(self.times, key=lambda n: (self.start[n], self.depth[n]))
 
     def to_json(self) -> list[dict]:
-        """``[{"phase", "seconds", "depth"}]``: laps (depth 0) each followed by its sub-phases."""
-        return [{"phase": n, "seconds": round(self.times[n], 4), "depth": self.depth[n]} for n in self._ordered()]
+        """``[{"phase", "seconds", "depth", "peak_rss_mib"}]``: laps (depth 0) each followed by its
+        sub-phases; ``peak_rss_mib`` is the process's peak so far when the phase ended, so the first
+        phase that reaches the final value is the one that set the peak."""
+        return [
+            {"phase": n, "seconds": round(self.times[n], 4), "depth": self.depth[n], "peak_rss_mib": self.peak[n]}
+            for n in self._ordered()
+        ]
 
 
 def table(phases: list[dict], startup: float | None = None) -> str:
@@ -54,11 +63,12 @@ def table(phases: list[dict], startup: float | None = None) -> str:
     ) + phases
     total = sum(r["seconds"] for r in rows if r["depth"] == 0)
     width = max((len(r["phase"]) + 2 * r["depth"] for r in rows), default=5)
-    lines = [f"  {'phase':<{width}}  {'seconds':>8}  {'share':>6}"]
+    lines = [f"  {'phase':<{width}}  {'seconds':>8}  {'share':>6}  {'peak RSS so far':>15}"]
     for r in rows:
         label = "  " * r["depth"] + r["phase"]
         share = f"{r['seconds'] / total:6.1%}" if total else "     -"
-        lines.append(f"  {label:<{width}}  {r['seconds']:8.3f}  {share}")
+        peak = f"{r['peak_rss_mib']:11.0f} MiB" if r.get("peak_rss_mib") else ""
+        lines.append(f"  {label:<{width}}  {r['seconds']:8.3f}  {share}  {peak:>15}")
     lines.append(f"  {'total':<{width}}  {total:8.3f}")
     return "\n".join(lines)
 
@@ -101,6 +111,12 @@ def phase(name: str):
     finally:
         phases._stack.pop()
         phases.add(name, time.perf_counter() - start, 1 + len(phases._stack), start)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far, MiB (getrusage; kB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def process_age() -> float | None:

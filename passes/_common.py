@@ -91,3 +91,16 @@ def proto_graphs(root):
                 if attr.HasField("g"):
                     stack.append(attr.g)
                 stack.extend(attr.graphs)
+
+
+def keep_only_outputs(model: ir.Model, names) -> None:
+    """Make ``names`` the model's only outputs and drop every node that none of them needs: an
+    instrumented copy for statistics then computes no more than those (e.g. not a language model's
+    logits, the largest tensor of a batch). Subgraph nodes go with the node that owns them."""
+    import onnx_ir.passes.common
+
+    wanted = set(names)
+    kept = [v for v in model.graph.outputs if v.name in wanted]
+    model.graph.outputs.clear()
+    model.graph.outputs.extend(kept)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)

@@ -40,6 +40,8 @@ def test_quantize_reports_its_phases(tmp_path):
     laps = [n for n, d in names if d == 0]
     assert laps == ["load and prepare", "plan", "calibrate", "scales", "rewrite", "check and write", "report"]
     assert ("run the calibration batches", 1) in names and ("onnxruntime load check", 1) in names
+    peaks = [r["peak_rss_mib"] for r in report.phases if r["depth"] == 0]  # laps end in order
+    assert peaks == sorted(peaks) and peaks[0] > 10  # the peak so far never decreases
     in_file = json.loads((tmp_path / "r.json").read_text())["phases"]
     assert [r["phase"] for r in in_file] == [n for n, _ in names][: len(in_file)]  # all but the report lap
 
