@@ -106,7 +106,12 @@ def _quantize(model, output, calib, config, stats, report, run, options) -> Quan
     if config.smooth is not None:  # before calibration: the activations it measures change
         from .smoothing import smooth
 
-        smoothed = smooth(ir_model, decisions, config.smooth, calib, run)
+        quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
+
+        def per_channel(node):  # a producer's weight: per output channel, or not quantized at all
+            return id(node) not in quantized or config.weight_per_channel(node.op_type)
+
+        smoothed = smooth(ir_model, decisions, config.smooth, calib, run, per_channel)
         folded = sum(how.startswith("folded") for how in smoothed.values())
         prepared.append(
             f"smoothed {len(smoothed)} activations into their weights (alpha {config.smooth:g}; {folded} folded "
@@ -221,6 +226,8 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
         why = "it needs calibration data read from a file (run `fp8onnx sensitivity MODEL --data DATA`)"
     elif layer_by_layer:
         why = "the model is calibrated layer by layer (its weights exceed --weight-memory)"
+    elif config.weights_need_data:
+        why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
         from .sensitivity import sensitivity
 

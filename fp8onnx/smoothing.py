@@ -111,7 +111,7 @@ def _times(value: ir.Value, factor: np.ndarray, axis: int = -1) -> None:
     )
 
 
-def _fold(x: ir.Value, inv: np.ndarray, depth: int = 0) -> str | None:
+def _fold(x: ir.Value, inv: np.ndarray, per_channel, depth: int = 0) -> str | None:
     """Fold ``x * inv`` (per channel of the last axis) into what computes ``x``: the weights of a
     norm, the columns of a MatMul/Gemm weight (and its bias), through an Add of a per-channel constant
     or a Mul (SwiGLU's ``silu(gate) * up``: into ``up``'s columns). Returns what it was folded into,
@@ -126,6 +126,8 @@ def _fold(x: ir.Value, inv: np.ndarray, depth: int = 0) -> str | None:
     if producer.domain not in ("", "ai.onnx"):
         return None
     if op in ("MatMul", "Gemm") and len(producer.inputs) >= 2:
+        if not per_channel(producer):  # 1/s per column would widen a per-tensor weight's range
+            return None
         w = producer.inputs[1]
         if w is None or w.const_value is None or not w.is_initializer() or not _only_reader(w, producer):
             return None
@@ -148,22 +150,30 @@ def _fold(x: ir.Value, inv: np.ndarray, depth: int = 0) -> str | None:
                 if op == "Mul":  # (v * c) / s = v * (c / s)
                     _times(const, inv)
                     return where
-                inner = _fold(other, inv, depth + 1) if _only_reader(other, producer) else None
+                inner = _fold(other, inv, per_channel, depth + 1) if _only_reader(other, producer) else None
                 if inner:  # (v + c) / s = v / s + c / s
                     _times(const, inv)
                     return f"{inner} through {where}"
                 return None
         if op == "Mul" and a is not None and b is not None and a is not b and a.const_value is None:
             for v in (b, a):  # (u * v) / s = u * (v / s)
-                inner = _fold(v, inv, depth + 1) if v.const_value is None and _only_reader(v, producer) else None
+                inner = (
+                    _fold(v, inv, per_channel, depth + 1)
+                    if v.const_value is None and _only_reader(v, producer)
+                    else None
+                )
                 if inner:
                     return f"{inner} through {where}"
     return None
 
 
-def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run: RunOptions) -> dict[str, str]:
+def smooth(
+    model: ir.Model, decisions: list[Decision], alpha: float, calib, run: RunOptions, per_channel=lambda node: True
+) -> dict[str, str]:
     """Smooth every eligible activation (module docstring); returns activation name -> how
-    (``"folded into <norm>"`` or ``"Mul inserted"``)."""
+    (``"folded into <norm>"`` or ``"Mul inserted"``). ``per_channel(node)``: whether a MatMul/Gemm's
+    weight is quantized per output channel (or not at all); only such a producer takes ``1/s`` into
+    its columns, since per column it would widen a per-tensor weight's range."""
     if not 0 <= alpha <= 1:
         raise Fp8OnnxError(f"--smooth must be in [0, 1], got {alpha!r}.")
     if calib is None:
@@ -191,13 +201,14 @@ def smooth(model: ir.Model, decisions: list[Decision], alpha: float, calib, run:
         inv = (1.0 / s).astype(np.float32)
         readers = {id(u.node) for u in x.uses() if u.node.op_type not in _SHAPE_ONLY}
         only_group = readers == {id(n) for n in nodes} and not x.is_graph_output()
-        folded = _fold(x, inv) if only_group else None  # no other reader sees x / s
+        folded = _fold(x, inv, per_channel) if only_group else None  # no other reader sees x / s
         if folded:
             done[name] = f"folded into {folded}"
             continue
         const = initializer(model.graph, f"fp8onnx/{name}/smooth_inv", inv.astype(x.dtype.numpy()))
         mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
-        mul.outputs[0].name = f"fp8onnx/{name}/smoothed"
+        # not under the "fp8onnx/" prefix: that marks values InsertQDQPass takes as already quantized
+        mul.outputs[0].name = f"{name}/smoothed"
         mul.outputs[0].dtype, mul.outputs[0].shape = x.dtype, x.shape
         insert_at_definition(x, [mul])
         for node in nodes:

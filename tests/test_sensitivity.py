@@ -220,6 +220,10 @@ def test_the_report_has_a_sensitivity_section(tmp_path):
     fp8onnx.quantize(path, tmp_path / "d.onnx", activations="dynamic", report=tmp_path / "d.json", provider="cpu")
     doc = json.loads((tmp_path / "d.json").read_text())
     assert "sensitivity" not in doc and "needs calibration data" in doc["sensitivity_not_measured"]
+    # smoothing renames the tensors the statistics are for: the report says why it has no section
+    fp8onnx.quantize(path, tmp_path / "s.onnx", data, smooth=0.5, report=tmp_path / "s.json", provider="cpu")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert "sensitivity" not in doc and "not --smooth" in doc["sensitivity_not_measured"]
 
 
 def test_float_vocab_leaves_the_vocabulary_projection_in_float(tmp_path):

@@ -62,6 +62,7 @@ def test_smoothing_helps_per_tensor_fp8_and_keeps_the_function(tmp_path, norm):
     assert any(f"smoothed 1 activations into their weights (alpha 0.5; {folded})" in p for p in report.prepared)
     ops = [n.op_type for n in onnx.load(out).graph.node]
     assert ("Mul" in ops) != norm  # folded into the LayerNormalization's scale, else one Mul
+    assert ops.count("QuantizeLinear") == 1  # the smoothed activation is quantized, Mul or not
     for r, g in zip(refs, run_reference(out, held_out)):
         assert sqnr_db(r, g) > sqnr_floor_db(Fp8Format.E4M3FN, 2)
 
@@ -104,7 +105,10 @@ def swiglu(path, rng, bias: bool):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["matmul", "matmul+add"])
-def test_smoothing_folds_into_the_columns_of_a_preceding_matmul(tmp_path, bias):
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+def test_smoothing_folds_into_the_columns_of_a_preceding_matmul(tmp_path, bias, per_channel):
+    """Folded into up's columns when up's weight is per output channel (its scales absorb 1/s); with a
+    per-tensor weight the columns would spread its range, so a Mul is inserted instead."""
     rng = np.random.default_rng(0)
     path, x = swiglu(tmp_path / "m.onnx", rng, bias)
     np.savez(tmp_path / "calib.npz", x=x[:256])
@@ -113,15 +117,25 @@ def test_smoothing_folds_into_the_columns_of_a_preceding_matmul(tmp_path, bias):
     sqnr = {}
     for alpha in (None, 0.5):
         out = tmp_path / f"q{alpha}.onnx"
-        report = fp8onnx.quantize(path, out, tmp_path / "calib.npz", smooth=alpha, op_types=["MatMul"])
+        report = fp8onnx.quantize(
+            path, out, tmp_path / "calib.npz", smooth=alpha, op_types=["MatMul"], per_channel=per_channel
+        )
         sqnr[alpha] = sqnr_db(ref, run_ort(out, held_out)[0])
-    assert sqnr[0.5] > sqnr[None] + 6 and sqnr[0.5] > sqnr_floor_db(Fp8Format.E4M3FN, 3)
-    assert sqnr_db(ref, run_reference(out, held_out)[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 3)
+    # per tensor, wu's own outlier column stays in wu (only folding would have removed it): above the
+    # floor only per channel, but 6 dB better than without smoothing either way
+    floor = sqnr_floor_db(Fp8Format.E4M3FN, 3) if per_channel else sqnr[None] + 6
+    assert sqnr[0.5] > sqnr[None] + 6 and sqnr[0.5] > floor
+    assert sqnr_db(ref, run_reference(out, held_out)[0]) > floor
     q = onnx.load(out)
     smooths = {n.name for n in q.graph.node if n.name.endswith("/smooth")}
-    assert smooths == {"fp8onnx/x/smooth"}  # the graph input x needs a Mul; h was folded into wu's columns
-    assert any("1 folded into the norm or MatMul" in p for p in report.prepared)
+    if per_channel:  # the graph input x needs a Mul; h was folded into wu's columns
+        assert smooths == {"fp8onnx/x/smooth"}
+        assert any("1 folded into the norm or MatMul" in p for p in report.prepared)
+    else:
+        assert smooths == {"fp8onnx/x/smooth", "fp8onnx/h/smooth"}
+        assert any("0 folded into the norm or MatMul" in p for p in report.prepared)
     assert [n.op_type for n in q.graph.node if not n.name.startswith("fp8onnx")].count("Mul") == 2  # silu, glu
+    assert [n.op_type for n in q.graph.node].count("QuantizeLinear") == 2  # x (smoothed) and h: both in FP8
 
 
 def test_smoothing_needs_calibration_and_an_alpha_in_range(tmp_path):
