@@ -4,12 +4,12 @@ plus one read and one write of the model, in one run per model.
 Per model, each in its own process (wall time and peak RSS from wait4, median of --repeat runs):
   floor     import numpy and onnxruntime, read the model file (and its external data) and write a
             copy, one InferenceSession, one run per batch of the calibration data (same batch size);
-  quantize  `fp8onnx quantize MODEL --calib CALIB --report R` with defaults;
-then the quantize run's phase table (from its report; the startup row is the process's time before
-the command started: interpreter and imports) and the ratios quantize / floor for wall time and
-peak RSS, and peak RSS / the FP32 model's size.
+  quantize  `fp8onnx -v quantize MODEL --calib CALIB -o OUT` with defaults (and the options after --);
+then the median quantize run's phase table (``-v``; the startup row is the process's time before
+the command started: interpreter and imports; the rest of the wall time is the summary and exit),
+and the ratios quantize / floor for wall time and peak RSS, and peak RSS / the FP32 model's size.
 
-Usage: python tests/bench/floor.py [decoder] [minilm] [llama-1b-random] [NAME:MODEL:CALIB ...]
+Usage: python tests/bench/floor.py [decoder] [all-MiniLM-L6-v2] [llama-1b-random] [NAME:MODEL:CALIB ...]
        [--repeat N] [--json out.json] [-- extra quantize options]
 """
 
@@ -23,8 +23,6 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from peers import SUITE, file_size, machine, median_run
-
-from fp8onnx.phases import table
 
 _FLOOR = """
 import os, shutil, sys, tempfile
@@ -66,7 +64,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="*", default=["decoder", "minilm"])
+    ap.add_argument("models", nargs="*", default=["decoder", "all-MiniLM-L6-v2"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
@@ -80,21 +78,25 @@ def main() -> None:
         size_mib = file_size(model) / 2**20
         floor = median_run([sys.executable, "-c", _FLOOR, str(model), str(calib), str(BATCH)], args.repeat, **limits)
         with tempfile.TemporaryDirectory() as tmp:
-            out, report = pathlib.Path(tmp) / "q.onnx", pathlib.Path(tmp) / "r.json"
-            cmd = [sys.executable, "-m", "fp8onnx.cli", "quantize", str(model), "--calib", str(calib)]
-            cmd += ["-o", str(out), "--report", str(report), *extra]
+            out = pathlib.Path(tmp) / "q.onnx"
+            # -v prints the phase table (no --report: its sensitivity section is a pass of its own)
+            cmd = [sys.executable, "-m", "fp8onnx.cli", "-v", "quantize", str(model), "--calib", str(calib)]
+            cmd += ["-o", str(out), *extra]
             runs = []
-            for _ in range(args.repeat):  # keep each run's phases: the median run's are shown
+            for _ in range(args.repeat):  # keep each run's phase table: the median run's is shown
                 run = median_run(cmd, 1, **limits)
                 if "error" in run:
                     raise SystemExit(f"[{name}] quantize failed: {run['error']}")
-                run["phases"] = json.loads(report.read_text())["phases"]
+                lines = run.pop("stdout").splitlines()
+                first = next(i for i, ln in enumerate(lines) if ln.strip().startswith("phase"))
+                last = next(i for i, ln in enumerate(lines) if ln.strip().startswith("total") and i > first)
+                run["phases"] = "\n".join(lines[first : last + 1])
                 runs.append(run)
             q = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
         row = {
             "model": name,
             "fp32_mib": size_mib,
-            "floor": {k: floor[k] for k in ("wall_s", "peak_rss_mib", "runs_wall_s")},
+            "floor": {k: floor[k] for k in ("wall_s", "peak_rss_mib", "runs_wall_s")},  # the median run's
             "quantize": {"wall_s": q["wall_s"], "peak_rss_mib": q["peak_rss_mib"], "phases": q["phases"]},
             "runs_wall_s": [r["wall_s"] for r in runs],
             "time_ratio": q["wall_s"] / floor["wall_s"],
@@ -102,14 +104,13 @@ def main() -> None:
             "rss_over_model": q["peak_rss_mib"] / size_mib,
         }
         results.append(row)
-        booked = sum(p["seconds"] for p in q["phases"] if p["depth"] == 0)
         print(f"\n## {name} ({size_mib:.0f} MiB FP32; calibration {calib.name}, batch {BATCH})")
         print(
             f"floor {floor['wall_s']:.2f} s, {floor['peak_rss_mib']:.0f} MiB; quantize {q['wall_s']:.2f} s, "
             f"{q['peak_rss_mib']:.0f} MiB -> time {row['time_ratio']:.2f}x the floor, peak RSS "
             f"{row['rss_ratio']:.2f}x the floor's and {row['rss_over_model']:.2f}x the model's size"
         )
-        print(table(q["phases"], startup=q["wall_s"] - booked))
+        print(q["phases"])
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=1) + "\n")
 

@@ -197,7 +197,7 @@ def run_child(cmd: list[str], *, memory_limit_gib: float, timeout_s: float, cwd=
     for r in readers:
         r.join()
     watcher.join(timeout=1)
-    result = {"wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024}
+    result = {"wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024, "stdout": "".join(out)}
     if stopped:
         result["error"] = stopped[0]
     elif proc.returncode != 0:
