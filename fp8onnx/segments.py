@@ -30,6 +30,7 @@ from onnx import helper
 
 from .errors import Fp8OnnxError, first_line
 from .passes import release
+from .phases import phase
 from .runtime import make_session
 
 __all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
@@ -246,11 +247,14 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
     for b in batches:
         feed = {v.name: spill.load(v.name, b) for v in seg.inputs}
         if session is None:
-            session = make_session(_segment_proto(model, seg, feed).SerializeToString(), provider, what)
-            weights = {v.name: v.const_value.numpy() for v in seg.weights}
+            with phase("segment sessions"):
+                session = make_session(_segment_proto(model, seg, feed).SerializeToString(), provider, what)
+            with phase("segment weights (mapped or computed)"):
+                weights = {v.name: v.const_value.numpy() for v in seg.weights}
         feed.update(weights)
         try:
-            values = session.run(names, feed)
+            with phase("segment runs"):
+                values = session.run(names, feed)
         except Exception as exc:
             raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
         del feed
