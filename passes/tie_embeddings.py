@@ -21,6 +21,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from ._common import release
+
 __all__ = ["TieEmbeddingsPass"]
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,11 @@ def _gather_tables(graph: ir.Graph) -> dict[str, ir.Value]:
 
 def _equal(a: ir.Value, b: ir.Value, transposed: bool) -> bool:
     x, y = a.const_value.numpy(), b.const_value.numpy()
-    return x.dtype == y.dtype and np.array_equal(x, y.T if transposed else y)
+    same = x.dtype == y.dtype and np.array_equal(x, y.T if transposed else y)
+    del x, y
+    release(a.const_value)  # memory-mapped weights leave resident memory again
+    release(b.const_value)
+    return same
 
 
 class TieEmbeddingsPass(ir.passes.InPlacePass):

@@ -22,13 +22,15 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from peers import _FLOOR as _FP32_PASS
 from peers import SUITE, file_size, machine, median_run
 
-_FLOOR = """
-import os, shutil, sys, tempfile
-import numpy as np, onnxruntime as ort
-model, calib, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
-with tempfile.TemporaryDirectory() as tmp:  # one read and one write of the model (and its data)
+# peers' floor (one FP32 pass over the calibration data) plus one read and one write of the model
+_FLOOR = (
+    _FP32_PASS
+    + """
+import os, tempfile
+with tempfile.TemporaryDirectory() as tmp:
     for src in (model, model + ".data"):
         if os.path.exists(src):
             with open(src, "rb") as f:
@@ -36,13 +38,8 @@ with tempfile.TemporaryDirectory() as tmp:  # one read and one write of the mode
             with open(os.path.join(tmp, os.path.basename(src)), "wb") as f:
                 f.write(blob)
             del blob
-data = np.load(calib)
-sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-names = [i.name for i in sess.get_inputs()]
-n = len(data[names[0]])
-for i in range(0, n, batch):
-    sess.run(None, {k: data[k][i:i + batch] for k in names})
 """
+)
 
 BATCH = 16  # fp8onnx's default --batch-size
 
@@ -84,7 +81,7 @@ def main() -> None:
             cmd += ["-o", str(out), *extra]
             runs = []
             for _ in range(args.repeat):  # keep each run's phase table: the median run's is shown
-                run = median_run(cmd, 1, **limits)
+                run = median_run(cmd, 1, keep_stdout=True, **limits)
                 if "error" in run:
                     raise SystemExit(f"[{name}] quantize failed: {run['error']}")
                 lines = run.pop("stdout").splitlines()

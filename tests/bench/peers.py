@@ -162,7 +162,9 @@ def model_inputs_only(model: str, calib: str, out: str) -> str:
     return out
 
 
-def run_child(cmd: list[str], *, memory_limit_gib: float, timeout_s: float, cwd=None) -> dict:
+def run_child(
+    cmd: list[str], *, memory_limit_gib: float, timeout_s: float, cwd=None, keep_stdout: bool = False
+) -> dict:
     """Run ``cmd``; wall time and peak RSS (wait4's ru_maxrss) of that process. A watchdog kills it
     past ``memory_limit_gib`` of resident memory or ``timeout_s``."""
     t0 = time.perf_counter()
@@ -197,7 +199,9 @@ def run_child(cmd: list[str], *, memory_limit_gib: float, timeout_s: float, cwd=
     for r in readers:
         r.join()
     watcher.join(timeout=1)
-    result = {"wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024, "stdout": "".join(out)}
+    result = {"wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024}
+    if keep_stdout:
+        result["stdout"] = "".join(out)
     if stopped:
         result["error"] = stopped[0]
     elif proc.returncode != 0:
