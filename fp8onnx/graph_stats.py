@@ -91,7 +91,7 @@ def sum_in_graph(
             progress=lambda it, n, d: bar(it, total=n, desc=d),
         )
     else:
-        session = session_for_model(instrumented, run.provider, f"The {desc} model")
+        session = session_for_model(instrumented, run.provider, f"The {desc} model", instrumented=True)
         for feed in progress_bar(feeds, total=total, desc=desc, unit="batch", enable=run.progress):
             accumulate(dict(zip(outputs, session.run(outputs, feed))))
     if len(sums) != len(outputs):

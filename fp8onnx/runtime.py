@@ -91,8 +91,18 @@ def resolve_provider(provider: str) -> str:
     return provider
 
 
-def _options(provider: str, arena: bool = True, optimize: bool = True) -> ort.SessionOptions:
+def _options(
+    provider: str, arena: bool = True, optimize: bool = True, instrumented: bool = False
+) -> ort.SessionOptions:
     so = ort.SessionOptions()
+    if instrumented:
+        # A graph that reports statistics of many of its tensors (calibration, Hessians, sensitivity).
+        # ORT's default order ran those Abs/ReduceMax branches after the whole model, so every measured
+        # tensor stayed alive to the end; the priority-based order runs each right after its tensor.
+        # SmolLM2-135M, 16 x 128 tokens: 3.19 GB of activations (1.65 GB without the memory pattern,
+        # which only doubles what the first run held) vs 0.21 GB, at the same speed.
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        so.enable_mem_pattern = False
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
@@ -111,14 +121,16 @@ def make_session(
     *,
     arena: bool = True,
     optimize: bool = True,
+    instrumented: bool = False,
 ) -> ort.InferenceSession:
     """An InferenceSession for serialized bytes or a path; failures name ``what``. ``optimize=False``
-    turns graph optimizations off (a load check that must not fold weights, see ``save_model``)."""
+    turns graph optimizations off (a load check that must not fold weights, see ``save_model``);
+    ``instrumented=True`` is for graphs that report statistics of their own tensors (see ``_options``)."""
     provider = resolve_provider(provider)
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
     try:
-        return ort.InferenceSession(src, _options(provider, arena, optimize), providers=providers)
+        return ort.InferenceSession(src, _options(provider, arena, optimize, instrumented), providers=providers)
     except Exception as exc:
         raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from None
 
@@ -139,15 +151,16 @@ def weight_bytes(model: ir.Model) -> int:
 
 
 def session_for_model(
-    model: ir.Model, provider: str = "auto", what: str = "model", *, arena: bool = True
+    model: ir.Model, provider: str = "auto", what: str = "model", *, arena: bool = True, instrumented: bool = False
 ) -> ort.InferenceSession:
     """A session for an in-memory model; large models go through a temporary file."""
+    kw = {"arena": arena, "instrumented": instrumented}
     if weight_bytes(model) < _INLINE_LIMIT:
-        return make_session(inline_proto(model).SerializeToString(), provider, what, arena=arena)
+        return make_session(inline_proto(model).SerializeToString(), provider, what, **kw)
     with tempfile.TemporaryDirectory(prefix="fp8onnx-") as tmp:
         path = pathlib.Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")
-        return make_session(path, provider, what, arena=arena)
+        return make_session(path, provider, what, **kw)
 
 
 def median_latency_ms(session: ort.InferenceSession, feed: dict, *, warmup: int = 3, runs: int = 20) -> float:

@@ -248,7 +248,9 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
         feed = {v.name: spill.load(v.name, b) for v in seg.inputs}
         if session is None:
             with phase("segment sessions"):
-                session = make_session(_segment_proto(model, seg, feed).SerializeToString(), provider, what)
+                session = make_session(
+                    _segment_proto(model, seg, feed).SerializeToString(), provider, what, instrumented=True
+                )
             with phase("segment weights (mapped or computed)"):
                 weights = {v.name: v.const_value.numpy() for v in seg.weights}
         feed.update(weights)

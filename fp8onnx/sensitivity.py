@@ -175,7 +175,7 @@ def sensitivity(
     samples = batches = 0
     total = feeds.count_batches(run.batch_size)
     # Nothing measurable (every node in a subgraph): no pass at all (run([]) would fetch every output).
-    session = session_for_model(ir_model, run.provider, "The sensitivity model") if outputs else None
+    session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True) if outputs else None
     for batch in progress_bar(
         feeds.batches(run.batch_size) if outputs else (),
         total=total,

@@ -87,3 +87,31 @@ def test_run_options_validate_and_merge():
     with pytest.raises(TypeError, match="unknown run option 'batchsize'"):
         RunOptions.of(None, batchsize=3)
     assert RunOptions.split({"provider": "cpu", "format": "e5m2"}) == ({"provider": "cpu"}, {"format": "e5m2"})
+
+
+def test_instrumented_sessions_run_each_statistic_right_after_its_tensor():
+    so = runtime._options("cpu", instrumented=True)
+    assert so.execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    assert not so.enable_mem_pattern
+    assert runtime._options("cpu").execution_order == ort.ExecutionOrder.DEFAULT  # what users run keeps ORT's
+
+
+@pytest.mark.parametrize("weight_memory", [1 << 30, 64])  # one session, and layer by layer
+def test_every_statistics_session_is_instrumented(tmp_path, monkeypatch, weight_memory):
+    from fp8onnx import calibration, graph_stats, segments
+
+    seen = []
+    real = runtime.make_session
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("instrumented", False))
+        return real(*args, **kwargs)
+
+    for module in (runtime, segments):
+        monkeypatch.setattr(module, "make_session", spy)
+    model = ir.load(mlp_model(tmp_path / "m.onnx"))
+    feeds = [{"x": np.ones((2, 16), np.float32)}]
+    run = runtime.RunOptions(weight_memory=weight_memory)
+    calibration.collect_amax(model, ["x"], feeds, run=run)
+    graph_stats.sum_in_graph(model, {"x": lambda x, add: [add("ReduceMax", [x], "max", keepdims=0)]}, feeds, run, "max")
+    assert len(seen) >= 2 and all(seen)
