@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -764,5 +765,27 @@ def demo(out_dir, provider):
             click.echo(f"models kept in {folder}")
 
 
+def entry() -> None:
+    """The console script: run the command, flush what it printed and logged, and leave without
+    tearing the interpreter down. Freeing the imported modules (sympy's caches, through onnx_ir, and
+    onnxscript) took 0.15 s at every exit, 3% of quantizing all-MiniLM-L6-v2. Every file a command
+    writes is closed (atomically renamed) before it returns, so nothing is left for exit handlers."""
+    try:
+        main()  # click's standalone mode ends in SystemExit, whatever happened
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+            pass
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -9,10 +9,12 @@ file behind. The input model is never overwritten.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import pathlib
 import tempfile
+from collections.abc import Callable
 
 import onnx
 import onnx_ir as ir
@@ -278,11 +280,11 @@ def save_model(
             data = inline_proto(model).SerializeToString()  # serialized once: checker, session and file share it
         with phase("onnx.checker"):
             check_onnx(data, f"The {what}")
-        if provider is not None:
-            with phase("onnxruntime load check"):
-                make_session(data, provider, f"The {what}", optimize=False)
-        with phase("write"):
-            write_bytes_atomic(out, data)
+        # The load check (onnxruntime releases the GIL) runs while the bytes go to disk; the file is
+        # renamed into place only once it passed. MiniLM: 0.09 s check and 0.04-0.19 s write+fsync.
+        check = None if provider is None else lambda: make_session(data, provider, f"The {what}", optimize=False)
+        with phase("onnxruntime load check and write, side by side"):
+            write_bytes_atomic(out, data, check=check)
         logger.info("wrote %s (%d bytes)", out, len(data))
         return out
     return _save_external(model, out, parent, provider, what)
@@ -308,30 +310,39 @@ def _save_external(
     return out
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file in the target folder, fsync, rename: all or nothing."""
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[[], object] | None = None) -> None:
+    """Write to a temporary file in the target folder, fsync, rename: all or nothing. ``check`` runs
+    in another thread meanwhile; the file is renamed into place only when it returned, and its
+    exception propagates with nothing replaced."""
     path = pathlib.Path(path)
     parent = path.resolve().parent
     if not parent.is_dir():
         raise Fp8OnnxError(f"Output folder {str(parent)!r} does not exist.")
+    pool = concurrent.futures.ThreadPoolExecutor(1) if check is not None else None
+    checked = pool.submit(check) if pool is not None else None
+    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise Fp8OnnxError(
-            f"Cannot write {str(path)!r}: {exc.strerror or exc}; the previous file, if any, is untouched."
-        ) from None
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+        except OSError as exc:
+            raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from None
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if checked is not None:
+                checked.result()
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise Fp8OnnxError(
+                f"Cannot write {str(path)!r}: {exc.strerror or exc}; the previous file, if any, is untouched."
+            ) from None
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)  # a failed write still waits for the check: no session outlives the call
+        if tmp is not None:
+            pathlib.Path(tmp).unlink(missing_ok=True)  # gone already when it was renamed into place
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -97,6 +97,24 @@ def test_an_invalid_result_is_never_written(tmp_path, monkeypatch):
     assert not (tmp_path / "q.onnx").exists()
 
 
+def test_a_model_only_onnxruntime_refuses_is_never_written(tmp_path):
+    from fp8onnx.model_io import write_bytes_atomic
+
+    out = tmp_path / "q.onnx"
+    out.write_bytes(b"previous output")
+
+    def refuses():
+        raise Fp8OnnxError("The output model does not load in onnxruntime (cpu): no kernel.")
+
+    with pytest.raises(Fp8OnnxError, match="does not load in onnxruntime"):
+        write_bytes_atomic(out, b"new model", check=refuses)
+    assert out.read_bytes() == b"previous output"
+    assert [p.name for p in tmp_path.iterdir()] == ["q.onnx"]  # no temporary file left
+    ran = []
+    write_bytes_atomic(out, b"new model", check=lambda: ran.append(out.read_bytes()))
+    assert out.read_bytes() == b"new model" and ran == [b"previous output"]  # checked before the rename
+
+
 def test_declared_sizes_beyond_the_machine_are_refused_not_oom_killed(tmp_path):
     # A 160 GB tensor backed by a sparse file: the containment and size checks pass, memory cannot.
     graph = onnx.helper.make_graph(
@@ -127,12 +145,10 @@ def test_unwritable_output_folder_is_refused_before_any_work(tmp_path, monkeypat
 
 
 def test_large_model_paths_write_external_data(tmp_path, monkeypatch):
-    # The >2 GB code paths, exercised on a small model by lowering their thresholds.
+    # The >2 GB code path, exercised on a small model by lowering its threshold.
     import fp8onnx.model_io as model_io
-    import fp8onnx.runtime as runtime
 
     monkeypatch.setattr(model_io, "EXTERNAL_DATA_THRESHOLD", 0)
-    monkeypatch.setattr(runtime, "_INLINE_LIMIT", 0)
     path = external_model(tmp_path)
     data = mlp_data(tmp_path / "d.npz")
     out = tmp_path / "q.onnx"

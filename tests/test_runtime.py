@@ -36,20 +36,39 @@ def test_a_model_that_does_not_load_is_one_sentence(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_large_models_go_through_a_temporary_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("external", [False, True])
+def test_weights_are_handed_over_in_place_and_the_model_is_left_as_it_was(tmp_path, external):
     path = mlp_model(tmp_path / "m.onnx")
+    if external:  # memory-mapped weights: handed over as views of the mapping
+        onnx.save(onnx.load(path), tmp_path / "e.onnx", save_as_external_data=True, location="e.data", size_threshold=0)
+        path = tmp_path / "e.onnx"
     model = ir.load(path)
-    assert runtime.weight_bytes(model) == (16 * 32 + 8 * 32 + 8) * 4
-    monkeypatch.setattr(runtime, "_INLINE_LIMIT", 1)  # every model counts as large
-    spill = tmp_path / "tmp"
-    spill.mkdir()
-    monkeypatch.setattr("tempfile.tempdir", str(spill))
+    before = {name: v.const_value for name, v in model.graph.initializers.items()}
     session = runtime.session_for_model(model, "cpu")
-    x = np.ones((2, 16), np.float32)
+    assert {name: v.const_value for name, v in model.graph.initializers.items()} == before  # same objects
+    handed, _ = session._fp8onnx_weights
+    assert sorted(handed) == sorted(n for n, t in before.items() if t.nbytes >= runtime.HANDOVER_BYTES)
+    x = np.linspace(-2, 2, 32, dtype=np.float32).reshape(2, 16)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for got, want in zip(session.run(None, {"x": x}), expected):
         np.testing.assert_array_equal(got, want)
-    assert list(spill.iterdir()) == []  # the temporary copy is gone once the session holds the model
+    assert [p.name for p in tmp_path.iterdir() if p.suffix not in (".onnx", ".data")] == []  # no temporary file
+
+
+def test_weights_numpy_cannot_hold_are_serialized(tmp_path):
+    import ml_dtypes
+
+    w = np.linspace(-1, 1, 16 * 32, dtype=np.float32).reshape(16, 32)
+    model = ir.load(mlp_model(tmp_path / "m.onnx"))
+    value = next(v for v in model.graph.initializers.values() if v.const_value.nbytes == w.nbytes)
+    value.const_value = ir.Tensor(w.astype(ml_dtypes.bfloat16), dtype=ir.DataType.BFLOAT16, name=value.name)
+    node = value.uses()[0].node
+    cast = ir.node("Cast", [value], {"to": ir.DataType.FLOAT})
+    node.graph.insert_before(node, cast)
+    node.replace_input_with(1, cast.outputs[0])
+    session = runtime.session_for_model(model, "cpu")
+    assert value.name not in session._fp8onnx_weights[0]
+    assert session.run(None, {"x": np.ones((1, 16), np.float32)})[0].shape == (1, 8)
 
 
 def test_inline_proto_reads_external_weights_without_touching_the_model(tmp_path):
