@@ -713,6 +713,48 @@ def inspect(model, as_json, plot_dir):
 
 
 @main.command()
+@click.argument("model", type=click.Path())
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The .npz to write.")
+@click.option(
+    "--tokenizer", type=click.Path(), help="A Hugging Face tokenizer.json (default: the one in MODEL's export folder)."
+)
+@click.option("--seq-len", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens per sample.")
+@click.option("--pad", is_flag=True, help="One document per sample, padded/truncated (encoders); default: windows.")
+@click.option("--field", default="text", show_default=True, help="The text field of each .jsonl record.")
+@click.option("--max-samples", type=click.IntRange(min=1), help="At most this many samples.")
+@click.option("--seed", type=int, help="Pick --max-samples at random over the whole file (default: the first ones).")
+@_run
+def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, seed):
+    """Make calibration/evaluation data for MODEL from a text file (.txt or .jsonl).
+
+    MODEL is an .onnx file or an export folder (model.onnx beside tokenizer.json). Every model input
+    is filled in: token ids, attention mask, token type ids, position ids, empty KV caches for
+    prefill; windows of text also get next-token `labels` for `compare`.
+
+    \b
+    Examples:
+      fp8onnx data model.onnx corpus.txt --tokenizer tokenizer.json -o calib.npz --max-samples 256
+      fp8onnx data export_dir/ sentences.txt --pad --seq-len 128 -o eval.npz
+    """
+    from .sources import make_data
+
+    summary = make_data(
+        model,
+        source,
+        output,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        pad=pad,
+        field=field,
+        max_samples=max_samples,
+        seed=seed,
+        progress=sys.stderr.isatty(),
+    )
+    click.echo("\n".join(summary.lines()))
+
+
+@main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @_run

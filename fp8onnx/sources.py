@@ -1,0 +1,463 @@
+"""Raw data into model feeds: text files tokenized for the model's own inputs (``fp8onnx data``).
+
+A text source is a ``.txt`` file (one document per line; or, when the file has blank lines,
+documents separated by blank lines) or a ``.jsonl`` file (one JSON object per line, the document
+under ``field``). It is read lazily, tokenized with a Hugging Face ``tokenizer.json`` (the
+``tokenizers`` package, extra ``[text]``) and cut in one of two ways:
+
+* **windows** (default, for language models): the documents' tokens, in order, as one stream cut
+  into windows of ``seq_len`` tokens; each window's ``labels`` are the next tokens (what
+  ``compare`` scores next-token accuracy and perplexity against);
+* **padded** (``pad=True``, for encoders): one document per sample, truncated or padded to
+  ``seq_len`` with the tokenizer's own special tokens, padding token and attention mask.
+
+Every model input is then filled in from its declared name, type and shape:
+
+  input_ids / *input_ids*           the tokens
+  attention_mask                    the tokenizer's mask (windows: all ones)
+  token_type_ids                    the tokenizer's type ids (windows: zeros)
+  position_ids                      0, 1, 2, ... over the unpadded tokens (padding repeats the last)
+  past_key_values.* / past.* / past_* / *.past_*   empty prefill caches: the batch axis, the declared
+                                    fixed axes, and 0 for the past-length axis (the one other
+                                    dynamic axis)
+  anything else                     refused with one sentence naming the input
+
+With ``max_samples`` and a ``seed`` the samples are a uniform random choice of the whole stream
+(reservoir sampling: memory holds ``max_samples`` samples, not the corpus); without a seed they are
+the first ``max_samples``. Samples are written to the ``.npz`` as they come (one temporary raw file
+per array), so memory stays flat in the corpus size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+from .data import LABELS, InputSpec, input_specs
+from .errors import Fp8OnnxError, printable
+
+__all__ = [
+    "TEXT_SUFFIXES",
+    "DataSummary",
+    "TextOptions",
+    "fill_inputs",
+    "make_data",
+    "model_file",
+    "text_samples",
+    "write_text_data",
+]
+
+logger = logging.getLogger(__name__)
+TEXT_SUFFIXES = (".txt", ".jsonl")
+_PROBE = 1 << 20  # bytes read to tell a blank-line-separated corpus from one document per line
+_CHUNK = 256  # documents tokenized per call (tokenizers encodes a batch in parallel)
+_PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    tokenizer: str | os.PathLike
+    seq_len: int = 128
+    pad: bool = False
+    field: str = "text"
+    max_samples: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise Fp8OnnxError(f"--seq-len must be a positive integer, got {self.seq_len!r}.")
+        if self.max_samples is not None and (not isinstance(self.max_samples, int) or self.max_samples < 1):
+            raise Fp8OnnxError(f"--max-samples must be a positive integer, got {self.max_samples!r}.")
+
+
+@dataclasses.dataclass
+class DataSummary:
+    """What ``write_text_data`` made: sample count, each array's shape and dtype, and the inputs it
+    filled in (input name -> why)."""
+
+    source: str
+    output: str
+    samples: int
+    documents: int
+    tokens: int
+    arrays: dict[str, tuple[list[int], str]]
+    filled: dict[str, str]
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{self.source} -> {self.output}: {self.samples} samples from {self.documents} documents "
+            f"({self.tokens} tokens)"
+        ]
+        for name, (shape, dtype) in self.arrays.items():
+            why = self.filled.get(name)
+            out.append(f"  {name}: {dtype} {shape}" + (f" ({why})" if why else ""))
+        return out
+
+
+def load_tokenizer(path: str | os.PathLike):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise Fp8OnnxError("Reading text needs the tokenizers package: pip install 'fp8onnx[text]'.") from None
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise Fp8OnnxError(f"Tokenizer file {str(path)!r} does not exist (a Hugging Face tokenizer.json).")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise Fp8OnnxError(f"Tokenizer file {str(path)!r} is not a tokenizer.json ({printable(exc)}).") from None
+
+
+def documents(path: str | os.PathLike, field: str = "text") -> Iterator[str]:
+    """The documents of a ``.txt`` or ``.jsonl`` file, read lazily (see the module docstring)."""
+    path = pathlib.Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in TEXT_SUFFIXES:
+        raise Fp8OnnxError(f"Text file {str(path)!r} must end in .txt or .jsonl.")
+    if not path.is_file():
+        raise Fp8OnnxError(f"Text file {str(path)!r} does not exist.")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if suffix == ".jsonl":
+                yield from _json_lines(fh, path, field)
+                return
+            head = fh.read(_PROBE)
+            fh.seek(0)
+            if re.search(r"\n[ \t]*\r?\n", head.strip("\n")):
+                yield from _paragraphs(fh)
+            else:
+                yield from (line.rstrip("\r\n") for line in fh if line.strip())
+    except UnicodeDecodeError as exc:
+        raise Fp8OnnxError(f"Text file {str(path)!r} is not UTF-8 (byte {exc.start} of a chunk).") from None
+
+
+def _paragraphs(fh) -> Iterator[str]:
+    lines: list[str] = []
+    for line in fh:
+        if line.strip():
+            lines.append(line.rstrip("\r\n"))
+        elif lines:
+            yield "\n".join(lines)
+            lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
+def _json_lines(fh, path: pathlib.Path, field: str) -> Iterator[str]:
+    for number, line in enumerate(fh, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise Fp8OnnxError(f"Line {number} of {str(path)!r} is not JSON ({exc.msg}).") from None
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise Fp8OnnxError(f"Line {number} of {str(path)!r} has no text field {field!r} (use --field).")
+        if text.strip():
+            yield text
+
+
+def vocabulary_size(model: ir.Model, ids_input: str) -> int | None:
+    """Rows of the embedding table the token ids index (a Gather's initializer), when there is one."""
+    value = next((v for v in model.graph.inputs if v.name == ids_input), None)
+    for use in value.uses() if value is not None else ():
+        node = use.node
+        if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
+            table = node.inputs[0].const_value
+            if table is not None and len(table.shape) >= 1:
+                return int(table.shape[0])
+    return None
+
+
+def _ids_input(specs: list[InputSpec]) -> InputSpec:
+    named = [s for s in specs if s.name == "input_ids"] or [s for s in specs if "input_ids" in s.name]
+    if not named:
+        names = ", ".join(s.name for s in specs)
+        raise Fp8OnnxError(f"The model has no token-id input (input_ids) to feed text to; its inputs are {names}.")
+    return named[0]
+
+
+def fill_inputs(
+    specs: list[InputSpec], ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Feeds for every model input from [batch, seq] token ids, attention mask and type ids, and
+    per filled-in input the reason (see the module docstring for the rules)."""
+    ids_spec = _ids_input(specs)
+    feed, why = {}, {}
+    for spec in specs:
+        name = spec.name.lower()
+        if spec is ids_spec:
+            feed[spec.name] = _typed(ids, spec)
+        elif name.endswith("attention_mask"):
+            feed[spec.name], why[spec.name] = _typed(mask, spec), "the tokenizer's attention mask"
+        elif name.endswith("token_type_ids"):
+            feed[spec.name], why[spec.name] = _typed(type_ids, spec), "the tokenizer's token type ids"
+        elif name.endswith("position_ids"):
+            feed[spec.name] = _typed(np.maximum(np.cumsum(mask, axis=1) - 1, 0), spec)
+            why[spec.name] = "0, 1, 2, ... over the unpadded tokens"
+        elif _PAST.search(name):
+            feed[spec.name] = np.zeros(_past_shape(spec, ids.shape[0]), dtype=spec.dtype)
+            why[spec.name] = "empty cache for prefill (past length 0)"
+        else:
+            raise Fp8OnnxError(
+                f"Model input {spec.name!r} ({spec.describe()}) cannot be made from text; "
+                "give it in an .npz (see docs/usage.md, Data)."
+            )
+    return feed, why
+
+
+def _typed(array: np.ndarray, spec: InputSpec) -> np.ndarray:
+    if spec.rank != array.ndim:
+        raise Fp8OnnxError(f"Model input {spec.name!r} is {spec.describe()}; text gives [batch, sequence].")
+    for axis, dim in enumerate(spec.shape):
+        if dim is not None and dim != array.shape[axis]:
+            raise Fp8OnnxError(
+                f"Model input {spec.name!r} is {spec.describe()}: axis {axis} is fixed at {dim}, the text gives "
+                f"{array.shape[axis]} (set --seq-len {dim}?)."
+            )
+    if not np.issubdtype(spec.dtype, np.number) and spec.dtype != np.bool_:
+        raise Fp8OnnxError(f"Model input {spec.name!r} is {spec.describe()}; text gives integers.")
+    return array.astype(spec.dtype)
+
+
+def _past_shape(spec: InputSpec, batch: int) -> tuple[int, ...]:
+    """[batch, ..., 0 past positions, ...]: the first axis is the batch; fixed axes keep their size;
+    exactly one other axis may be dynamic, and it is the past length."""
+    if spec.rank < 2:
+        raise Fp8OnnxError(f"Cache input {spec.name!r} is {spec.describe()}; expected [batch, ..., past, ...].")
+    dynamic = [i for i, d in enumerate(spec.shape[1:], 1) if d is None]
+    if len(dynamic) != 1:
+        raise Fp8OnnxError(
+            f"Cache input {spec.name!r} is {spec.describe()}: cannot tell its past-length axis "
+            f"({len(dynamic)} dynamic axes after the batch); give it in an .npz."
+        )
+    shape = [batch if spec.shape[0] is None else spec.shape[0], *spec.shape[1:]]
+    shape[dynamic[0]] = 0
+    return tuple(shape)
+
+
+def _encoded(tokenizer, docs: Iterator[str], options: TextOptions, counts: dict) -> Iterator[tuple]:
+    """(ids, mask, type_ids, labels or None) per sample, each [seq_len]."""
+    seq = options.seq_len
+    if options.pad:
+        tokenizer.enable_truncation(max_length=seq)
+        pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else (tokenizer.token_to_id("[PAD]") or 0)
+        tokenizer.enable_padding(length=seq, pad_id=pad_id)
+    else:
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+    stream = np.zeros(0, np.int64)
+    for chunk in _chunks(docs, _CHUNK):
+        counts["documents"] += len(chunk)
+        if options.pad:
+            for e in tokenizer.encode_batch(chunk):
+                counts["tokens"] += int(sum(e.attention_mask))
+                yield (
+                    np.array(e.ids, np.int64),
+                    np.array(e.attention_mask, np.int64),
+                    np.array(e.type_ids, np.int64),
+                    None,
+                )
+            continue
+        encoded = tokenizer.encode_batch([d + "\n" for d in chunk], add_special_tokens=False)
+        stream = np.concatenate([stream, *(np.array(e.ids, np.int64) for e in encoded)])
+        counts["tokens"] += sum(len(e.ids) for e in encoded)
+        while len(stream) > seq:  # a window and the token after it (its last label)
+            ids, labels, stream = stream[:seq], stream[1 : seq + 1], stream[seq:]
+            yield ids, np.ones(seq, np.int64), np.zeros(seq, np.int64), labels
+
+
+def _chunks(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def text_samples(path, specs: list[InputSpec], options: TextOptions, tokenizer=None, counts=None):
+    """Per sample (feed of [1, ...] arrays, labels [1, seq] or None), from the text file ``path``."""
+    tokenizer = tokenizer or load_tokenizer(options.tokenizer)
+    counts = counts if counts is not None else {"documents": 0, "tokens": 0}
+    encoded = _encoded(tokenizer, documents(path, options.field), options, counts)
+    if options.max_samples is not None:
+        encoded = _first_or_sampled(encoded, options.max_samples, options.seed)
+    for ids, mask, type_ids, labels in encoded:
+        feed, why = fill_inputs(specs, ids[None], mask[None], type_ids[None])
+        yield feed, (None if labels is None else labels[None]), why
+
+
+def _first_or_sampled(items: Iterator, k: int, seed: int | None) -> Iterator:
+    if seed is None:
+        for i, item in enumerate(items):
+            if i == k:
+                return
+            yield item
+        return
+    rng = np.random.default_rng(seed)
+    reservoir = []
+    for i, item in enumerate(items):  # Algorithm R: each item kept with probability k / (i + 1)
+        if i < k:
+            reservoir.append(item)
+        else:
+            j = int(rng.integers(0, i + 1))
+            if j < k:
+                reservoir[j] = item
+    yield from reservoir
+
+
+class _NpzWriter:
+    """Arrays appended sample by sample to raw files, then written as one .npz (atomically)."""
+
+    def __init__(self, out: pathlib.Path):
+        self.out = out
+        self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.resolve().parent))
+        self.files: dict[str, object] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.count = 0
+
+    def add(self, arrays: dict[str, np.ndarray]) -> None:
+        for name, array in arrays.items():
+            if name not in self.files:
+                self.files[name] = open(self.tmp / f"{len(self.files)}.raw", "wb")
+                self.meta[name] = (array.shape[1:], array.dtype)
+            elif self.meta[name] != (array.shape[1:], array.dtype):
+                raise Fp8OnnxError(
+                    f"Sample {self.count} of {name!r} has shape {array.shape[1:]}, not {self.meta[name][0]}."
+                )
+            self.files[name].write(np.ascontiguousarray(array).tobytes())
+        self.count += 1
+
+    def close(self) -> dict[str, tuple[list[int], str]]:
+        for fh in self.files.values():
+            fh.close()
+        part = self.tmp / "data.npz"
+        with zipfile.ZipFile(part, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for i, (name, (shape, dtype)) in enumerate(self.meta.items()):
+                with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    header = {
+                        "descr": np.lib.format.dtype_to_descr(dtype),
+                        "fortran_order": False,
+                        "shape": (self.count, *shape),
+                    }
+                    np.lib.format.write_array_header_1_0(member, header)
+                    with open(self.tmp / f"{i}.raw", "rb") as raw:
+                        shutil.copyfileobj(raw, member, 1 << 20)
+        os.replace(part, self.out)
+        return {name: ([self.count, *shape], str(dtype)) for name, (shape, dtype) in self.meta.items()}
+
+    def discard(self) -> None:
+        for fh in self.files.values():
+            fh.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_text_data(model: ir.Model, source, out, options: TextOptions, progress=None) -> DataSummary:
+    """Tokenize ``source`` for ``model``'s inputs and write the samples to the ``.npz`` ``out``."""
+    specs = input_specs(model)
+    tokenizer = load_tokenizer(options.tokenizer)
+    ids_spec = _ids_input(specs)
+    rows = vocabulary_size(model, ids_spec.name)
+    if rows is not None and tokenizer.get_vocab_size() > rows:
+        raise Fp8OnnxError(
+            f"Tokenizer {str(options.tokenizer)!r} has {tokenizer.get_vocab_size()} tokens but the model's embedding "
+            f"table has {rows} rows: it is not this model's tokenizer."
+        )
+    counts = {"documents": 0, "tokens": 0}
+    writer = _NpzWriter(pathlib.Path(out))
+    filled: dict[str, str] = {}
+    try:
+        samples = text_samples(source, specs, options, tokenizer, counts)
+        for feed, labels, why in progress(samples) if progress else samples:
+            filled.update(why)
+            writer.add({**feed, **({LABELS: labels} if labels is not None else {})})
+        if writer.count == 0:
+            raise Fp8OnnxError(
+                f"Text file {str(source)!r} gave no sample"
+                + ("" if options.pad else f" (fewer than {options.seq_len + 1} tokens; lower --seq-len or use --pad)")
+                + "."
+            )
+        arrays = writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    writer.discard()
+    if LABELS in arrays:
+        filled[LABELS] = "the next token of each position (for next-token accuracy and perplexity)"
+    return DataSummary(str(source), str(out), writer.count, counts["documents"], counts["tokens"], arrays, filled)
+
+
+def model_file(path: str | os.PathLike) -> pathlib.Path:
+    """``path``, or for an export folder (Optimum, transformers) the ``model.onnx`` inside it."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        inside = path / "model.onnx"
+        if not inside.is_file():
+            raise Fp8OnnxError(f"Model folder {str(path)!r} has no model.onnx.")
+        return inside
+    return path
+
+
+def make_data(
+    model: str | os.PathLike,
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    seq_len: int = 128,
+    pad: bool = False,
+    field: str = "text",
+    max_samples: int | None = None,
+    seed: int | None = None,
+    progress: bool = False,
+) -> DataSummary:
+    """``fp8onnx data``: feeds for ``model`` (a file, or an export folder whose ``tokenizer.json``
+    is used unless ``tokenizer`` is given) from the text file ``source``, written to ``output``."""
+    from .guard import check_paths, model_reads
+    from .model_io import load_model
+    from .progress import progress_bar
+
+    folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
+    path = model_file(model)
+    if tokenizer is None:
+        if folder is None or not (folder / "tokenizer.json").is_file():
+            raise Fp8OnnxError(
+                f"No tokenizer for {str(source)!r}: pass --tokenizer tokenizer.json "
+                "(or give the model's export folder)."
+            )
+        tokenizer = folder / "tokenizer.json"
+    out = pathlib.Path(output)
+    if out.suffix != ".npz":
+        raise Fp8OnnxError(f"Output {str(out)!r} must end in .npz.")
+    check_paths(
+        model_reads("the model", path) + [("the text", source), ("the tokenizer", tokenizer)],
+        [("the data file", out)],
+    )
+    if not out.resolve().parent.is_dir():
+        raise Fp8OnnxError(f"Output folder {str(out.resolve().parent)!r} does not exist.")
+    options = TextOptions(tokenizer, seq_len, pad, field, max_samples, seed)
+    bar = (
+        (lambda it: progress_bar(it, total=max_samples, desc="samples", unit="sample", enable=True))
+        if progress
+        else None
+    )
+    summary = write_text_data(load_model(path), source, out, options, progress=bar)
+    logger.info("%s", "; ".join(summary.lines()))
+    return summary
