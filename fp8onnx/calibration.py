@@ -204,7 +204,7 @@ def collect_amax(
         outputs = [n + AMAX_SUFFIX for n in names] + ([n + VALUE_SUFFIX for n in names] if histograms else [])
         keep_only_outputs(instrumented, outputs)  # statistics only: not the model's own outputs
     running = _Running(names, histograms)
-    source = as_data(data, input_specs(model))
+    source = as_data(data, input_specs(model), model)
     total = source.count_batches(batch_size)
 
     def counted(batches):

@@ -230,9 +230,11 @@ _per_channel_option = click.option(
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the FP8 model.")
-@click.option("--calib", type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
+@click.option(
+    "--calib", type=click.Path(), help="Calibration data: an .npz file, a folder of them, or a .txt/.jsonl text file."
+)
 @click.option(
     "--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib."
 )
@@ -474,8 +476,13 @@ def quantize(
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--calib", required=True, type=click.Path(), help="Calibration data: an .npz file or a folder of them.")
+@click.argument("model", type=click.Path())
+@click.option(
+    "--calib",
+    required=True,
+    type=click.Path(),
+    help="Calibration data: an .npz file, a folder of them, or a .txt/.jsonl text file.",
+)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
 @_batch_size_option
 @_weight_memory_option
@@ -505,10 +512,13 @@ def calibrate(model, calib, output, batch_size, weight_memory, provider, precisi
 
 
 @main.command()
-@click.argument("reference", type=click.Path(dir_okay=False))
-@click.argument("candidates", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("reference", type=click.Path())
+@click.argument("candidates", nargs=-1, type=click.Path())
 @click.option(
-    "--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy."
+    "--data",
+    required=True,
+    type=click.Path(),
+    help="Evaluation data (.npz, folder, or .txt/.jsonl text); 'labels' enables accuracy.",
 )
 @click.option("--no-fp16", is_flag=True, help="Do not build and run the FP16 baseline.")
 @_batch_size_option
@@ -533,10 +543,13 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--calib", required=True, type=click.Path(), help="Calibration data (.npz or folder).")
+@click.argument("model", type=click.Path())
+@click.option("--calib", required=True, type=click.Path(), help="Calibration data (.npz, folder, or .txt/.jsonl text).")
 @click.option(
-    "--data", required=True, type=click.Path(), help="Evaluation data (.npz or folder); 'labels' enables accuracy."
+    "--data",
+    required=True,
+    type=click.Path(),
+    help="Evaluation data (.npz, folder, or .txt/.jsonl text); 'labels' enables accuracy.",
 )
 @click.option("--max-samples", type=click.IntRange(min=1), help="Evaluate on at most about this many samples.")
 @_batch_size_option
@@ -579,8 +592,8 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--calib", type=click.Path(), help="Calibration data for the scales (.npz or folder).")
+@click.argument("model", type=click.Path())
+@click.option("--calib", type=click.Path(), help="Calibration data for the scales (.npz, folder, or text).")
 @click.option(
     "--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib."
 )
@@ -679,7 +692,7 @@ def sensitivity(
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the summary.")
 @click.option(
     "--plot", "plot_dir", type=click.Path(file_okay=False), help="Write scale_exponents.png into this folder."
@@ -755,7 +768,7 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @_run
 def fp16(model, output):

@@ -28,7 +28,7 @@ import numpy as np
 
 from .data import as_data, input_specs
 from .errors import Fp8OnnxError, first_line
-from .model_io import load_model
+from .model_io import load_model, model_file
 from .passes import ConvertFloat16Pass
 from .progress import progress_bar
 from .runtime import RunOptions, make_session, resolve_provider, session_for_model
@@ -215,6 +215,7 @@ def compare(
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
     run = RunOptions.of(run, **run_options)
     provider, batch_size, progress = resolve_provider(run.provider), run.batch_size, run.progress
+    reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
     ref_model = load_model(reference)
     out_names = [v.name for v in ref_model.graph.outputs]
     # name -> (path or None, builder of its session); checked up front, before the long runs
@@ -229,7 +230,7 @@ def compare(
         if theirs != out_names:
             raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
         models[name] = (str(cand), functools.partial(_session, cand, provider))
-    source = as_data(data, input_specs(ref_model))
+    source = as_data(data, input_specs(ref_model), ref_model)
     total = source.count_batches(batch_size)
     if max_samples is not None and total is not None:
         total = min(total, -(-max_samples // batch_size))

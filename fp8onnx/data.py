@@ -327,9 +327,14 @@ def _check_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: str)
     return out
 
 
-def as_data(data, specs: list[InputSpec]):
-    """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``."""
+def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
+    """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``. A
+    ``.txt``/``.jsonl`` path is tokenized for ``model`` (see :class:`fp8onnx.sources.TextData`)."""
     if isinstance(data, (str, os.PathLike)):
+        if pathlib.Path(data).suffix.lower() in (".txt", ".jsonl"):
+            from .sources import TextData
+
+            return TextData(data, specs, model)
         return NpzData(data, specs)
     if isinstance(data, (NpzData, FeedData)):
         return data

@@ -76,7 +76,7 @@ def sum_in_graph(
                 v = np.asarray(value, dtype)
                 sums[o] = v if o not in sums else combine(sums[o], v)
 
-    source = as_data(data, input_specs(model))
+    source = as_data(data, input_specs(model), model)
     total = source.count_batches(run.batch_size)
     feeds = (b.feed for b in source.batches(run.batch_size))
     if weight_bytes(model) > run.weight_memory:

@@ -47,6 +47,8 @@ def model_reads(label: str, path: str | os.PathLike | None) -> list[Entry]:
     model yields just its path: loading it reports the problem later."""
     if path is None:
         return []
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.onnx")):  # an export folder
+        path = os.path.join(path, "model.onnx")
     entries: list[Entry] = [(label, path)]
     if not os.path.isfile(path):  # missing, a folder or a FIFO (which would block): load_model says so
         return entries

@@ -40,6 +40,19 @@ logger = logging.getLogger(__name__)
 EXTERNAL_DATA_THRESHOLD = 512 << 20
 # Set by load_model: whether the model read had its weights in external data (its output keeps that form).
 EXTERNAL_META = "fp8onnx.external_data"
+SOURCE_META = "fp8onnx.source"  # the model file it was loaded from (text data finds a tokenizer beside it)
+
+
+def model_file(path: str | os.PathLike) -> pathlib.Path:
+    """``path``, or for an export folder (Optimum, transformers, onnxruntime-genai) the
+    ``model.onnx`` inside it."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        inside = path / "model.onnx"
+        if not inside.is_file():
+            raise Fp8OnnxError(f"Model folder {str(path)!r} has no model.onnx.")
+        return inside
+    return path
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -48,8 +61,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = pathlib.Path(path)
     if not path.exists():
         raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
-    if path.is_dir():
-        raise Fp8OnnxError(f"Model path {str(path)!r} is a directory, not a model file.")
+    path = model_file(path)
     if not path.is_file():
         raise Fp8OnnxError(f"Model path {str(path)!r} is not a regular file.")
     try:
@@ -64,6 +76,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     model.meta[EXTERNAL_META] = any(True for _ in _external_tensors(model))
     check_memory(model, path)
     check_onnx(path, f"Model file {str(path)!r}")
+    model.meta[SOURCE_META] = str(path)
     return model
 
 

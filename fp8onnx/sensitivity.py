@@ -170,7 +170,7 @@ def sensitivity(
     source = data if data is not None else calib
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
-    feeds = as_data(source, input_specs(ir_model))
+    feeds = as_data(source, input_specs(ir_model), ir_model)
     sums = np.zeros(len(outputs), np.float64)
     samples = batches = 0
     total = feeds.count_batches(run.batch_size)

@@ -44,16 +44,17 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
-from .data import LABELS, InputSpec, input_specs
+from .data import LABELS, Batch, InputSpec, input_specs
 from .errors import Fp8OnnxError, printable
 
 __all__ = [
     "TEXT_SUFFIXES",
     "DataSummary",
+    "TextData",
     "TextOptions",
     "fill_inputs",
+    "find_tokenizer",
     "make_data",
-    "model_file",
     "text_samples",
     "write_text_data",
 ]
@@ -404,17 +405,6 @@ def write_text_data(model: ir.Model, source, out, options: TextOptions, progress
     return DataSummary(str(source), str(out), writer.count, counts["documents"], counts["tokens"], arrays, filled)
 
 
-def model_file(path: str | os.PathLike) -> pathlib.Path:
-    """``path``, or for an export folder (Optimum, transformers) the ``model.onnx`` inside it."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        inside = path / "model.onnx"
-        if not inside.is_file():
-            raise Fp8OnnxError(f"Model folder {str(path)!r} has no model.onnx.")
-        return inside
-    return path
-
-
 def make_data(
     model: str | os.PathLike,
     source: str | os.PathLike,
@@ -431,7 +421,7 @@ def make_data(
     """``fp8onnx data``: feeds for ``model`` (a file, or an export folder whose ``tokenizer.json``
     is used unless ``tokenizer`` is given) from the text file ``source``, written to ``output``."""
     from .guard import check_paths, model_reads
-    from .model_io import load_model
+    from .model_io import load_model, model_file
     from .progress import progress_bar
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
@@ -461,3 +451,71 @@ def make_data(
     summary = write_text_data(load_model(path), source, out, options, progress=bar)
     logger.info("%s", "; ".join(summary.lines()))
     return summary
+
+
+def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pathlib.Path:
+    """The ``tokenizer.json`` for a text source given straight to --calib/--data: the one beside the
+    model file (an export folder), else the one beside the text."""
+    from .model_io import SOURCE_META
+
+    places = []
+    if model is not None and model.meta.get(SOURCE_META):
+        places.append(pathlib.Path(model.meta[SOURCE_META]).parent)
+    places.append(pathlib.Path(text).parent)
+    for folder in places:
+        if (folder / "tokenizer.json").is_file():
+            return folder / "tokenizer.json"
+    raise Fp8OnnxError(
+        f"Text data {str(text)!r} needs a tokenizer.json beside the model or the text; or make an .npz with "
+        "`fp8onnx data MODEL TEXT --tokenizer tokenizer.json -o data.npz`."
+    )
+
+
+def is_language_model(model: ir.Model, specs: list[InputSpec]) -> bool:
+    """A KV-cache input, or an output as wide as the embedding table (logits): text is cut into windows
+    with next-token labels for it; any other model gets one padded sentence per sample."""
+    if any(_PAST.search(s.name) for s in specs):
+        return True
+    rows = vocabulary_size(model, _ids_input(specs).name)
+    return any(
+        v.name == "logits" or (rows and v.shape is not None and len(v.shape) and v.shape[-1] == rows)
+        for v in model.graph.outputs
+    )
+
+
+class TextData:
+    """A text file as a data source (``as_data``): samples made as ``fp8onnx data`` makes them, with
+    its defaults (128 tokens; windows for a language model, padded sentences otherwise), batched."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[InputSpec], model: ir.Model | None):
+        self.path = pathlib.Path(path)
+        self.specs = specs
+        pad = model is not None and not is_language_model(model, specs)
+        self.options = TextOptions(find_tokenizer(path, model), pad=pad)
+        self.tokenizer = load_tokenizer(self.options.tokenizer)
+        logger.info(
+            "text data %s: %s of %d tokens, tokenizer %s",
+            self.path,
+            "padded sentences" if pad else "windows",
+            self.options.seq_len,
+            self.options.tokenizer,
+        )
+
+    def count_batches(self, batch_size: int) -> None:
+        return None  # known only once the text is read
+
+    def batches(self, batch_size: int):
+        pending = []
+        for feed, labels, _ in text_samples(self.path, self.specs, self.options, self.tokenizer):
+            pending.append((feed, labels))
+            if len(pending) == batch_size:
+                yield _stacked(pending)
+                pending = []
+        if pending:
+            yield _stacked(pending)
+
+
+def _stacked(samples) -> Batch:
+    feed = {k: np.concatenate([f[k] for f, _ in samples]) for k in samples[0][0]}
+    labels = None if samples[0][1] is None else np.concatenate([lab for _, lab in samples])
+    return Batch(feed, labels)

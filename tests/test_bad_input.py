@@ -195,7 +195,7 @@ CASES = [
     (
         "model is a folder",
         ["quantize", "{t}/folder.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
-        "folder.onnx' is a directory",
+        "folder.onnx' has no model.onnx",
     ),
     (
         "model not ONNX",

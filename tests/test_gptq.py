@@ -32,6 +32,25 @@ def test_gptq_rounding_is_on_the_grid_and_beats_nearest(per_channel):
     assert sqnr_db(ref, x @ rounded) > sqnr_db(ref, x @ nearest) + 6  # at least 4x less error power
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_act_order_rounds_high_energy_inputs_first_and_helps_with_outlier_channels(seed):
+    rng = np.random.default_rng(seed)
+    x = correlated(rng, k=64)
+    x[:, rng.choice(64, 4, replace=False)] *= 30.0  # outlier channels, as LLM activations have
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    scale = (np.abs(w).max(0) / 448).astype(np.float32)
+    h = x.T.astype(np.float64) @ x
+    ordered = gptq_round(w, h, scale, Fp8Format.E4M3FN, act_order=True)
+    plain = gptq_round(w, h, scale, Fp8Format.E4M3FN, act_order=False)
+    assert np.array_equal(dequantize(quantize(ordered, scale, Fp8Format.E4M3FN), scale, np.float32), ordered)
+    ref = x @ w
+    assert sqnr_db(ref, x @ ordered) > sqnr_db(ref, x @ plain)
+    # the permutation is undone: act-order with a diagonal H (no correlations) is nearest rounding
+    nearest = dequantize(quantize(w, scale, Fp8Format.E4M3FN), scale, np.float32)
+    diagonal = np.diag(rng.uniform(1, 100, 64))
+    np.testing.assert_array_equal(gptq_round(w, diagonal, scale, Fp8Format.E4M3FN, act_order=True), nearest)
+
+
 def test_an_input_that_is_always_zero_does_not_break_it():
     rng = np.random.default_rng(1)
     x = correlated(rng, k=16)

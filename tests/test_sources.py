@@ -54,7 +54,7 @@ def corpus(tmp_path):
     return path
 
 
-def _model(path, *, vocab=VOCAB, extra_inputs=(), past=True):
+def _model(path, *, vocab=VOCAB, extra_inputs=(), past=True, out="logits", width=None):
     """input_ids, attention_mask, token_type_ids, position_ids and a KV-cache input, all used."""
     rng = np.random.default_rng(0)
     inputs = [
@@ -69,9 +69,10 @@ def _model(path, *, vocab=VOCAB, extra_inputs=(), past=True):
         helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
         helper.make_node("Unsqueeze", ["m", "axis"], ["m3"]),
         helper.make_node("Mul", ["h", "m3"], ["hm"]),
-        helper.make_node("MatMul", ["hm", "w"], ["logits"]),
+        helper.make_node("MatMul", ["hm", "w"], [out]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])]
+    width = width or vocab
+    outputs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["batch", "seq", width])]
     if past:
         inputs.append(
             helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, ["batch", 2, "past", 4])
@@ -83,7 +84,7 @@ def _model(path, *, vocab=VOCAB, extra_inputs=(), past=True):
         numpy_helper.from_array(rng.standard_normal((vocab, 8)).astype(np.float32), "emb"),
         numpy_helper.from_array(rng.standard_normal((512, 8)).astype(np.float32), "pos"),
         numpy_helper.from_array(rng.standard_normal((2, 8)).astype(np.float32), "typ"),
-        numpy_helper.from_array(rng.standard_normal((8, vocab)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal((8, width)).astype(np.float32), "w"),
         numpy_helper.from_array(np.array([-1], np.int64), "axis"),
     ]
     graph = helper.make_graph(nodes, "lm", inputs, outputs, inits)
@@ -258,3 +259,37 @@ def test_minilm_from_its_own_tokenizer_matches_the_npz_path(tmp_path):
     got = np.load(tmp_path / "e.npz")
     for key in ("input_ids", "attention_mask"):
         np.testing.assert_array_equal(got[key], ref[key])
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [*map(str, args)])
+
+
+def test_text_straight_to_quantize_and_compare_of_an_export_folder(tmp_path, tokenizer_file, corpus):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    _model(folder / "model.onnx")
+    (folder / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    r = _run("quantize", folder, "--calib", corpus, "-o", tmp_path / "q.onnx")
+    assert r.exit_code == 0, r.output
+    assert _run("data", folder, corpus, "-o", tmp_path / "c.npz").exit_code == 0
+    r = _run("quantize", folder / "model.onnx", "--calib", tmp_path / "c.npz", "-o", tmp_path / "q2.onnx")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "q2.onnx").read_bytes()  # the same samples
+    r = _run("compare", folder, tmp_path / "q.onnx", "--data", corpus, "--json", tmp_path / "cmp.json")
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads((tmp_path / "cmp.json").read_text())["rows"]}
+    assert rows["q.onnx"]["accuracy"] is not None and rows["q.onnx"]["perplexity"] > 1  # next-token labels
+
+
+def test_text_for_an_encoder_is_padded_sentences(tmp_path, tokenizer_file):
+    from fp8onnx.data import as_data, input_specs
+    from fp8onnx.model_io import load_model
+
+    model = load_model(_model(tmp_path / "enc.onnx", past=False, out="hidden", width=8))
+    (tmp_path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    text = tmp_path / "s.txt"
+    text.write_text("The first sentence.\nAnd a second, longer sentence here.\nThird.\n")
+    batches = list(as_data(text, input_specs(model), model).batches(2))
+    assert [b.size for b in batches] == [2, 1] and batches[0].labels is None
+    assert batches[0].feed["input_ids"].shape == (2, 128) and batches[0].feed["attention_mask"][0].sum() == 6
