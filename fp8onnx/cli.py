@@ -82,6 +82,23 @@ def _install_signal_handlers(ctx: click.Context) -> None:
             pass
 
 
+class _Floats(click.ParamType):
+    """Comma-separated numbers, e.g. 0.485,0.456,0.406."""
+
+    name = "FLOATS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return tuple(float(v) for v in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+
+
+_FLOATS = _Floats()
+
+
 def _run(fn):
     """Turn Fp8OnnxError into one line on stderr and exit code 2; keep tracebacks for --debug."""
 
@@ -727,7 +744,7 @@ def inspect(model, as_json, plot_dir):
 
 @main.command()
 @click.argument("model", type=click.Path())
-@click.argument("source", type=click.Path(dir_okay=False))
+@click.argument("source", type=click.Path())
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The .npz to write.")
 @click.option(
     "--tokenizer", type=click.Path(), help="A Hugging Face tokenizer.json (default: the one in MODEL's export folder)."
@@ -736,21 +753,37 @@ def inspect(model, as_json, plot_dir):
 @click.option("--pad", is_flag=True, help="One document per sample, padded/truncated (encoders); default: windows.")
 @click.option("--field", default="text", show_default=True, help="The text field of each .jsonl record.")
 @click.option("--max-samples", type=click.IntRange(min=1), help="At most this many samples.")
-@click.option("--seed", type=int, help="Pick --max-samples at random over the whole file (default: the first ones).")
+@click.option("--seed", type=int, help="Pick --max-samples at random over the whole source (default: the first ones).")
+@click.option("--size", type=click.IntRange(min=1), help="Images: resize the shorter side to this many pixels.")
+@click.option("--crop", type=click.IntRange(min=1), help="Images: center crop (default: the input's height/width).")
+@click.option("--mean", type=_FLOATS, help="Images: per-channel mean in [0, 1] units, e.g. 0.485,0.456,0.406.")
+@click.option("--std", type=_FLOATS, help="Images: per-channel std in [0, 1] units, e.g. 0.229,0.224,0.225.")
+@click.option("--layout", type=click.Choice(["nchw", "nhwc"]), help="Images: default from the input's shape.")
+@click.option("--channels", type=click.Choice(["rgb", "bgr"]), default="rgb", show_default=True, help="Images.")
+@click.option("--sample-rate", type=click.IntRange(min=1), help="Audio: resample to this rate (default 16000).")
+@click.option("--chunk", type=click.IntRange(min=1), help="Audio: samples per feed (default: one second).")
 @_run
-def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, seed):
-    """Make calibration/evaluation data for MODEL from a text file (.txt or .jsonl).
+def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, seed, **media):
+    """Make calibration/evaluation data for MODEL from text, images or audio.
 
-    MODEL is an .onnx file or an export folder (model.onnx beside tokenizer.json). Every model input
-    is filled in: token ids, attention mask, token type ids, position ids, empty KV caches for
-    prefill; windows of text also get next-token `labels` for `compare`.
+    SOURCE is a .txt/.jsonl text file, an image file or folder (subfolders = classes: `labels`), or
+    a .wav/.flac/.ogg file or folder. MODEL is an .onnx file or an export folder (model.onnx beside
+    tokenizer.json / preprocessor_config.json, which give the defaults). Every model input is filled
+    in: token ids, attention mask, token type ids, position ids, empty KV caches for prefill; windows
+    of text also get next-token `labels` for `compare`.
 
     \b
     Examples:
       fp8onnx data model.onnx corpus.txt --tokenizer tokenizer.json -o calib.npz --max-samples 256
       fp8onnx data export_dir/ sentences.txt --pad --seq-len 128 -o eval.npz
+      fp8onnx data resnet.onnx images/ --size 256 --crop 224 --mean 0.485,0.456,0.406 -o calib.npz
+      fp8onnx data wav2vec.onnx clips/ --sample-rate 16000 --chunk 16000 -o calib.npz
     """
+    from .media import AudioOptions, ImageOptions
     from .sources import make_data
+
+    image = ImageOptions(media["size"], media["crop"], media["mean"], media["std"], media["layout"], media["channels"])
+    audio = AudioOptions(media["sample_rate"], media["chunk"])
 
     summary = make_data(
         model,
@@ -762,6 +795,8 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
         field=field,
         max_samples=max_samples,
         seed=seed,
+        image=image,
+        audio=audio,
         progress=sys.stderr.isatty(),
     )
     click.echo("\n".join(summary.lines()))

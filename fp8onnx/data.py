@@ -331,10 +331,18 @@ def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
     """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``. A
     ``.txt``/``.jsonl`` path is tokenized for ``model`` (see :class:`fp8onnx.sources.TextData`)."""
     if isinstance(data, (str, os.PathLike)):
-        if pathlib.Path(data).suffix.lower() in (".txt", ".jsonl"):
+        path = pathlib.Path(data)
+        if path.suffix.lower() in (".txt", ".jsonl"):
             from .sources import TextData
 
             return TextData(data, specs, model)
+        if path.suffix.lower() not in (".npz", ".npy") and not (path.is_dir() and any(path.glob("*.npz"))):
+            from .media import kind_of
+            from .sources import MediaData
+
+            kind = kind_of(path)  # images or audio (a folder of them, or one file)
+            if kind is not None:
+                return MediaData(data, specs, model, kind)
         return NpzData(data, specs)
     if isinstance(data, (NpzData, FeedData)):
         return data

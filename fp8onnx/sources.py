@@ -44,8 +44,10 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
+from . import media
 from .data import LABELS, Batch, InputSpec, input_specs
 from .errors import Fp8OnnxError, printable
+from .media import AudioOptions, ImageOptions
 
 __all__ = [
     "TEXT_SUFFIXES",
@@ -90,16 +92,14 @@ class DataSummary:
     source: str
     output: str
     samples: int
-    documents: int
-    tokens: int
+    documents: int | None  # text documents read (None for images and audio)
+    tokens: int | None
     arrays: dict[str, tuple[list[int], str]]
     filled: dict[str, str]
 
     def lines(self) -> list[str]:
-        out = [
-            f"{self.source} -> {self.output}: {self.samples} samples from {self.documents} documents "
-            f"({self.tokens} tokens)"
-        ]
+        read = "" if self.documents is None else f" from {self.documents} documents ({self.tokens} tokens)"
+        out = [f"{self.source} -> {self.output}: {self.samples} samples{read}"]
         for name, (shape, dtype) in self.arrays.items():
             why = self.filled.get(name)
             out.append(f"  {name}: {dtype} {shape}" + (f" ({why})" if why else ""))
@@ -216,7 +216,7 @@ def fill_inputs(
         else:
             raise Fp8OnnxError(
                 f"Model input {spec.name!r} ({spec.describe()}) cannot be made from text; "
-                "give it in an .npz (see docs/usage.md, Data)."
+                'give it in an .npz (docs/usage.md, "Data from text").'
             )
     return feed, why
 
@@ -370,39 +370,49 @@ class _NpzWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def write_text_data(model: ir.Model, source, out, options: TextOptions, progress=None) -> DataSummary:
-    """Tokenize ``source`` for ``model``'s inputs and write the samples to the ``.npz`` ``out``."""
-    specs = input_specs(model)
-    tokenizer = load_tokenizer(options.tokenizer)
-    ids_spec = _ids_input(specs)
-    rows = vocabulary_size(model, ids_spec.name)
+def check_tokenizer(model: ir.Model, tokenizer, path) -> None:
+    """Refuse a tokenizer with more tokens than the model's embedding table has rows."""
+    rows = vocabulary_size(model, _ids_input(input_specs(model)).name)
     if rows is not None and tokenizer.get_vocab_size() > rows:
         raise Fp8OnnxError(
-            f"Tokenizer {str(options.tokenizer)!r} has {tokenizer.get_vocab_size()} tokens but the model's embedding "
+            f"Tokenizer {str(path)!r} has {tokenizer.get_vocab_size()} tokens but the model's embedding "
             f"table has {rows} rows: it is not this model's tokenizer."
         )
-    counts = {"documents": 0, "tokens": 0}
+
+
+def write_samples(samples, out, source, empty: str, progress=None, counts=None) -> DataSummary:
+    """Write (feed, labels, why) samples to the ``.npz`` ``out`` as they come; ``empty``: the message
+    when there are none."""
     writer = _NpzWriter(pathlib.Path(out))
     filled: dict[str, str] = {}
     try:
-        samples = text_samples(source, specs, options, tokenizer, counts)
         for feed, labels, why in progress(samples) if progress else samples:
             filled.update(why)
             writer.add({**feed, **({LABELS: labels} if labels is not None else {})})
         if writer.count == 0:
-            raise Fp8OnnxError(
-                f"Text file {str(source)!r} gave no sample"
-                + ("" if options.pad else f" (fewer than {options.seq_len + 1} tokens; lower --seq-len or use --pad)")
-                + "."
-            )
+            raise Fp8OnnxError(empty)
         arrays = writer.close()
     except BaseException:
         writer.discard()
         raise
     writer.discard()
-    if LABELS in arrays:
-        filled[LABELS] = "the next token of each position (for next-token accuracy and perplexity)"
-    return DataSummary(str(source), str(out), writer.count, counts["documents"], counts["tokens"], arrays, filled)
+    counts = counts or {}
+    return DataSummary(
+        str(source), str(out), writer.count, counts.get("documents"), counts.get("tokens"), arrays, filled
+    )
+
+
+def write_text_data(model: ir.Model, source, out, options: TextOptions, progress=None) -> DataSummary:
+    """Tokenize ``source`` for ``model``'s inputs and write the samples to the ``.npz`` ``out``."""
+    tokenizer = load_tokenizer(options.tokenizer)
+    check_tokenizer(model, tokenizer, options.tokenizer)
+    counts = {"documents": 0, "tokens": 0}
+    samples = text_samples(source, input_specs(model), options, tokenizer, counts)
+    short = "" if options.pad else f" (fewer than {options.seq_len + 1} tokens; lower --seq-len or use --pad)"
+    summary = write_samples(samples, out, source, f"Text file {str(source)!r} gave no sample{short}.", progress, counts)
+    if LABELS in summary.arrays:
+        summary.filled[LABELS] = "the next token of each position (for next-token accuracy and perplexity)"
+    return summary
 
 
 def make_data(
@@ -416,39 +426,62 @@ def make_data(
     field: str = "text",
     max_samples: int | None = None,
     seed: int | None = None,
+    image: ImageOptions | None = None,
+    audio: AudioOptions | None = None,
     progress: bool = False,
 ) -> DataSummary:
-    """``fp8onnx data``: feeds for ``model`` (a file, or an export folder whose ``tokenizer.json``
-    is used unless ``tokenizer`` is given) from the text file ``source``, written to ``output``."""
+    """``fp8onnx data``: feeds for ``model`` (a file, or an export folder: its ``tokenizer.json`` and
+    ``preprocessor_config.json`` give the defaults) from ``source``: a text file, images or audio
+    (see :mod:`fp8onnx.media`), written to ``output``."""
     from .guard import check_paths, model_reads
     from .model_io import load_model, model_file
     from .progress import progress_bar
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
     path = model_file(model)
-    if tokenizer is None:
+    out = pathlib.Path(output)
+    if out.suffix != ".npz":
+        raise Fp8OnnxError(f"Output {str(out)!r} must end in .npz.")
+    reads = model_reads("the model", path) + [("the data source", source)]
+    check_paths(reads + ([("the tokenizer", tokenizer)] if tokenizer else []), [("the data file", out)])
+    kind = "text" if pathlib.Path(source).suffix.lower() in TEXT_SUFFIXES else media.kind_of(source)
+    if kind is None:
+        raise Fp8OnnxError(
+            f"Data source {str(source)!r} is not a text file (.txt, .jsonl), images "
+            f"({', '.join(media.IMAGE_SUFFIXES[:4])}, ...) or audio ({', '.join(media.AUDIO_SUFFIXES)}), "
+            "nor a folder of them."
+        )
+    if kind == "text" and tokenizer is None:
         if folder is None or not (folder / "tokenizer.json").is_file():
             raise Fp8OnnxError(
                 f"No tokenizer for {str(source)!r}: pass --tokenizer tokenizer.json "
                 "(or give the model's export folder)."
             )
         tokenizer = folder / "tokenizer.json"
-    out = pathlib.Path(output)
-    if out.suffix != ".npz":
-        raise Fp8OnnxError(f"Output {str(out)!r} must end in .npz.")
-    check_paths(
-        model_reads("the model", path) + [("the text", source), ("the tokenizer", tokenizer)],
-        [("the data file", out)],
-    )
     if not out.resolve().parent.is_dir():
         raise Fp8OnnxError(f"Output folder {str(out.resolve().parent)!r} does not exist.")
-    options = TextOptions(tokenizer, seq_len, pad, field, max_samples, seed)
+    if max_samples is not None and (isinstance(max_samples, bool) or max_samples < 1):
+        raise Fp8OnnxError(f"--max-samples must be a positive integer, got {max_samples!r}.")
     bar = (
         (lambda it: progress_bar(it, total=max_samples, desc="samples", unit="sample", enable=True))
         if progress
         else None
     )
-    summary = write_text_data(load_model(path), source, out, options, progress=bar)
+    ir_model = load_model(path)
+    if kind == "text":
+        options = TextOptions(tokenizer, seq_len, pad, field, max_samples, seed)
+        summary = write_text_data(ir_model, source, out, options, progress=bar)
+    else:
+        specs = input_specs(ir_model)
+        if kind == "image":
+            samples = media.image_samples(source, specs, image or media.ImageOptions(), folder)
+        else:
+            samples = media.audio_samples(source, specs, audio or media.AudioOptions(), folder)
+        if max_samples is not None:
+            samples = _first_or_sampled(samples, max_samples, seed)
+        summary = write_samples(samples, out, source, f"Data source {str(source)!r} gave no sample.", bar)
+        if LABELS in summary.arrays:
+            summary.filled[LABELS] = "the index of each image's subfolder (its class), in name order"
     logger.info("%s", "; ".join(summary.lines()))
     return summary
 
@@ -481,6 +514,35 @@ def is_language_model(model: ir.Model, specs: list[InputSpec]) -> bool:
         v.name == "logits" or (rows and v.shape is not None and len(v.shape) and v.shape[-1] == rows)
         for v in model.graph.outputs
     )
+
+
+class MediaData:
+    """A folder (or file) of images or audio as a data source (``as_data``), with the defaults of
+    ``fp8onnx data`` (and the export folder's ``preprocessor_config.json``), batched."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[InputSpec], model: ir.Model | None, kind: str):
+        from .model_io import SOURCE_META
+
+        self.path, self.specs, self.kind = pathlib.Path(path), specs, kind
+        source = model.meta.get(SOURCE_META) if model is not None else None
+        self.folder = pathlib.Path(source).parent if source else None
+
+    def count_batches(self, batch_size: int) -> None:
+        return None
+
+    def batches(self, batch_size: int):
+        if self.kind == "image":
+            samples = media.image_samples(self.path, self.specs, media.ImageOptions(), self.folder)
+        else:
+            samples = media.audio_samples(self.path, self.specs, media.AudioOptions(), self.folder)
+        pending = []
+        for feed, labels, _ in samples:
+            pending.append((feed, labels))
+            if len(pending) == batch_size:
+                yield _stacked(pending)
+                pending = []
+        if pending:
+            yield _stacked(pending)
 
 
 class TextData:

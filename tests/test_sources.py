@@ -199,7 +199,7 @@ def test_reservoir_keeps_each_item_with_equal_chance():
         ("unknown-input", "Model input 'pixel_bias' (float32 [?, 3]) cannot be made from text"),
         ("no-tokenizer", "No tokenizer for"),
         ("bad-tokenizer", "is not a tokenizer.json"),
-        ("suffix", "must end in .txt or .jsonl"),
+        ("suffix", "is not a text file (.txt, .jsonl), images"),
         ("overwrite", "would overwrite"),
     ],
 )
