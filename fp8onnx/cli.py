@@ -874,6 +874,8 @@ def entry() -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
             pass
+    if sys.getprofile() is not None or sys.gettrace() is not None:  # cProfile, coverage: let them write
+        sys.exit(code)
     os._exit(code or 0)
 
 

@@ -28,8 +28,8 @@ from .assign import (
 from .calibration import Stats
 from .config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
 from .formats import EMULATED_NOTE
-from .guard import as_path, check_paths, model_reads, model_writes, side_file
-from .model_io import EXTERNAL_META, load_model, save_model, write_text_atomic
+from .guard import as_path, check_paths, external_locations, model_reads, model_writes
+from .model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from .passes import (
     InsertQDQPass,
     LowerGemmFloat8Pass,
@@ -237,6 +237,8 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
 
 
 def _file_size(path) -> int:
-    path = pathlib.Path(path)
-    data = side_file(path)
-    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+    """Bytes of a model file (the model.onnx of an export folder) and every external-data file it
+    references (Optimum's ``model.onnx_data`` as much as our ``<name>.data``)."""
+    path = model_file(path)
+    files = {path, *(path.parent / loc for loc in external_locations(path))}
+    return sum(f.stat().st_size for f in files if f.is_file())

@@ -261,11 +261,13 @@ def _encoded(tokenizer, docs: Iterator[str], options: TextOptions, counts: dict)
     else:
         tokenizer.no_truncation()
         tokenizer.no_padding()
+    # without character offsets, which nothing here needs: 25% faster (5.5 vs 4.4 MB/s, MiniLM's tokenizer)
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     stream = np.zeros(0, np.int64)
     for chunk in _chunks(docs, _CHUNK):
         counts["documents"] += len(chunk)
         if options.pad:
-            for e in tokenizer.encode_batch(chunk):
+            for e in encode(chunk):
                 counts["tokens"] += int(sum(e.attention_mask))
                 yield (
                     np.array(e.ids, np.int64),
@@ -274,7 +276,7 @@ def _encoded(tokenizer, docs: Iterator[str], options: TextOptions, counts: dict)
                     None,
                 )
             continue
-        encoded = tokenizer.encode_batch([d + "\n" for d in chunk], add_special_tokens=False)
+        encoded = encode([d + "\n" for d in chunk], add_special_tokens=False)
         stream = np.concatenate([stream, *(np.array(e.ids, np.int64) for e in encoded)])
         counts["tokens"] += sum(len(e.ids) for e in encoded)
         while len(stream) > seq:  # a window and the token after it (its last label)

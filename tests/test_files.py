@@ -162,3 +162,19 @@ def test_large_model_paths_write_external_data(tmp_path, monkeypatch):
     x = np.ones((2, 16), np.float32)
     ref = run_ort(onnx.load(tmp_path / "src.onnx"), {"x": x})[0]
     np.testing.assert_allclose(run_ort(out, {"x": x})[0], ref, rtol=0.2, atol=0.2)
+
+
+def test_sizes_count_every_external_data_file_of_an_export_folder(tmp_path):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    onnx.save(
+        onnx.load(mlp_model(tmp_path / "m.onnx")),
+        folder / "model.onnx",
+        save_as_external_data=True,
+        location="model.onnx_data",  # Optimum's name, not <name>.data
+        size_threshold=0,
+    )
+    report = fp8onnx.quantize(folder, tmp_path / "q.onnx", mlp_data(tmp_path / "d.npz"), provider="cpu")
+    expected = (folder / "model.onnx").stat().st_size + (folder / "model.onnx_data").stat().st_size
+    written = sum(f.stat().st_size for f in (tmp_path / "q.onnx", tmp_path / "q.onnx.data"))  # external in, out
+    assert report.input_bytes == expected and report.output_bytes == written
