@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -203,8 +204,10 @@ def study(
         for item in _fallback_configs(model, data, stats, max_samples, quiet):
             _run_config(model, tmp, item, stats, quiet, reports)
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
-        result = compare(model, paths, data, max_samples=max_samples, run=run)
+        unique, same_as = _distinct(paths)
+        result = compare(model, unique, data, max_samples=max_samples, run=run)
     by_file = {r.name: r for r in result.rows}
+    by_file.update({name: by_file[first] for name, first in same_as.items()})
     rows = []
     for i, (label, (group, config, _)) in enumerate(reports.items()):
         r = by_file[f"{i}.onnx"]
@@ -288,6 +291,28 @@ def _run_config(model, tmp, item, stats, run: RunOptions, reports, calib=None) -
     logger.info("study: %s -> %s", label, out.name)
     reports[label] = (group, config, report)
     return report
+
+
+def _distinct(paths: list[pathlib.Path]) -> tuple[list[pathlib.Path], dict[str, str]]:
+    """The models to evaluate, and for each byte-identical repeat (e.g. a fallback that kept no node
+    in float is the plain amax model) the name of the first: evaluated once, its row reused."""
+    first: dict[bytes, str] = {}
+    unique, same_as = [], {}
+    for path in paths:
+        digest = hashlib.sha256(path.read_bytes())
+        side = path.with_name(path.name + ".data")
+        if side.exists():
+            with open(side, "rb") as fh:
+                digest.update(hashlib.file_digest(fh, "sha256").digest())
+        key = digest.digest()
+        if key in first:
+            same_as[path.name] = first[key]
+        else:
+            first[key] = path.name
+            unique.append(path)
+    if same_as:
+        logger.info("study: %d configurations give byte-identical models, evaluated once", len(same_as))
+    return unique, same_as
 
 
 def write_outputs(result: StudyResult, json_path=None, csv_path=None) -> None:

@@ -101,3 +101,25 @@ def test_study_cli_writes_json_and_csv(tmp_path):
         main, ["study", str(path), "--calib", str(data), "--data", str(data), "--plot", str(tmp_path / "missing")]
     )
     assert r.exit_code == 2 and "Plot folder" in r.output
+
+
+def test_byte_identical_configurations_are_evaluated_once(tmp_path, monkeypatch):
+    import sys
+
+    study_module = sys.modules["fp8onnx.study"]
+
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    evaluated = []
+    real = study_module.compare
+
+    def spy(model, candidates, *args, **kwargs):
+        evaluated.extend(candidates)
+        return real(model, candidates, *args, **kwargs)
+
+    monkeypatch.setattr(study_module, "compare", spy)
+    result = study(path, data, data, provider="cpu")
+    by_label = {r.label: r for r in result.rows}
+    zero_float = [r for r in result.rows if r.group == "fallback" and "(0 float)" in r.label]
+    assert len(evaluated) < len(result.rows)
+    for row in zero_float:  # the fallback with no node in float is the amax model itself
+        assert row.value == by_label["e4m3fn amax"].value and row.cosine_mean == by_label["e4m3fn amax"].cosine_mean
