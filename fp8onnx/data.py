@@ -46,6 +46,7 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | None, ...]  # None for a dynamic dimension (named, unknown, 0 or -1)
+    dim_names: tuple[str | None, ...] = ()  # the declared names of the dynamic dimensions, where named
 
     @property
     def rank(self) -> int:
@@ -77,7 +78,8 @@ def input_specs(model: ir.Model) -> list[InputSpec]:
             raise Fp8OnnxError(f"Model input {value.name!r} has no declared type or shape.")
         # dim_param, empty, 0 and -1 (paddle2onnx writes -1 for dynamic axes) are all dynamic
         dims = tuple(d if isinstance(d, int) and d > 0 else None for d in value.shape)
-        specs.append(InputSpec(value.name, np.dtype(value.dtype.numpy()), dims))
+        names = tuple(d if isinstance(d, str) else getattr(d, "value", None) for d in value.shape)
+        specs.append(InputSpec(value.name, np.dtype(value.dtype.numpy()), dims, names))
     return specs
 
 

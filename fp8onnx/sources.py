@@ -193,7 +193,7 @@ def _ids_input(specs: list[InputSpec]) -> InputSpec:
 
 
 def fill_inputs(
-    specs: list[InputSpec], ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray
+    specs: list[InputSpec], ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray, sizes: dict | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Feeds for every model input from [batch, seq] token ids, attention mask and type ids, and
     per filled-in input the reason (see the module docstring for the rules)."""
@@ -211,7 +211,7 @@ def fill_inputs(
             feed[spec.name] = _typed(np.maximum(np.cumsum(mask, axis=1) - 1, 0), spec)
             why[spec.name] = "0, 1, 2, ... over the unpadded tokens"
         elif _PAST.search(name):
-            feed[spec.name] = np.zeros(_past_shape(spec, ids.shape[0]), dtype=spec.dtype)
+            feed[spec.name] = np.zeros(_past_shape(spec, ids.shape[0], sizes), dtype=spec.dtype)
             why[spec.name] = "empty cache for prefill (past length 0)"
         else:
             raise Fp8OnnxError(
@@ -235,19 +235,69 @@ def _typed(array: np.ndarray, spec: InputSpec) -> np.ndarray:
     return array.astype(spec.dtype)
 
 
-def _past_shape(spec: InputSpec, batch: int) -> tuple[int, ...]:
-    """[batch, ..., 0 past positions, ...]: the first axis is the batch; fixed axes keep their size;
-    exactly one other axis may be dynamic, and it is the past length."""
+def _model_folder(model: ir.Model | None) -> pathlib.Path | None:
+    from .model_io import SOURCE_META
+
+    source = model.meta.get(SOURCE_META) if model is not None else None
+    return pathlib.Path(source).parent if source else None
+
+
+def cache_sizes(folder: pathlib.Path | None) -> dict[str, int]:
+    """KV-cache sizes an export folder's config states (``kv_heads``, ``head_size``), for cache inputs
+    that declare them as named dimensions: onnxruntime-genai's ``genai_config.json`` or a Hugging Face
+    ``config.json``."""
+    out: dict[str, int] = {}
+    if folder is None:
+        return out
+    for name in ("config.json", "genai_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        cfg = cfg.get("model", {}).get("decoder", cfg) if name == "genai_config.json" else cfg
+        heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or cfg.get("n_head")
+        hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+        size = cfg.get("head_size") or cfg.get("head_dim")
+        if size is None and hidden and (cfg.get("num_attention_heads") or cfg.get("n_head")):
+            size = hidden // (cfg.get("num_attention_heads") or cfg.get("n_head"))
+        if heads:
+            out["kv_heads"] = int(heads)
+        if size:
+            out["head_size"] = int(size)
+    return out
+
+
+def _past_shape(spec: InputSpec, batch: int, sizes: dict[str, int] | None = None) -> tuple[int, ...]:
+    """[batch, ..., 0 past positions, ...]: the first axis is the batch; fixed axes keep their size.
+    The past-length axis is the one other dynamic axis, or the one whose name says past/sequence;
+    a further dynamic axis of a rank-4 cache [batch, kv_heads, past, head_size] takes its size from
+    the export folder's config (``cache_sizes``)."""
     if spec.rank < 2:
         raise Fp8OnnxError(f"Cache input {spec.name!r} is {spec.describe()}; expected [batch, ..., past, ...].")
     dynamic = [i for i, d in enumerate(spec.shape[1:], 1) if d is None]
-    if len(dynamic) != 1:
-        raise Fp8OnnxError(
-            f"Cache input {spec.name!r} is {spec.describe()}: cannot tell its past-length axis "
-            f"({len(dynamic)} dynamic axes after the batch); give it in an .npz."
-        )
+    names = spec.dim_names or (None,) * spec.rank
+    if len(dynamic) > 1:
+        named = [i for i in dynamic if names[i] and re.search("past|seq|len", names[i], re.IGNORECASE)]
+        past = named[0] if len(named) == 1 else None
+    else:
+        past = dynamic[0] if dynamic else None
     shape = [batch if spec.shape[0] is None else spec.shape[0], *spec.shape[1:]]
-    shape[dynamic[0]] = 0
+    sizes = sizes or {}
+    by_axis = {1: sizes.get("kv_heads"), 3: sizes.get("head_size")} if spec.rank == 4 else {}
+    for axis in dynamic:
+        if axis == past:
+            shape[axis] = 0
+        elif by_axis.get(axis):
+            shape[axis] = by_axis[axis]
+        else:
+            raise Fp8OnnxError(
+                f"Cache input {spec.name!r} is {spec.describe()}: cannot tell the size of axis {axis}"
+                + (f" ({names[axis]})" if names[axis] else "")
+                + " (no config.json or genai_config.json beside the model says it); give it in an .npz."
+            )
     return tuple(shape)
 
 
@@ -295,7 +345,7 @@ def _chunks(items: Iterator[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def text_samples(path, specs: list[InputSpec], options: TextOptions, tokenizer=None, counts=None):
+def text_samples(path, specs: list[InputSpec], options: TextOptions, tokenizer=None, counts=None, sizes=None):
     """Per sample (feed of [1, ...] arrays, labels [1, seq] or None), from the text file ``path``."""
     tokenizer = tokenizer or load_tokenizer(options.tokenizer)
     counts = counts if counts is not None else {"documents": 0, "tokens": 0}
@@ -303,7 +353,7 @@ def text_samples(path, specs: list[InputSpec], options: TextOptions, tokenizer=N
     if options.max_samples is not None:
         encoded = _first_or_sampled(encoded, options.max_samples, options.seed)
     for ids, mask, type_ids, labels in encoded:
-        feed, why = fill_inputs(specs, ids[None], mask[None], type_ids[None])
+        feed, why = fill_inputs(specs, ids[None], mask[None], type_ids[None], sizes)
         yield feed, (None if labels is None else labels[None]), why
 
 
@@ -409,7 +459,8 @@ def write_text_data(model: ir.Model, source, out, options: TextOptions, progress
     tokenizer = load_tokenizer(options.tokenizer)
     check_tokenizer(model, tokenizer, options.tokenizer)
     counts = {"documents": 0, "tokens": 0}
-    samples = text_samples(source, input_specs(model), options, tokenizer, counts)
+    sizes = cache_sizes(_model_folder(model))
+    samples = text_samples(source, input_specs(model), options, tokenizer, counts, sizes)
     short = "" if options.pad else f" (fewer than {options.seq_len + 1} tokens; lower --seq-len or use --pad)"
     summary = write_samples(samples, out, source, f"Text file {str(source)!r} gave no sample{short}.", progress, counts)
     if LABELS in summary.arrays:
@@ -554,6 +605,7 @@ class TextData:
     def __init__(self, path: str | os.PathLike, specs: list[InputSpec], model: ir.Model | None):
         self.path = pathlib.Path(path)
         self.specs = specs
+        self.model = model
         pad = model is not None and not is_language_model(model, specs)
         self.options = TextOptions(find_tokenizer(path, model), pad=pad)
         self.tokenizer = load_tokenizer(self.options.tokenizer)
@@ -570,7 +622,8 @@ class TextData:
 
     def batches(self, batch_size: int):
         pending = []
-        for feed, labels, _ in text_samples(self.path, self.specs, self.options, self.tokenizer):
+        sizes = cache_sizes(_model_folder(self.model))
+        for feed, labels, _ in text_samples(self.path, self.specs, self.options, self.tokenizer, sizes=sizes):
             pending.append((feed, labels))
             if len(pending) == batch_size:
                 yield _stacked(pending)

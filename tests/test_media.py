@@ -177,3 +177,21 @@ def test_bad_media_is_one_sentence_and_exit_2(tmp_path, monkeypatch, case, messa
     assert r.exit_code == 2, r.output
     assert message in r.output and r.output.count("\n") == 1, r.output
     assert not (tmp_path / "out.npz").exists() and not list(tmp_path.glob(".*"))
+
+
+def test_an_export_folders_preprocessor_config_gives_the_defaults(tmp_path, images):
+    import json
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    _classifier(folder / "model.onnx", [1, 3, 8, 8])
+    config = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.25, 0.25], "size": {"shortest_edge": 10}}
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    assert _cli("data", folder, images, "-o", tmp_path / "a.npz").exit_code == 0
+    assert _cli("data", folder / "model.onnx", images, "-o", tmp_path / "b.npz").exit_code == 0  # no folder: no config
+    a, b = np.load(tmp_path / "a.npz")["pixels"], np.load(tmp_path / "b.npz")["pixels"]
+    # b is in [0, 1], cropped from a 8-pixel shorter side; a is (x - 0.5) / 0.25 of a 10-pixel one, cropped
+    assert b.min() >= 0 and b.max() <= 1 and a.min() < 0 and not np.allclose(a, (b - 0.5) / 0.25)
+    im = Image.open(images / "discs" / "0.png").convert("RGB").resize((13, 10), Image.BILINEAR)
+    pixels = np.asarray(im.crop((2, 1, 10, 9)), np.float32) / 255.0
+    np.testing.assert_allclose(a[0], ((pixels - 0.5) / 0.25).transpose(2, 0, 1), rtol=1e-6, atol=1e-6)

@@ -231,16 +231,33 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, tokenizer_file, case, me
     assert not list(tmp_path.glob(".*"))  # no temporary folder left
 
 
-def test_fill_refuses_a_cache_whose_past_axis_is_ambiguous():
+def test_cache_axes_from_their_names_and_the_export_config(tmp_path):
     from fp8onnx.data import InputSpec
 
     ids = np.ones((2, 4), np.int64)
-    specs = [
-        InputSpec("input_ids", np.dtype(np.int64), (None, None)),
-        InputSpec("past.0", np.dtype(np.float32), (None, None, None, 8)),
-    ]
-    with pytest.raises(Fp8OnnxError, match="cannot tell its past-length axis"):
-        sources.fill_inputs(specs, ids, ids, ids * 0)
+    ids_spec = InputSpec("input_ids", np.dtype(np.int64), (None, None))
+    unnamed = InputSpec("past.0", np.dtype(np.float32), (None, None, None, 8))
+    with pytest.raises(Fp8OnnxError, match="cannot tell the size of axis 1"):
+        sources.fill_inputs([ids_spec, unnamed], ids, ids, ids * 0)
+    # onnxruntime-genai declares [batch_size, 2, past_sequence_length, kv_cache_dim]
+    genai = InputSpec(
+        "past_key_values.0.key",
+        np.dtype(np.float32),
+        (None, 2, None, None),
+        ("batch_size", None, "past_sequence_length", "kv_cache_dim"),
+    )
+    with pytest.raises(Fp8OnnxError, match=r"axis 3 \(kv_cache_dim\)"):
+        sources.fill_inputs([ids_spec, genai], ids, ids, ids * 0)
+    (tmp_path / "genai_config.json").write_text(
+        json.dumps({"model": {"decoder": {"head_size": 16, "num_key_value_heads": 2}}})
+    )
+    feed, _ = sources.fill_inputs([ids_spec, genai], ids, ids, ids * 0, sources.cache_sizes(tmp_path))
+    assert feed["past_key_values.0.key"].shape == (2, 2, 0, 16)
+    (tmp_path / "genai_config.json").unlink()
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2})
+    )
+    assert sources.cache_sizes(tmp_path) == {"kv_heads": 2, "head_size": 16}
 
 
 def test_minilm_from_its_own_tokenizer_matches_the_npz_path(tmp_path):
@@ -293,3 +310,9 @@ def test_text_for_an_encoder_is_padded_sentences(tmp_path, tokenizer_file):
     batches = list(as_data(text, input_specs(model), model).batches(2))
     assert [b.size for b in batches] == [2, 1] and batches[0].labels is None
     assert batches[0].feed["input_ids"].shape == (2, 128) and batches[0].feed["attention_mask"][0].sum() == 6
+
+
+def test_without_tokenizers_the_message_names_the_extra(tmp_path, monkeypatch, tokenizer_file, corpus):
+    monkeypatch.setitem(__import__("sys").modules, "tokenizers", None)
+    r = _cli(_model(tmp_path / "lm.onnx"), corpus, "--tokenizer", tokenizer_file, "-o", tmp_path / "o.npz")
+    assert r.exit_code == 2 and "pip install 'fp8onnx[text]'" in r.output, r.output

@@ -121,3 +121,46 @@ def main(folder: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+
+def _docs_text(path: pathlib.Path) -> pathlib.Path:
+    import pydoc_data.topics as topics
+    import re
+
+    docs = [re.sub(r"\s+", " ", topics.topics[n]).strip() for n in sorted(topics.topics)[:30]]
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.wild
+@pytest.mark.parametrize("name", ["hf-llama-past", "genai-llama"])
+def test_kv_cache_decoders_calibrate_from_a_text_file_alone(name, tmp_path):
+    """An export folder and a .txt file: the tokenizer.json beside the model tokenizes it, the
+    KV-cache inputs are filled as empty prefill caches, quantize and compare run on the text."""
+    if not available(name):
+        pytest.skip(f"needs {', '.join(CASES[name].requires)} (pip install -e .[wild])")
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+
+    model, _ = build(name, tmp_path)
+    folder = model.parent
+    if not (folder / "tokenizer.json").exists():  # Optimum exports the model only: a BPE trained here
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()[:200]
+        trainer = trainers.BpeTrainer(vocab_size=256, initial_alphabet=alphabet)
+        tok.train_from_iterator(_docs_text(tmp_path / "train.txt").read_text().split("\n\n"), trainer)
+        tok.save(str(folder / "tokenizer.json"))
+    text = _docs_text(tmp_path / "docs.txt")
+    r = CliRunner().invoke(main, ["quantize", str(folder), "--calib", str(text), "-o", str(tmp_path / "q.onnx")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["data", str(folder), str(text), "--seq-len", "32", "-o", str(tmp_path / "d.npz")])
+    assert r.exit_code == 0 and "empty cache for prefill" in r.output, r.output
+    data = np.load(tmp_path / "d.npz")
+    past = [k for k in data.files if "past" in k]
+    assert past and all(data[k].shape[2] == 0 for k in past) and "labels" in data.files
+    r = CliRunner().invoke(main, ["compare", str(folder), str(tmp_path / "q.onnx"), "--data", str(tmp_path / "d.npz")])
+    assert r.exit_code == 0 and "ppl" in r.output, r.output
