@@ -46,7 +46,8 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | None, ...]  # None for a dynamic dimension (named, unknown, 0 or -1)
-    dim_names: tuple[str | None, ...] = ()  # the declared names of the dynamic dimensions, where named
+    # the declared names of the dynamic dimensions, where named (not part of what a spec is)
+    dim_names: tuple[str | None, ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def rank(self) -> int:
