@@ -34,7 +34,7 @@ from .errors import Fp8OnnxError
 from .formats import Fp8Format
 from .scaling import Scaling, amax_to_scale
 
-__all__ = ["FP8Linear", "Recipe", "fake_cast", "swap_linear"]
+__all__ = ["FP8Linear", "Recipe", "deployed_scales", "export", "fake_cast", "swap_linear"]
 
 FORWARD, BACKWARD = Fp8Format.E4M3FN, Fp8Format.E5M2
 _TORCH = {Fp8Format.E4M3FN: torch.float8_e4m3fn, Fp8Format.E5M2: torch.float8_e5m2}
@@ -98,8 +98,8 @@ class _Scales:
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
-        xq = fake_cast(x, layer.scales["input"].scale_for(x), FORWARD)
-        wq = fake_cast(weight, layer.scales["weight"].scale_for(weight), FORWARD)
+        xq = fake_cast(x, layer.scale("input", x), FORWARD)
+        wq = fake_cast(weight, layer.scale("weight", weight), FORWARD)
         ctx.save_for_backward(xq, wq)
         ctx.layer, ctx.has_bias = layer, bias is not None
         y = xq @ wq.t()
@@ -108,7 +108,7 @@ class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         xq, wq = ctx.saved_tensors
-        gq = fake_cast(grad, ctx.layer.scales["grad"].scale_for(grad), BACKWARD)
+        gq = fake_cast(grad, ctx.layer.scale("grad", grad), BACKWARD)
         gx = gq @ wq
         gw = gq.reshape(-1, gq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
         gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
@@ -126,6 +126,7 @@ class FP8Linear(torch.nn.Linear):
             "weight": _Scales(FORWARD, self.recipe, self.recipe.scale),
             "grad": _Scales(BACKWARD, self.recipe, self.recipe.grad_scale),
         }
+        self.frozen: dict[str, float] | None = None  # fixed input/weight scales (freeze, export)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Recipe | None = None) -> FP8Linear:
@@ -137,6 +138,18 @@ class FP8Linear(torch.nn.Linear):
         layer.bias = linear.bias
         layer.train(linear.training)
         return layer
+
+    def scale(self, kind: str, x: torch.Tensor) -> float:
+        """The scale of ``x`` (input, weight or grad) for this step: from the recipe, or the frozen one."""
+        if self.frozen is not None and kind in self.frozen:
+            return self.frozen[kind]
+        return self.scales[kind].scale_for(x)
+
+    def freeze(self) -> dict[str, float]:
+        """Fix the input and weight scales at what a deployed model uses (see :func:`export`); later
+        forwards no longer update them, so the torch model computes what the exported ONNX model does."""
+        self.frozen = deployed_scales(self)
+        return self.frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FP8Matmul.apply(x, self.weight, self.bias, self)
@@ -163,3 +176,115 @@ def swap_linear(
                 setattr(child, attr, FP8Linear.from_linear(sub, recipe))
                 replaced.append(full)
     return replaced
+
+
+def _frozen_scale(scales: _Scales) -> float:
+    """The scale a deployed model uses for this tensor: the recipe's constant, or the amax scale of
+    the largest amax the layer's history holds (what the last training step used)."""
+    if scales.recipe.kind == "cscale":
+        return scales.constant
+    if not scales.history:
+        raise Fp8OnnxError("An FP8Linear that never ran has no trained scale to deploy; train (or run) it first.")
+    method = Scaling.POW2 if scales.recipe.pow2 else Scaling.AMAX
+    return amax_to_scale(max(scales.history), scales.fmt, method, margin=scales.recipe.margin)
+
+
+def deployed_scales(layer: FP8Linear) -> dict[str, float]:
+    """The input and weight scales a deployed ``layer`` uses: the input's from its amax history (the
+    largest amax it holds, as the last training step used) or the cscale constant; the weight's from
+    the weight as it is now (the optimizer moved it after its last cast)."""
+    recipe = layer.recipe
+    if recipe.kind == "cscale":
+        return {"input": recipe.scale, "weight": recipe.scale}
+    method = Scaling.POW2 if recipe.pow2 else Scaling.AMAX
+    return {
+        "input": _frozen_scale(layer.scales["input"]),
+        "weight": amax_to_scale(float(layer.weight.detach().abs().max()), FORWARD, method, margin=recipe.margin),
+    }
+
+
+def export(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    path,
+    *,
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+    dynamic_axes: dict | None = None,
+) -> dict[str, dict[str, float]]:
+    """Write ``model`` as ONNX with every :class:`FP8Linear`'s matmul reading float8 Q/DQ of its input
+    and weight at the scales training left it with (not re-calibrated): the input's from its amax
+    history (or the cscale constant), the weight's from the weight itself. The graph is exported from
+    a float copy (torch's TorchScript exporter), prepared as ``fp8onnx quantize`` prepares models
+    (opset 21, weight transforms folded), and each layer's MatMul/Gemm found by its weight's values.
+    Returns the deployed scales per layer name. Everything else stays in float."""
+    import copy
+    import pathlib
+    import tempfile
+
+    import numpy as np
+
+    from .assign import bias_overflows
+    from .config import QuantizeConfig
+    from .model_io import save_model
+    from .passes import InsertQDQPass, ShieldBiasPass, TensorQuant
+    from .plan import plan
+    from .prepare import prepare_model
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    if not layers:
+        raise Fp8OnnxError("The model has no FP8Linear layer to deploy (swap_linear first).")
+    deployed = {name: deployed_scales(m) for name, m in layers.items()}
+    plain = copy.deepcopy(model)
+    for module in list(plain.modules()):
+        for attr, sub in list(module.named_children()):
+            if isinstance(sub, FP8Linear):
+                linear = torch.nn.Linear(sub.in_features, sub.out_features, sub.bias is not None, device="meta")
+                linear.weight, linear.bias = sub.weight, sub.bias
+                setattr(module, attr, linear)
+    weights = {name: m.weight.detach().float().numpy() for name, m in layers.items()}
+    with tempfile.TemporaryDirectory(prefix="fp8onnx-train-") as tmp:
+        raw = pathlib.Path(tmp) / "float.onnx"
+        plain.eval()
+        with torch.no_grad():
+            torch.onnx.export(
+                plain,
+                example_inputs,
+                str(raw),
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes=dynamic_axes,
+                opset_version=17,
+                dynamo=False,
+            )
+        ir_model, _, _ = prepare_model(raw)
+    decisions, _ = plan(ir_model, QuantizeConfig())
+    chosen, quant = [], {}
+    found = set()
+    for d in decisions:
+        node = d.node
+        w = node.inputs[1].const_value.numpy() if d.inputs and node.inputs[1].const_value is not None else None
+        if w is None:
+            continue
+        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+        for name, weight in weights.items():
+            if w.shape == (weight.shape if transposed else weight.T.shape) and np.array_equal(
+                w, weight if transposed else weight.T
+            ):
+                chosen.append(d)
+                quant[node.inputs[0].name] = TensorQuant(FORWARD, deployed[name]["input"])
+                quant[node.inputs[1].name] = TensorQuant(FORWARD, deployed[name]["weight"])
+                found.add(name)
+                break
+    missing = sorted(set(layers) - found)
+    if missing:
+        raise Fp8OnnxError(f"FP8Linear layers {', '.join(missing)} have no MatMul/Gemm in the exported graph.")
+    shielded = bias_overflows(chosen, quant)
+    if shielded:
+        ShieldBiasPass(shielded)(ir_model)
+    InsertQDQPass([(d.node, i) for d in chosen for i, _ in d.inputs], quant)(ir_model)
+    ir_model.metadata_props["fp8onnx_training"] = "scales from FP8 training: " + ", ".join(
+        f"{name}: input {s['input']:g}, weight {s['weight']:g}" for name, s in deployed.items()
+    )
+    save_model(ir_model, path)
+    return deployed

@@ -137,3 +137,57 @@ def test_a_small_model_learns_as_well_in_fp8_amax(recipe):
 
     float_acc, fp8_acc = run(False), run(True)
     assert float_acc > 0.9 and fp8_acc >= 0.98 * float_acc
+
+
+class _Block(torch.nn.Module):
+    """A transformer-style block: 3-D activations (MatMul after export) and a 2-D head (Gemm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize(
+    "recipe", [Recipe("amax", history=2), Recipe("amax", pow2=False), Recipe("cscale", scale=2**-6)]
+)
+def test_trained_scales_deploy_to_onnx_and_match_the_torch_forward(tmp_path, recipe):
+    import onnx
+    import onnxruntime as ort
+
+    from fp8onnx.training import export
+
+    torch.manual_seed(0)
+    model = _Block()
+    swap_linear(model, recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(8, 5, 16)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    model.eval()
+    deployed = export(
+        model, (x,), tmp_path / "m.onnx", input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}}
+    )
+    assert sorted(deployed) == ["down", "head", "up"]
+    proto = onnx.load(tmp_path / "m.onnx")
+    q = [n for n in proto.graph.node if n.op_type == "QuantizeLinear"]
+    float8 = [t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN]
+    assert len(q) == 3 and len(float8) == 3  # each layer's input quantized in the graph, its weight stored as E4M3
+    for layer in (model.up, model.down, model.head):
+        assert layer.freeze() == deployed[{model.up: "up", model.down: "down", model.head: "head"}[layer]]
+    with torch.no_grad():
+        expected = model(x).numpy()
+    so = ort.SessionOptions()
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy()}
+    )[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)  # the same FP8 numbers; only sums reorder
+    with pytest.raises(Fp8OnnxError, match="no FP8Linear layer"):
+        export(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.zeros(1, 2),), tmp_path / "n.onnx")
