@@ -742,6 +742,63 @@ def inspect(model, as_json, plot_dir):
             click.echo(f"wrote {path}")
 
 
+@main.command("train-study")
+@click.option("--task", type=click.Choice(["decoder"]), default="decoder", show_default=True)
+@click.option("--steps", default=200, show_default=True, type=click.IntRange(min=2), help="Training steps per run.")
+@click.option("--seeds", default=3, show_default=True, type=click.IntRange(min=1), help="Seeds per FP8 setting.")
+@click.option(
+    "--scales",
+    type=_FLOATS,
+    help="CSCALE constant scales (default 2^-12, 2^-10, ..., 2^8; a power of two each, e.g. 0.0625,1,16).",
+)
+@click.option("--margin", default=0, show_default=True, type=int, help="FP8-AMAX exponent-bias margin.")
+@click.option("--max-minutes", type=click.FloatRange(min=0), help="Start no run after this many minutes.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every run as JSON.")
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write one row per run as CSV.")
+@click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False),
+    help="Write loss curves, the CSCALE window and scale-bias histograms.",
+)
+@_run
+def train_study(task, steps, seeds, scales, margin, max_minutes, json_out, csv_out, plot_dir):
+    """Train with FP32, bf16, FP8-AMAX and FP8-CSCALE (a sweep of constant scales) and compare.
+
+    The FP8 LLM paper's training comparison, emulated on the CPU (torch float8 casts): which constant
+    scales converge, against per-tensor amax scaling, over several seeds.
+
+    \b
+    Example:
+      fp8onnx train-study --steps 300 --json train.json --csv train.csv --plot plots/
+    """
+    from .model_io import write_text_atomic as write
+    from .train_study import DEFAULT_SCALES, to_json_text, write_plots
+    from .train_study import train_study as run
+
+    check_paths([], [("the JSON output", json_out), ("the CSV output", csv_out)])
+    if scales and any(s <= 0 or not math.log2(s).is_integer() for s in scales):
+        raise Fp8OnnxError(f"--scales must be powers of two, got {','.join(map(str, scales))}.")
+    show = (lambda label: click.echo(f"  {label}", err=True)) if sys.stderr.isatty() else None
+    result = run(
+        task,
+        steps=steps,
+        seeds=tuple(range(seeds)),
+        scales=tuple(scales) if scales else DEFAULT_SCALES,
+        margin=margin,
+        max_minutes=max_minutes,
+        progress=show,
+    )
+    click.echo(result.table())
+    if json_out:
+        write(json_out, to_json_text(result))
+    if csv_out:
+        write(csv_out, result.to_csv())
+    if plot_dir:
+        for path in write_plots(result, plot_dir):
+            click.echo(f"wrote {path}")
+
+
 @main.command()
 @click.argument("model", type=click.Path())
 @click.argument("source", type=click.Path())
