@@ -761,8 +761,14 @@ def inspect(model, as_json, plot_dir):
     type=click.Path(file_okay=False),
     help="Write loss curves, the CSCALE window and scale-bias histograms.",
 )
+@click.option(
+    "--deploy",
+    "deploy_dir",
+    type=click.Path(file_okay=False),
+    help="Export the first seed's FP32 and FP8-AMAX models here; compare FP8-trained with post-training FP8.",
+)
 @_run
-def train_study(task, steps, seeds, scales, margin, max_minutes, json_out, csv_out, plot_dir):
+def train_study(task, steps, seeds, scales, margin, max_minutes, json_out, csv_out, plot_dir, deploy_dir):
     """Train with FP32, bf16, FP8-AMAX and FP8-CSCALE (a sweep of constant scales) and compare.
 
     The FP8 LLM paper's training comparison, emulated on the CPU (torch float8 casts): which constant
@@ -787,6 +793,7 @@ def train_study(task, steps, seeds, scales, margin, max_minutes, json_out, csv_o
         scales=tuple(scales) if scales else DEFAULT_SCALES,
         margin=margin,
         max_minutes=max_minutes,
+        deploy=deploy_dir,
         progress=show,
     )
     click.echo(result.table())

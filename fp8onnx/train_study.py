@@ -67,6 +67,7 @@ class TrainStudy:
     steps: int
     metric: str
     runs: list[TrainRun]
+    deployed: dict | None = None  # with deploy: next-byte accuracy of FP32, FP32 + PTQ FP8, FP8-trained
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -116,6 +117,12 @@ class TrainStudy:
         window = [f"2^{int(math.log2(s))} {ok}/{n}" for s, ok, n in self.window()]
         if window:
             lines.append("CSCALE convergence (scale: seeds converged/run): " + ", ".join(window))
+        if self.deployed:
+            d = self.deployed
+            lines.append(
+                f"deployed (onnxruntime, held-out {self.metric}): FP32 {_f(d['fp32'], '.4f')}, FP32 + post-training "
+                f"FP8 {_f(d['fp32 + post-training fp8'], '.4f')}, FP8-trained {_f(d['fp8-trained, deployed'], '.4f')}"
+            )
         return "\n".join(lines)
 
 
@@ -139,13 +146,18 @@ def _decoder_task():
         logits = model(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1)), logits
 
+    def data(count: int = 128) -> tuple[np.ndarray, np.ndarray]:
+        """(calibration windows from the training text, held-out windows with next-byte labels)."""
+        calib = windows(train, count, SEQ, np.random.default_rng(1234))[:, :-1]
+        return calib, held_out.numpy()
+
     def evaluate(model) -> tuple[float, float]:
         with torch.no_grad():
             loss, logits = loss_of(model, held_out)
             accuracy = float((logits.argmax(-1) == held_out[:, 1:]).float().mean())
         return float(loss), accuracy
 
-    return Decoder, batches, loss_of, evaluate, "next-byte accuracy"
+    return Decoder, batches, loss_of, evaluate, "next-byte accuracy", data
 
 
 TASKS = {"decoder": _decoder_task}
@@ -157,7 +169,7 @@ def _biases(model) -> dict[str, list[float]]:
 
 
 def _train(task, precision: str, recipe: Recipe | None, seed: int, steps: int) -> tuple[list[float], dict, object]:
-    make, batches, loss_of, _, _ = task
+    make, batches, loss_of = task[:3]
     torch.manual_seed(seed)
     model = make()
     if recipe is not None:
@@ -194,9 +206,13 @@ def train_study(
     grad_ratio: float = 2.0**-8,
     margin: int = 0,
     max_minutes: float | None = None,
+    deploy=None,
     progress=None,
 ) -> TrainStudy:
-    """Run the study (see the module docstring); ``progress(label)`` is called before each run."""
+    """Run the study (see the module docstring); ``progress(label)`` is called before each run. With
+    ``deploy`` (a folder), the first seed's FP32 model and FP8-AMAX model are exported there and
+    compared on the held-out data: FP32, FP32 + post-training FP8 (``fp8onnx quantize``, amax, on
+    training windows), and FP8-trained deployed with its trained scales (``training.export``)."""
     if task not in TASKS:
         raise Fp8OnnxError(f"Unknown train-study task {task!r}; choose one of {', '.join(TASKS)}.")
     if steps < 2:
@@ -213,6 +229,7 @@ def train_study(
     start = time.perf_counter()
     runs: list[TrainRun] = []
     fp32: dict[int, tuple[float, float]] = {}  # seed -> (held-out loss, metric) of its FP32 run
+    kept = {}  # the first seed's FP32 and FP8-AMAX models, for deploy
     for label, precision, scale, recipe, seed in plan:
         if max_minutes is not None and time.perf_counter() - start > 60 * max_minutes:
             runs.append(TrainRun(label, precision, scale, seed, [], None, None, None, None, 0.0, {}, "--max-minutes"))
@@ -221,6 +238,8 @@ def train_study(
             progress(f"{label} seed {seed}")
         t0 = time.perf_counter()
         losses, biases, model = _train(spec, precision, recipe, seed, steps)
+        if seed == seeds[0] and precision in ("fp32", "fp8-amax"):
+            kept[precision] = model
         eval_loss, metric = spec[3](model) if math.isfinite(losses[-1]) else (math.inf, None)
         if precision == "fp32":
             fp32[seed] = (eval_loss, metric)
@@ -245,7 +264,48 @@ def train_study(
             )
         )
         logger.info("train-study: %s seed %d: eval loss %s, %s", label, seed, eval_loss, metric)
-    return TrainStudy(task, steps, spec[4], runs)
+    result = TrainStudy(task, steps, spec[4], runs)
+    if deploy is not None and len(kept) == 2:
+        result.deployed = _deploy(spec, kept["fp32"], kept["fp8-amax"], deploy)
+    return result
+
+
+def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
+    import pathlib
+
+    from .compare import compare
+    from .quantize import quantize
+    from .training import export
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    calib, held_out = spec[5]()
+    np.savez(folder / "calib.npz", input_ids=calib)
+    np.savez(folder / "eval.npz", input_ids=held_out[:, :-1], labels=held_out[:, 1:])
+    names = {"input_names": ["input_ids"], "output_names": ["logits"]}
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    example = (torch.from_numpy(calib[:2]),)
+    fp32_model.eval()
+    with torch.no_grad():
+        torch.onnx.export(fp32_model, example, str(folder / "fp32.onnx"), dynamic_axes=axes, dynamo=False, **names)
+    quantize(folder / "fp32.onnx", folder / "fp32.ptq-fp8.onnx", folder / "calib.npz", provider="cpu")
+    fp8_model.eval()
+    export(fp8_model, example, folder / "fp8-trained.onnx", dynamic_axes=axes, **names)
+    # the FP8-trained model against its own float graph (its FP8Linear layers as plain Linear)
+    cmp = compare(
+        folder / "fp32.onnx",
+        [folder / "fp32.ptq-fp8.onnx", folder / "fp8-trained.onnx"],
+        folder / "eval.npz",
+        fp16=False,
+        provider="cpu",
+    )
+    by_name = {r.name: r.accuracy for r in cmp.rows}
+    return {
+        "fp32": by_name.get("FP32 (reference)"),
+        "fp32 + post-training fp8": by_name.get("fp32.ptq-fp8.onnx"),
+        "fp8-trained, deployed": by_name.get("fp8-trained.onnx"),
+        "folder": str(folder),
+    }
 
 
 def write_plots(result: TrainStudy, folder) -> list:

@@ -49,3 +49,32 @@ def test_train_study_reports_the_cscale_window_and_writes_its_outputs(tmp_path):
 def test_bad_scales_are_refused():
     r = CliRunner().invoke(main, ["train-study", "--steps", "2", "--scales", "0.3"])
     assert r.exit_code == 2 and "powers of two" in r.output
+
+
+def test_deploy_compares_fp8_trained_with_post_training_fp8(tmp_path):
+    r = CliRunner().invoke(
+        main,
+        [
+            "train-study",
+            "--steps",
+            "6",
+            "--seeds",
+            "1",
+            "--scales",
+            "1",
+            "--deploy",
+            str(tmp_path / "d"),
+            "--json",
+            str(tmp_path / "t.json"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "t.json").read_text())
+    deployed = doc["deployed"]
+    assert {p.name for p in (tmp_path / "d").glob("*.onnx")} == {"fp32.onnx", "fp32.ptq-fp8.onnx", "fp8-trained.onnx"}
+    amax = next(x for x in doc["runs"] if x["label"] == "fp8-amax")
+    fp32 = next(x for x in doc["runs"] if x["label"] == "fp32")
+    # the deployed graphs compute what was trained: onnxruntime's accuracy is torch's (same held-out windows)
+    assert deployed["fp8-trained, deployed"] == pytest.approx(amax["metric"], abs=2e-3)
+    assert deployed["fp32"] == pytest.approx(fp32["metric"], abs=1e-3)
+    assert deployed["fp32 + post-training fp8"] is not None and "deployed (onnxruntime" in r.output
