@@ -743,7 +743,7 @@ def inspect(model, as_json, plot_dir):
 
 
 @main.command("train-study")
-@click.option("--task", type=click.Choice(["decoder"]), default="decoder", show_default=True)
+@click.option("--task", type=click.Choice(["decoder", "classify"]), default="decoder", show_default=True)
 @click.option("--steps", default=200, show_default=True, type=click.IntRange(min=2), help="Training steps per run.")
 @click.option("--seeds", default=3, show_default=True, type=click.IntRange(min=1), help="Seeds per FP8 setting.")
 @click.option(

@@ -1,6 +1,11 @@
 """`fp8onnx train-study`: the FP8 LLM paper's training comparison, FP8-AMAX against FP8-CSCALE, on
 a task built here from real text.
 
+Task ``classify``: which of four CPython documentation topics (special names, compound statements,
+types, the debugger) a real sentence comes from; a small BERT-style byte encoder (every projection an
+nn.Linear) with a linear head, 80% of the 818 sentences to train and 20% held out; the metric is
+topic accuracy on the held-out sentences.
+
 Task ``decoder``: the sample decoder's architecture (``models/build_decoder.py``: RMSNorm, rotary
 attention, SwiGLU, byte tokens) trained from a seeded initialisation on CPython's documentation;
 the metric is next-byte accuracy on held-out topics (every tenth, never trained on). Each run trains
@@ -12,8 +17,9 @@ the same model on the same batches with one precision:
 * ``fp8-cscale 2^k`` - the same with one constant scale for inputs and weights (and ``2^k`` times
   ``grad_ratio`` for gradients), over a sweep of k, each with every seed.
 
-Every seed also has its FP32 and bf16 run. A run converged when its held-out loss is finite and
-within 5% of the FP32 run's with the same seed; "vs FP32" compares the metric with that run too.
+Every seed also has its FP32 and bf16 run. A run converged when its training loss over the last 10%
+of steps is finite and within 10% of the FP32 run's with the same seed; "vs FP32" compares the
+held-out metric with that run too.
 Per run: the training loss every step, the held-out loss and metric at the end, and the scale biases
 (-log2 scale) of every FP8 layer's input, weight and gradient at the first, middle and last step (the
 paper's histograms). ``max_minutes`` bounds the whole study: runs not started in time are reported
@@ -42,7 +48,15 @@ __all__ = ["TrainRun", "TrainStudy", "train_study"]
 logger = logging.getLogger(__name__)
 BATCH, SEQ, LR = 16, 64, 3e-3
 DEFAULT_SCALES = tuple(2.0**k for k in range(-12, 9, 2))  # 2^-12 .. 2^8
-CONVERGED = 0.05  # a run converged when its held-out loss is within 5% of the same seed's FP32 run
+# A run converged when its training loss over the last 10% of steps is within 10% of the same seed's
+# FP32 run's. (Held-out loss within 5%, the rule before, called runs converged on the classification
+# task that reached 67-77% of FP32's accuracy: a model that learned less also overfitted less.)
+CONVERGED = 0.10
+
+
+def _tail_loss(losses: list[float]) -> float:
+    tail = losses[-max(1, len(losses) // 10) :]
+    return float(np.mean(tail)) if tail else math.inf
 
 
 @dataclasses.dataclass
@@ -160,7 +174,93 @@ def _decoder_task():
     return Decoder, batches, loss_of, evaluate, "next-byte accuracy", data
 
 
-TASKS = {"decoder": _decoder_task}
+CLASS_TOPICS = ("specialnames", "compound", "types", "debugger")  # the four largest documentation topics
+
+
+class _Encoder(torch.nn.Module):
+    """A small BERT-style encoder over bytes (2 layers, width 64, 4 heads; every projection an
+    nn.Linear, so every matmul goes through FP8), masked mean pooling and a linear head."""
+
+    def __init__(self, classes: int = len(CLASS_TOPICS), dim: int = 64, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(256, dim)
+        self.pos = torch.nn.Parameter(torch.zeros(SEQ, dim))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {
+                    "norm1": torch.nn.LayerNorm(dim),
+                    "qkv": torch.nn.Linear(dim, 3 * dim),
+                    "out": torch.nn.Linear(dim, dim),
+                    "norm2": torch.nn.LayerNorm(dim),
+                    "up": torch.nn.Linear(dim, 2 * dim),
+                    "down": torch.nn.Linear(2 * dim, dim),
+                }
+            )
+            for _ in range(layers)
+        )
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, input_ids):
+        b, t = input_ids.shape
+        mask = (input_ids != 0).float()
+        x = self.embed(input_ids) + self.pos[:t]
+        bias = (1.0 - mask)[:, None, None, :] * -1e9
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).chunk(3, dim=-1)
+            split = lambda z: z.reshape(b, t, self.heads, -1).transpose(1, 2)  # noqa: E731
+            att = torch.softmax(split(q) @ split(k).transpose(-1, -2) / math.sqrt(q.shape[-1] / self.heads) + bias, -1)
+            x = x + blk["out"]((att @ split(v)).transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["down"](F.gelu(blk["up"](blk["norm2"](x))))
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        return self.head(pooled)
+
+
+def _classify_task():
+    """Which of four CPython documentation topics a sentence comes from: real sentences (6 to 40
+    words), real labels, bytes padded to SEQ; 80% to train, 20% held out (a seeded split)."""
+    import pydoc_data.topics as topics
+    import re
+
+    sentences, labels = [], []
+    for label, name in enumerate(CLASS_TOPICS):
+        text = re.sub(r"\s+", " ", topics.topics[name])
+        for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text):
+            if 6 <= len(s.split()) <= 40:
+                sentences.append(s)
+                labels.append(label)
+    ids = np.zeros((len(sentences), SEQ), np.int64)
+    for i, s in enumerate(sentences):
+        raw = np.frombuffer(s.encode("utf-8")[:SEQ], np.uint8)
+        ids[i, : len(raw)] = np.maximum(raw, 1)  # byte 0 is padding
+    order = np.random.default_rng(0).permutation(len(ids))
+    cut = int(0.8 * len(ids))
+    train, test = order[:cut], order[cut:]
+    x_train, y_train = torch.from_numpy(ids[train]), torch.from_numpy(np.array(labels)[train])
+    x_test, y_test = torch.from_numpy(ids[test]), torch.from_numpy(np.array(labels)[test])
+
+    def batches(seed: int, steps: int):
+        rng = np.random.default_rng(seed)
+        for _ in range(steps):
+            pick = torch.from_numpy(rng.choice(len(x_train), 2 * BATCH, replace=False))
+            yield x_train[pick], y_train[pick]
+
+    def loss_of(model, batch):
+        logits = model(batch[0])
+        return F.cross_entropy(logits.float(), batch[1]), logits
+
+    def evaluate(model) -> tuple[float, float]:
+        with torch.no_grad():
+            loss, logits = loss_of(model, (x_test, y_test))
+        return float(loss), float((logits.argmax(-1) == y_test).float().mean())
+
+    def data(count: int = 128):
+        return x_train[:count].numpy(), (x_test.numpy(), y_test.numpy())
+
+    return _Encoder, batches, loss_of, evaluate, "topic accuracy", data
+
+
+TASKS = {"decoder": _decoder_task, "classify": _classify_task}
 
 
 def _biases(model) -> dict[str, list[float]]:
@@ -241,12 +341,13 @@ def train_study(
         if seed == seeds[0] and precision in ("fp32", "fp8-amax"):
             kept[precision] = model
         eval_loss, metric = spec[3](model) if math.isfinite(losses[-1]) else (math.inf, None)
+        tail = _tail_loss(losses) if len(losses) == steps else math.inf  # a run that hit NaN stopped early
         if precision == "fp32":
-            fp32[seed] = (eval_loss, metric)
+            fp32[seed] = (tail, metric)
         ref_loss, ref_metric = fp32.get(seed, (None, None))
         converged = None
         if ref_loss is not None:
-            converged = bool(math.isfinite(eval_loss) and eval_loss <= ref_loss * (1 + CONVERGED))
+            converged = bool(math.isfinite(tail) and tail <= ref_loss * (1 + CONVERGED))
         ratio = metric / ref_metric if metric is not None and ref_metric else None
         runs.append(
             TrainRun(
@@ -281,9 +382,13 @@ def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     calib, held_out = spec[5]()
     np.savez(folder / "calib.npz", input_ids=calib)
-    np.savez(folder / "eval.npz", input_ids=held_out[:, :-1], labels=held_out[:, 1:])
     names = {"input_names": ["input_ids"], "output_names": ["logits"]}
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    if isinstance(held_out, tuple):  # sentences and their class
+        np.savez(folder / "eval.npz", input_ids=held_out[0], labels=held_out[1])
+        axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}
+    else:  # windows: the next byte of each position
+        np.savez(folder / "eval.npz", input_ids=held_out[:, :-1], labels=held_out[:, 1:])
+        axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
     example = (torch.from_numpy(calib[:2]),)
     fp32_model.eval()
     with torch.no_grad():

@@ -78,3 +78,34 @@ def test_deploy_compares_fp8_trained_with_post_training_fp8(tmp_path):
     assert deployed["fp8-trained, deployed"] == pytest.approx(amax["metric"], abs=2e-3)
     assert deployed["fp32"] == pytest.approx(fp32["metric"], abs=1e-3)
     assert deployed["fp32 + post-training fp8"] is not None and "deployed (onnxruntime" in r.output
+
+
+def test_the_classification_task_trains_deploys_and_scores_on_held_out_sentences(tmp_path):
+    r = CliRunner().invoke(
+        main,
+        [
+            "train-study",
+            "--task",
+            "classify",
+            "--steps",
+            "4",
+            "--seeds",
+            "1",
+            "--scales",
+            "1",
+            "--deploy",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "t.json"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["metric"] == "topic accuracy" and all(0 <= x["metric"] <= 1 for x in doc["runs"])
+    amax = next(x for x in doc["runs"] if x["label"] == "fp8-amax")
+    # onnxruntime computes the trained FP8 numbers up to summation order: at most a flip or two of 164
+    assert doc["deployed"]["fp8-trained, deployed"] == pytest.approx(amax["metric"], abs=2 / 164 + 1e-9)
+    import numpy as np
+
+    held_out = np.load(tmp_path / "eval.npz")
+    assert held_out["labels"].ndim == 1 and set(np.unique(held_out["labels"])) <= {0, 1, 2, 3}
