@@ -11,7 +11,7 @@ import numpy as np
 from .errors import Fp8OnnxError
 from .model_io import write_bytes_atomic
 
-__all__ = ["constant_window", "scale_exponents", "sensitivity_bars"]
+__all__ = ["constant_window", "save_png", "scale_exponents", "sensitivity_bars"]
 
 
 def _pyplot():
@@ -25,20 +25,29 @@ def _pyplot():
     return plt
 
 
-def _finish(plt, fig, ax, title: str, path: pathlib.Path) -> pathlib.Path:
-    """Title, legend, layout, then an atomic PNG write; the figure is closed either way."""
+def save_png(plt, fig, path: pathlib.Path, dpi: int = 120) -> pathlib.Path:
+    """Layout, then an atomic PNG write of ``fig`` to ``path``; the figure is closed either way."""
     try:
-        ax.set_title(title)
-        ax.legend(fontsize=8)
         fig.tight_layout()
         if not path.parent.is_dir():
             raise Fp8OnnxError(f"Plot folder {str(path.parent)!r} does not exist.")
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=120)
+        fig.savefig(buf, format="png", dpi=dpi)
         write_bytes_atomic(path, buf.getvalue())
         return path
     finally:
         plt.close(fig)
+
+
+def _finish(plt, fig, ax, title: str, path: pathlib.Path) -> pathlib.Path:
+    """Title and legend, then :func:`save_png`."""
+    try:
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    except BaseException:
+        plt.close(fig)
+        raise
+    return save_png(plt, fig, path)
 
 
 def constant_window(

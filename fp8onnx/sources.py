@@ -492,6 +492,10 @@ def make_data(
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
     path = model_file(model)
+    if not path.is_file():
+        raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
+    if not pathlib.Path(source).exists():
+        raise Fp8OnnxError(f"Data source {str(source)!r} does not exist.")
     out = pathlib.Path(output)
     if out.suffix != ".npz":
         raise Fp8OnnxError(f"Output {str(out)!r} must end in .npz.")
@@ -544,6 +548,8 @@ def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pa
     model file (an export folder), else the one beside the text."""
     from .model_io import SOURCE_META
 
+    if not pathlib.Path(text).is_file():
+        raise Fp8OnnxError(f"Text file {str(text)!r} does not exist.")
     places = []
     if model is not None and model.meta.get(SOURCE_META):
         places.append(pathlib.Path(model.meta[SOURCE_META]).parent)
@@ -574,11 +580,8 @@ class MediaData:
     ``fp8onnx data`` (and the export folder's ``preprocessor_config.json``), batched."""
 
     def __init__(self, path: str | os.PathLike, specs: list[InputSpec], model: ir.Model | None, kind: str):
-        from .model_io import SOURCE_META
-
         self.path, self.specs, self.kind = pathlib.Path(path), specs, kind
-        source = model.meta.get(SOURCE_META) if model is not None else None
-        self.folder = pathlib.Path(source).parent if source else None
+        self.folder = _model_folder(model)
 
     def count_batches(self, batch_size: int) -> None:
         return None
@@ -588,14 +591,7 @@ class MediaData:
             samples = media.image_samples(self.path, self.specs, media.ImageOptions(), self.folder)
         else:
             samples = media.audio_samples(self.path, self.specs, media.AudioOptions(), self.folder)
-        pending = []
-        for feed, labels, _ in samples:
-            pending.append((feed, labels))
-            if len(pending) == batch_size:
-                yield _stacked(pending)
-                pending = []
-        if pending:
-            yield _stacked(pending)
+        yield from _batched(samples, batch_size)
 
 
 class TextData:
@@ -621,15 +617,20 @@ class TextData:
         return None  # known only once the text is read
 
     def batches(self, batch_size: int):
-        pending = []
         sizes = cache_sizes(_model_folder(self.model))
-        for feed, labels, _ in text_samples(self.path, self.specs, self.options, self.tokenizer, sizes=sizes):
-            pending.append((feed, labels))
-            if len(pending) == batch_size:
-                yield _stacked(pending)
-                pending = []
-        if pending:
+        yield from _batched(text_samples(self.path, self.specs, self.options, self.tokenizer, sizes=sizes), batch_size)
+
+
+def _batched(samples, batch_size: int):
+    """Batches of ``batch_size`` (feed, labels, why) samples, stacked along the batch axis."""
+    pending = []
+    for feed, labels, _ in samples:
+        pending.append((feed, labels))
+        if len(pending) == batch_size:
             yield _stacked(pending)
+            pending = []
+    if pending:
+        yield _stacked(pending)
 
 
 def _stacked(samples) -> Batch:

@@ -317,7 +317,6 @@ def train_study(
         raise Fp8OnnxError(f"Unknown train-study task {task!r}; choose one of {', '.join(TASKS)}.")
     if steps < 2:
         raise Fp8OnnxError(f"--steps must be at least 2, got {steps}.")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     spec = TASKS[task]()
     plan = [("fp32", "fp32", None, None, s) for s in seeds] + [("bf16", "bf16", None, None, s) for s in seeds]
     plan += [("fp8-amax", "fp8-amax", None, Recipe("amax", margin=margin), s) for s in seeds]
@@ -418,22 +417,14 @@ def write_plots(result: TrainStudy, folder) -> list:
     last step; inputs, weights, gradients) of the first FP8-AMAX run."""
     import pathlib
 
-    from .model_io import write_bytes_atomic
-    from .plots import _pyplot
+    from .plots import _pyplot, save_png
 
     plt = _pyplot()
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
 
     def _save(fig, path):
-        try:
-            fig.tight_layout()
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", dpi=110)
-            write_bytes_atomic(path, buf.getvalue())
-            return path
-        finally:
-            plt.close(fig)
+        return save_png(plt, fig, path, dpi=110)
 
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -201,6 +201,8 @@ def test_reservoir_keeps_each_item_with_equal_chance():
         ("bad-tokenizer", "is not a tokenizer.json"),
         ("suffix", "is not a text file (.txt, .jsonl), images"),
         ("overwrite", "would overwrite"),
+        ("no-model", "Model file"),
+        ("no-text", "does not exist"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path, tokenizer_file, case, message):
@@ -222,6 +224,10 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, tokenizer_file, case, me
     if case == "bad-tokenizer":
         tok = tmp_path / "tok.json"
         tok.write_text('{"not": "a tokenizer"}')
+    if case == "no-model":
+        model = tmp_path / "missing.onnx"
+    if case == "no-text":
+        text = tmp_path / "missing.txt"
     args = [model, text, "-o", text if case == "overwrite" else tmp_path / "out.npz"]
     if case != "no-tokenizer":
         args += ["--tokenizer", tok]
@@ -316,3 +322,11 @@ def test_without_tokenizers_the_message_names_the_extra(tmp_path, monkeypatch, t
     monkeypatch.setitem(__import__("sys").modules, "tokenizers", None)
     r = _cli(_model(tmp_path / "lm.onnx"), corpus, "--tokenizer", tokenizer_file, "-o", tmp_path / "o.npz")
     assert r.exit_code == 2 and "pip install 'fp8onnx[text]'" in r.output, r.output
+
+
+def test_a_missing_text_file_given_to_calib_is_named(tmp_path):
+    model = _model(tmp_path / "lm.onnx")
+    r = CliRunner().invoke(
+        main, ["quantize", str(model), "--calib", str(tmp_path / "none.txt"), "-o", str(tmp_path / "q.onnx")]
+    )
+    assert r.exit_code == 2 and "none.txt' does not exist" in r.output, r.output
