@@ -45,7 +45,7 @@ from .model_io import write_text_atomic
 from .phases import process_age
 from .phases import table as phases_table
 from .progress import close_all
-from .runtime import PROVIDERS, WEIGHT_MEMORY, RunOptions
+from .runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
 from .scaling import Scaling
 from .targets import TARGETS
 
@@ -199,7 +199,20 @@ def _configure_logging(ctx: click.Context, verbose: int, debug: bool) -> None:
 
 
 _batch_size_option = click.option(
-    "--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Samples per onnxruntime run."
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"Samples per onnxruntime run [default: {DEFAULT_BATCH}; calibration takes fewer where one batch "
+    "would need more than --batch-memory].",
+)
+_batch_memory_option = click.option(
+    "--batch-memory",
+    type=click.IntRange(min=1),
+    default=BATCH_MEMORY >> 20,
+    show_default=True,
+    metavar="MiB",
+    help="Without --batch-size, calibration batches are sized to take about this much memory each "
+    "(measured on the first sample).",
 )
 _weight_memory_option = click.option(
     "--weight-memory",
@@ -225,10 +238,18 @@ _provider_option = click.option(
 )
 
 
-def _run_options(batch_size: int = 16, provider: str = "auto", weight_memory_mib: int | None = None) -> RunOptions:
+def _run_options(
+    batch_size: int | None = None,
+    provider: str = "auto",
+    weight_memory_mib: int | None = None,
+    batch_memory_mib: int | None = None,
+) -> RunOptions:
     """The runtime knobs of a command, as the library takes them (progress bars on: a person watches)."""
     memory = WEIGHT_MEMORY if weight_memory_mib is None else weight_memory_mib << 20
-    return RunOptions(batch_size=batch_size, provider=provider, weight_memory=memory, progress=True)
+    per_batch = BATCH_MEMORY if batch_memory_mib is None else batch_memory_mib << 20
+    return RunOptions(
+        batch_size=batch_size, provider=provider, weight_memory=memory, progress=True, batch_memory=per_batch
+    )
 
 
 def _csv(ctx, param, value):
@@ -344,6 +365,7 @@ _per_channel_option = click.option(
     help="fp8: store embedding tables (Gather over a constant table) as float8 codes with per-row scales.",
 )
 @_batch_size_option
+@_batch_memory_option
 @_weight_memory_option
 @_provider_option
 @click.option(
@@ -398,6 +420,7 @@ def quantize(
     float_vocab,
     embeddings,
     batch_size,
+    batch_memory,
     weight_memory,
     provider,
     report,
@@ -463,7 +486,7 @@ def quantize(
         config = QuantizeConfig(**options)
     t0 = time.perf_counter()
     startup = process_age()
-    run = _run_options(batch_size, provider, weight_memory)
+    run = _run_options(batch_size, provider, weight_memory, batch_memory)
     if accuracy_target is not None:
         from .fallback import quantize_to_target
 
@@ -502,11 +525,12 @@ def quantize(
 )
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
 @_batch_size_option
+@_batch_memory_option
 @_weight_memory_option
 @_provider_option
 @_precision_option
 @_run
-def calibrate(model, calib, output, batch_size, weight_memory, provider, precision):
+def calibrate(model, calib, output, batch_size, batch_memory, weight_memory, provider, precision):
     """Record activation statistics of MODEL once, for later `quantize --stats`.
 
     \b
@@ -520,11 +544,11 @@ def calibrate(model, calib, output, batch_size, weight_memory, provider, precisi
         calib,
         output,
         precision=precision,
-        run=_run_options(batch_size, provider, weight_memory),
+        run=_run_options(batch_size, provider, weight_memory, batch_memory),
     )
     click.echo(
         f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "
-        f"({stats.num_batches} batches); wrote {output}"
+        f"({stats.num_batches} batches of {stats.batching}); wrote {output}"
     )
 
 

@@ -214,7 +214,7 @@ def compare(
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
     run = RunOptions.of(run, **run_options)
-    provider, batch_size, progress = resolve_provider(run.provider), run.batch_size, run.progress
+    provider, batch_size, progress = resolve_provider(run.provider), run.batch, run.progress
     reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
     ref_model = load_model(reference)
     out_names = [v.name for v in ref_model.graph.outputs]

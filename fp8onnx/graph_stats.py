@@ -77,8 +77,8 @@ def sum_in_graph(
                 sums[o] = v if o not in sums else combine(sums[o], v)
 
     source = as_data(data, input_specs(model), model)
-    total = source.count_batches(run.batch_size)
-    feeds = (b.feed for b in source.batches(run.batch_size))
+    total = source.count_batches(run.batch)
+    feeds = (b.feed for b in source.batches(run.batch))
     if weight_bytes(model) > run.weight_memory:
         bar = functools.partial(progress_bar, unit="batch", enable=run.progress)
         run_segmented(

@@ -198,6 +198,7 @@ def _quantize(model, output, calib, config, stats, report, run, options) -> Quan
         else {
             "batches": calibration.num_batches,
             "samples": calibration.num_samples,
+            "batching": calibration.batching,
             "source": describe_source(stats) if stats is not None else describe_source(calib, "feeds"),
         },
         input_bytes=_file_size(model),

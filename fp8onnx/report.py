@@ -114,7 +114,8 @@ class QuantizeReport:
             lines.append(f"  SIMULATION: {EMULATED_NOTE}")
         if self.calibration:
             c = self.calibration
-            lines.append(f"  calibrated on {c['samples']} samples in {c['batches']} batches ({c['source']})")
+            of = f" of {c['batching']}" if c.get("batching") else ""
+            lines.append(f"  calibrated on {c['samples']} samples in {c['batches']} batches{of} ({c['source']})")
         weights = sum(1 for n in self.quantized for t in n.tensors if t.kind == "weight")
         acts = len({t.name for n in self.quantized for t in n.tensors if t.kind == "activation"})
         lines.append(f"  {weights} weights stored as float8, {acts} activation tensors with Q/DQ")

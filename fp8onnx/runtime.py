@@ -19,6 +19,8 @@ import onnxruntime as ort
 from .errors import Fp8OnnxError, first_line
 
 __all__ = [
+    "BATCH_MEMORY",
+    "DEFAULT_BATCH",
     "PROVIDERS",
     "WEIGHT_MEMORY",
     "RunOptions",
@@ -49,27 +51,42 @@ _NUMPY_DTYPES = {
 }
 # Models with more weights than this are calibrated layer by layer (see fp8onnx.segments).
 WEIGHT_MEMORY = 512 << 20
-_RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress")
+# Samples per run when the user chose none; calibration runs fewer when one sample's statistics run
+# needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.calibration.auto_batch_size).
+DEFAULT_BATCH = 16
+BATCH_MEMORY = 1 << 30
+_RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress", "batch_memory")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """How a command runs onnxruntime, apart from what it computes (the recipe is QuantizeConfig):
     samples per run, execution provider, the weight budget of one calibration segment (bytes), and
-    whether to show progress bars. Adding a knob means one field here and one CLI option."""
+    whether to show progress bars, and the memory one calibration batch may take when ``batch_size``
+    is None (the default: :data:`DEFAULT_BATCH` samples, fewer in calibration when they would not
+    fit). Adding a knob means one field here and one CLI option."""
 
-    batch_size: int = 16
+    batch_size: int | None = None
     provider: str = "auto"
     weight_memory: int = WEIGHT_MEMORY
     progress: bool = False
+    batch_memory: int = BATCH_MEMORY
 
     def __post_init__(self):
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise Fp8OnnxError(f"--batch-size must be a positive integer, got {self.batch_size!r}.")
+        size = self.batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise Fp8OnnxError(f"--batch-size must be a positive integer, got {size!r}.")
+        if isinstance(self.batch_memory, bool) or not isinstance(self.batch_memory, int) or self.batch_memory < 1:
+            raise Fp8OnnxError(f"--batch-memory must be a positive number of bytes, got {self.batch_memory!r}.")
         if str(self.provider).lower() not in PROVIDERS:
             raise Fp8OnnxError(f"Unknown provider {self.provider!r}; choose one of {', '.join(PROVIDERS)}.")
         if isinstance(self.weight_memory, bool) or not isinstance(self.weight_memory, int) or self.weight_memory < 1:
             raise Fp8OnnxError(f"--weight-memory must be a positive number of bytes, got {self.weight_memory!r}.")
+
+    @property
+    def batch(self) -> int:
+        """Samples per run: the user's choice, else :data:`DEFAULT_BATCH`."""
+        return DEFAULT_BATCH if self.batch_size is None else self.batch_size
 
     @classmethod
     def of(cls, run: RunOptions | None = None, **overrides) -> RunOptions:

@@ -173,11 +173,11 @@ def sensitivity(
     feeds = as_data(source, input_specs(ir_model), ir_model)
     sums = np.zeros(len(outputs), np.float64)
     samples = batches = 0
-    total = feeds.count_batches(run.batch_size)
+    total = feeds.count_batches(run.batch)
     # Nothing measurable (every node in a subgraph): no pass at all (run([]) would fetch every output).
     session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True) if outputs else None
     for batch in progress_bar(
-        feeds.batches(run.batch_size) if outputs else (),
+        feeds.batches(run.batch) if outputs else (),
         total=total,
         desc="sensitivity",
         unit="batch",

@@ -258,7 +258,7 @@ def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[
 
     feeds = []
     ir_model = load_model(model)
-    for batch in as_data(data, input_specs(ir_model), ir_model).batches(run.batch_size):
+    for batch in as_data(data, input_specs(ir_model), ir_model).batches(run.batch):
         feeds.append(batch.feed if batch.labels is None else {**batch.feed, LABELS: batch.labels})
         if max_samples is not None and sum(len(next(iter(f.values()))) for f in feeds) >= max_samples:
             break

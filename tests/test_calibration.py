@@ -56,3 +56,35 @@ def test_bad_stats_files(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps({"fp8onnx_stats_version": 2, "amax": {"x": 1.0}}))
     with pytest.raises(Fp8OnnxError, match="have no entry for tensor 'r'"):
         fp8onnx.quantize(path, tmp_path / "q.onnx", stats=tmp_path / "s.json")
+
+
+def test_batches_are_sized_to_the_memory_budget_with_the_same_statistics(tmp_path):
+    """Without --batch-size, one sample's run is measured first and the batches shrink to fit
+    --batch-memory; amax and histograms do not depend on the batching, so neither does the model."""
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    fixed = fp8onnx.calibrate(path, data, batch_size=16, provider="cpu")
+    small = fp8onnx.calibrate(path, data, provider="cpu", batch_memory=1)  # 1 byte: one sample per run
+    default = fp8onnx.calibrate(path, data, provider="cpu")
+    assert small.num_batches == small.num_samples and default.num_batches == fixed.num_batches
+    assert "sized to --batch-memory 0 MiB" in small.batching and default.batching == "16 samples"
+    assert small.amax == fixed.amax and small.hist.keys() == fixed.hist.keys()
+    for name, hist in fixed.hist.items():
+        assert np.array_equal(hist.counts, small.hist[name].counts), name
+    # layer by layer (weights over the segment budget): the probe runs through the segments too
+    seg = fp8onnx.calibrate(path, data, provider="cpu", batch_memory=1, weight_memory=1)
+    assert seg.num_batches == seg.num_samples and seg.amax == fixed.amax
+
+
+def test_auto_batch_size_takes_the_larger_of_fetched_and_resident_memory():
+    from fp8onnx.calibration import auto_batch_size
+    from fp8onnx.data import Batch
+
+    class Source:
+        def batches(self, n):
+            yield Batch({"x": np.zeros((2, 3), np.float32)})  # a 2-sample feed (fixed batch axis)
+
+    mib = 1 << 20
+    assert auto_batch_size(lambda feed: (200 * mib, 0), Source(), 1024 * mib)[0] == 10  # 100 MiB a sample
+    assert auto_batch_size(lambda feed: (0, 600 * mib), Source(), 1024 * mib)[0] == 3
+    assert auto_batch_size(lambda feed: (mib, mib), Source(), 1024 * mib) == (16, "16 samples")
+    assert auto_batch_size(lambda feed: (4096 * mib, 0), Source(), 1024 * mib)[0] == 1
