@@ -214,6 +214,26 @@ _batch_memory_option = click.option(
     help="Without --batch-size, calibration batches are sized to take about this much memory each "
     "(measured on the first sample).",
 )
+
+
+def _workers_options(fn):
+    """--workers / --ray: statistics batches on Ray actors (the [ray] extra)."""
+    fn = click.option(
+        "--ray",
+        "ray_address",
+        metavar="ADDRESS",
+        help="Run on this Ray cluster (e.g. auto, or ray://head:10001) instead of a local one.",
+    )(fn)
+    return click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Ray workers (each one onnxruntime session) that share the calibration batches; the "
+        "statistics and the output are the same as with 1. Needs the [ray] extra.",
+    )(fn)
+
+
 _weight_memory_option = click.option(
     "--weight-memory",
     type=click.IntRange(min=1),
@@ -243,12 +263,20 @@ def _run_options(
     provider: str = "auto",
     weight_memory_mib: int | None = None,
     batch_memory_mib: int | None = None,
+    workers: int = 1,
+    ray_address: str | None = None,
 ) -> RunOptions:
     """The runtime knobs of a command, as the library takes them (progress bars on: a person watches)."""
     memory = WEIGHT_MEMORY if weight_memory_mib is None else weight_memory_mib << 20
     per_batch = BATCH_MEMORY if batch_memory_mib is None else batch_memory_mib << 20
     return RunOptions(
-        batch_size=batch_size, provider=provider, weight_memory=memory, progress=True, batch_memory=per_batch
+        batch_size=batch_size,
+        provider=provider,
+        weight_memory=memory,
+        progress=True,
+        batch_memory=per_batch,
+        workers=workers,
+        ray_address=ray_address,
     )
 
 
@@ -366,6 +394,7 @@ _per_channel_option = click.option(
 )
 @_batch_size_option
 @_batch_memory_option
+@_workers_options
 @_weight_memory_option
 @_provider_option
 @click.option(
@@ -421,6 +450,8 @@ def quantize(
     embeddings,
     batch_size,
     batch_memory,
+    workers,
+    ray_address,
     weight_memory,
     provider,
     report,
@@ -486,7 +517,7 @@ def quantize(
         config = QuantizeConfig(**options)
     t0 = time.perf_counter()
     startup = process_age()
-    run = _run_options(batch_size, provider, weight_memory, batch_memory)
+    run = _run_options(batch_size, provider, weight_memory, batch_memory, workers, ray_address)
     if accuracy_target is not None:
         from .fallback import quantize_to_target
 
@@ -526,11 +557,12 @@ def quantize(
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Statistics JSON to write.")
 @_batch_size_option
 @_batch_memory_option
+@_workers_options
 @_weight_memory_option
 @_provider_option
 @_precision_option
 @_run
-def calibrate(model, calib, output, batch_size, batch_memory, weight_memory, provider, precision):
+def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_address, weight_memory, provider, precision):
     """Record activation statistics of MODEL once, for later `quantize --stats`.
 
     \b
@@ -544,7 +576,7 @@ def calibrate(model, calib, output, batch_size, batch_memory, weight_memory, pro
         calib,
         output,
         precision=precision,
-        run=_run_options(batch_size, provider, weight_memory, batch_memory),
+        run=_run_options(batch_size, provider, weight_memory, batch_memory, workers, ray_address),
     )
     click.echo(
         f"{len(stats.amax)} tensors calibrated on {stats.num_samples} samples "

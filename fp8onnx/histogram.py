@@ -35,6 +35,17 @@ class LogHistogram:
         if positive.size:
             self.counts += np.bincount(_bin_index(positive), minlength=NUM_BINS)
 
+    def sparse(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """(zeros, indices of the non-empty bins, their counts): what a worker sends back."""
+        idx = np.flatnonzero(self.counts)
+        return self.zeros, idx, self.counts[idx]
+
+    def add_sparse(self, part: tuple[int, np.ndarray, np.ndarray]) -> None:
+        """Merge another histogram's :meth:`sparse` form (integer counts: exact in any order)."""
+        zeros, idx, counts = part
+        self.zeros += int(zeros)
+        self.counts[idx] += counts
+
     @staticmethod
     def edges(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lower and upper edges of the given bins."""

@@ -55,24 +55,33 @@ WEIGHT_MEMORY = 512 << 20
 # needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.calibration.auto_batch_size).
 DEFAULT_BATCH = 16
 BATCH_MEMORY = 1 << 30
-_RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress", "batch_memory")
+_RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress", "batch_memory", "workers", "ray_address")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """How a command runs onnxruntime, apart from what it computes (the recipe is QuantizeConfig):
-    samples per run, execution provider, the weight budget of one calibration segment (bytes), and
-    whether to show progress bars, and the memory one calibration batch may take when ``batch_size``
-    is None (the default: :data:`DEFAULT_BATCH` samples, fewer in calibration when they would not
-    fit). Adding a knob means one field here and one CLI option."""
+    samples per run, execution provider, the weight budget of one calibration segment (bytes),
+    whether to show progress bars, the memory one calibration batch may take when ``batch_size`` is
+    None (the default: :data:`DEFAULT_BATCH` samples, fewer in calibration when they would not fit),
+    and the Ray workers that share the statistics batches. Adding a knob means one field here and
+    one CLI option."""
 
     batch_size: int | None = None
     provider: str = "auto"
     weight_memory: int = WEIGHT_MEMORY
     progress: bool = False
     batch_memory: int = BATCH_MEMORY
+    workers: int = 1  # Ray actors for the statistics runs (fp8onnx.distributed); 1: this process
+    ray_address: str | None = None  # a running Ray cluster; None: a local one when workers > 1
 
     def __post_init__(self):
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise Fp8OnnxError(f"--workers must be a positive integer, got {self.workers!r}.")
+        if self.distributed:
+            from .distributed import check_ray
+
+            check_ray(self.workers, self.ray_address)
         size = self.batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise Fp8OnnxError(f"--batch-size must be a positive integer, got {size!r}.")
@@ -82,6 +91,10 @@ class RunOptions:
             raise Fp8OnnxError(f"Unknown provider {self.provider!r}; choose one of {', '.join(PROVIDERS)}.")
         if isinstance(self.weight_memory, bool) or not isinstance(self.weight_memory, int) or self.weight_memory < 1:
             raise Fp8OnnxError(f"--weight-memory must be a positive number of bytes, got {self.weight_memory!r}.")
+
+    @property
+    def distributed(self) -> bool:
+        return self.workers > 1 or bool(self.ray_address)
 
     @property
     def batch(self) -> int:
@@ -120,9 +133,10 @@ def resolve_provider(provider: str) -> str:
 
 
 def _options(
-    provider: str, arena: bool = True, optimize: bool = True, instrumented: bool = False
+    provider: str, arena: bool = True, optimize: bool = True, instrumented: bool = False, threads: int = 0
 ) -> ort.SessionOptions:
     so = ort.SessionOptions()
+    so.intra_op_num_threads = threads  # 0: onnxruntime's default, one per core
     if instrumented:
         # A graph that reports statistics of many of its tensors (calibration, Hessians, sensitivity).
         # ORT's default order ran those Abs/ReduceMax branches after the whole model, so every measured
@@ -151,16 +165,18 @@ def make_session(
     optimize: bool = True,
     instrumented: bool = False,
     weights: dict[str, np.ndarray] | None = None,
+    threads: int = 0,
 ) -> ort.InferenceSession:
     """An InferenceSession for serialized bytes or a path; failures name ``what``. ``optimize=False``
     turns graph optimizations off (a load check that must not fold weights, see ``save_model``);
     ``instrumented=True`` is for graphs that report statistics of their own tensors (see ``_options``);
     ``weights``: arrays for initializers the model declares as external data, handed to onnxruntime
-    without a copy (the session keeps them alive)."""
+    without a copy (the session keeps them alive); ``threads``: onnxruntime's intra-op threads (0: its
+    default)."""
     provider = resolve_provider(provider)
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
-    options = _options(provider, arena, optimize, instrumented)
+    options = _options(provider, arena, optimize, instrumented, threads)
     values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (weights or {}).values()]
     if weights:
         options.add_external_initializers(list(weights), values)

@@ -1,0 +1,96 @@
+"""Statistics batches on Ray workers (fp8onnx.distributed): the same bytes as one process.
+
+Ray runs locally here (``ray.init(num_cpus=2)``, once for the module)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import fp8onnx
+from fp8onnx.calibration import summarize, worker_session
+from fp8onnx.cli import main
+from fp8onnx.errors import Fp8OnnxError
+
+from helpers import SAMPLE, mlp_data, mlp_model
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_two_workers_write_the_same_statistics_and_model_as_one_process(tmp_path):
+    """The sample decoder (a real TorchScript export, 29 MatMuls): amax and histograms from two
+    workers merged in batch order are the single-process statistics, so the model is byte-identical."""
+    model, calib = SAMPLE / "decoder.onnx", SAMPLE / "calib.npz"
+    one = fp8onnx.calibrate(model, calib, tmp_path / "one.json", provider="cpu", batch_size=8)
+    two = fp8onnx.calibrate(model, calib, tmp_path / "two.json", provider="cpu", batch_size=8, workers=2)
+    assert two.num_batches == one.num_batches > 2
+    assert (tmp_path / "one.json").read_bytes() == (tmp_path / "two.json").read_bytes()
+    fp8onnx.quantize(model, tmp_path / "one.onnx", calib, provider="cpu")
+    report = fp8onnx.quantize(model, tmp_path / "two.onnx", calib, provider="cpu", workers=2)
+    assert report.calibration["batches"] == one.num_batches // 2 + (one.num_batches % 2 > 0)
+    assert (tmp_path / "one.onnx").read_bytes() == (tmp_path / "two.onnx").read_bytes()
+
+
+def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
+    from fp8onnx.distributed import WorkerPool
+    from fp8onnx.model_io import load_model
+    from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
+    from fp8onnx.passes._common import keep_only_outputs
+    from fp8onnx.runtime import inline_proto, make_session
+
+    model = load_model(mlp_model(tmp_path / "m.onnx"))
+    AddAmaxOutputsPass(["x", "h"], values=True)(model)
+    outputs = [n + s for s in (AMAX_SUFFIX, VALUE_SUFFIX) for n in ("x", "h")]
+    keep_only_outputs(model, outputs)
+    blob = inline_proto(model).SerializeToString()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32) * (i + 1)} for i in range(12)]
+    local = make_session(blob, "cpu")
+    expected = [summarize(dict(zip(outputs, local.run(outputs, f)))) for f in feeds]
+    with WorkerPool(blob, worker_session, workers=2, provider="cpu") as pool:
+        victim = ray.get(pool.workers[0].pid.remote())
+
+        def feeding():
+            for i, feed in enumerate(feeds):
+                if i == 5:
+                    os.kill(victim, signal.SIGKILL)  # mid-run, with batches queued on it
+                yield feed
+
+        got = list(pool.map(outputs, feeding(), summarize))
+        assert ray.get(pool.workers[0].pid.remote()) != victim  # it was restarted
+    assert len(got) == len(feeds)
+    for g, e in zip(got, expected):
+        assert g.keys() == e.keys()
+        for key in e:
+            if key.endswith(AMAX_SUFFIX):
+                assert g[key] == e[key]
+            else:
+                assert g[key][0] == e[key][0] and all(np.array_equal(a, b) for a, b in zip(g[key][1:], e[key][1:]))
+
+
+def test_without_ray_the_message_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    with pytest.raises(Fp8OnnxError, match=r"pip install 'fp8onnx\[ray\]'"):
+        fp8onnx.calibrate(path, data, provider="cpu", workers=2)
+    result = CliRunner().invoke(
+        main, ["calibrate", str(path), "--calib", str(data), "-o", str(tmp_path / "s.json"), "--workers", "2"]
+    )
+    assert result.exit_code == 2 and "fp8onnx[ray]" in result.output
+    assert not (tmp_path / "s.json").exists()
