@@ -595,10 +595,11 @@ def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_addre
 )
 @click.option("--no-fp16", is_flag=True, help="Do not build and run the FP16 baseline.")
 @_batch_size_option
+@_workers_options
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @_run
-def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out):
+def compare(reference, candidates, data, no_fp16, batch_size, workers, ray_address, provider, json_out):
     """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline.
 
     \b
@@ -609,7 +610,8 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
     for cand in candidates:
         reads += model_reads(f"the candidate model {cand!r}", cand)
     check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out)])
-    result = api_compare(reference, candidates, data, fp16=not no_fp16, run=_run_options(batch_size, provider))
+    run = _run_options(batch_size, provider, workers=workers, ray_address=ray_address)
+    result = api_compare(reference, candidates, data, fp16=not no_fp16, run=run)
     click.echo(result.table())
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
@@ -626,6 +628,7 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
 )
 @click.option("--max-samples", type=click.IntRange(min=1), help="Evaluate on at most about this many samples.")
 @_batch_size_option
+@_workers_options
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the ranked table as JSON.")
 @click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write the ranked table as CSV.")
@@ -636,7 +639,9 @@ def compare(reference, candidates, data, no_fp16, batch_size, provider, json_out
     help="Also smoothing, GPTQ, bias correction, their combinations and the presets (a pass over --calib each).",
 )
 @_run
-def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_out, plot_dir, techniques):
+def study(
+    model, calib, data, max_samples, batch_size, workers, ray_address, provider, json_out, csv_out, plot_dir, techniques
+):
     """Run the papers' comparison on MODEL: formats, scaling methods, constant-scale sweep,
     static vs dynamic activations, per-tensor vs per-channel weights; one calibration pass.
 
@@ -655,7 +660,12 @@ def study(model, calib, data, max_samples, batch_size, provider, json_out, csv_o
     )
     t0 = time.perf_counter()
     result = run_study(
-        model, calib, data, max_samples=max_samples, techniques=techniques, run=_run_options(batch_size, provider)
+        model,
+        calib,
+        data,
+        max_samples=max_samples,
+        techniques=techniques,
+        run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
     )
     click.echo(result.table())
     write_outputs(result, json_out, csv_out)
@@ -988,6 +998,8 @@ def entry() -> None:
     if code is not None and not isinstance(code, int):  # sys.exit("message")
         print(code, file=sys.stderr)
         code = 1
+    if "fp8onnx.distributed" in sys.modules:  # Ray workers and a local Ray started for them
+        sys.modules["fp8onnx.distributed"].close_all()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -31,7 +31,7 @@ from .errors import Fp8OnnxError, first_line
 from .model_io import load_model, model_file
 from .passes import ConvertFloat16Pass
 from .progress import progress_bar
-from .runtime import RunOptions, make_session, resolve_provider, session_for_model
+from .runtime import RunOptions, inline_proto, make_session, resolve_provider, session_for_model
 from .segments import Spill
 
 __all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "RowResult", "compare"]
@@ -75,6 +75,17 @@ class _OutputStats:
             self.top1_hits += int((r.argmax(axis=1) == c.argmax(axis=1)).sum())
             self.top1_rows += r.shape[0]
 
+    def merge(self, other: _OutputStats) -> None:
+        """Add another batch's sums (in batch order: the same floats as one running update)."""
+        self.rows += other.rows
+        self.cos_sum += other.cos_sum
+        self.cos_min = min(self.cos_min, other.cos_min)
+        self.err_sq += other.err_sq
+        self.ref_sq += other.ref_sq
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.top1_hits += other.top1_hits
+        self.top1_rows += other.top1_rows
+
     def to_json(self) -> dict:
         return {
             "cosine_mean": self.cos_sum / self.rows if self.rows else None,
@@ -83,6 +94,44 @@ class _OutputStats:
             "max_abs_err": self.max_abs,
             "top1_agreement": self.top1_hits / self.top1_rows if self.top1_rows else None,
         }
+
+
+@dataclasses.dataclass
+class _Score:
+    """One model's sums over its batches, or one batch's: per-output statistics, and with labels the
+    correct predictions and the summed cross-entropy."""
+
+    outputs: dict[str, _OutputStats]
+    correct: int = 0
+    nll: float = 0.0
+
+    def merge(self, other: _Score) -> None:
+        for o, stats in self.outputs.items():
+            stats.merge(other.outputs[o])
+        self.correct += other.correct
+        self.nll += other.nll
+
+
+def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out) -> _Score:
+    score = _Score({o: _OutputStats() for o in out_names})
+    for o, r, c in zip(out_names, ref, outs):
+        score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels))
+    if label_out is not None:
+        score.correct = int((outs[label_out].argmax(axis=-1) == labels).sum())
+        score.nll = _nll(outs[label_out], labels)
+    return score
+
+
+def reference_batch(session, b: int, feed: dict, labels, out_names) -> tuple[tuple[_Score, int | None], list]:
+    """The reference on batch ``b``: ((its score against itself, the labelled output), its outputs)."""
+    ref = _run(session, _REFERENCE, feed, b)
+    label_out = _label_output(ref, out_names, labels)
+    return (_score(ref, ref, out_names, labels, label_out), label_out), ref
+
+
+def candidate_batch(session, name: str, b: int, feed: dict, ref: list, labels, label_out, out_names) -> _Score:
+    """Model ``name`` on batch ``b``, scored against the reference's outputs ``ref``."""
+    return _score(ref, _run(session, name, feed, b), out_names, labels, label_out)
 
 
 @dataclasses.dataclass
@@ -221,7 +270,7 @@ def compare(
     # name -> (path or None, builder of its session); checked up front, before the long runs
     models: dict[str, tuple[str | None, Callable[[], object]]] = {}
     if fp16:
-        models["FP16"] = (None, lambda: _fp16_session(ref_model, reference, provider))
+        models["FP16"] = (None, lambda **kw: _fp16_session(ref_model, reference, provider, **kw))
     for cand in candidates:
         theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
         name = pathlib.Path(cand).name
@@ -235,73 +284,13 @@ def compare(
     if max_samples is not None and total is not None:
         total = min(total, -(-max_samples // batch_size))
 
-    spill = Spill()
     notes: list[str] = []
-    try:
-        session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
-        ref_stats = {o: _OutputStats() for o in out_names}
-        ref_correct = labelled = samples = batches = 0
-        ref_nll = 0.0
-        bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
-        for batch in bar:
-            ref = _run(session, _REFERENCE, batch.feed, batches)
-            label_out = _label_output(ref, out_names, batch.labels)
-            for o, r in zip(out_names, ref):
-                ref_stats[o].update(r, r, _looks_like_logits(o, r.shape, batch.labels))
-                spill.save(f"out/{o}", batches, r)
-            for k, v in batch.feed.items():
-                spill.save(f"in/{k}", batches, v)
-            if label_out is not None:
-                labelled += batch.labels.size
-                ref_correct += int((ref[label_out].argmax(axis=-1) == batch.labels).sum())
-                ref_nll += _nll(ref[label_out], batch.labels)
-                spill.save("labels", batches, batch.labels)
-            samples += batch.size
-            batches += 1
-            if max_samples is not None and samples >= max_samples:
-                break
-        del session
-        if batches == 0:
-            raise Fp8OnnxError("The evaluation data gave no batches.")
-        feed_names = list(batch.feed)
-        rows = [
-            RowResult(
-                _REFERENCE,
-                str(reference),
-                _to_json(ref_stats),
-                _accuracy(ref_correct, labelled),
-                _perplexity(ref_nll, labelled),
-            )
-        ]
-        for name, (path, build) in models.items():
-            try:
-                session = build()
-                stats = {o: _OutputStats() for o in out_names}
-                correct, nll = 0, 0.0
-                for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
-                    outs = _run(session, name, {k: spill.load(f"in/{k}", b) for k in feed_names}, b)
-                    labels = None if label_out is None else spill.load("labels", b)
-                    for o, c in zip(out_names, outs):
-                        r = spill.load(f"out/{o}", b)
-                        stats[o].update(r, c, _looks_like_logits(o, r.shape, labels))
-                    if labels is not None:
-                        correct += int((outs[label_out].argmax(axis=-1) == labels).sum())
-                        nll += _nll(outs[label_out], labels)
-            except Fp8OnnxError as exc:
-                if name != "FP16":
-                    raise
-                # The baseline is ours, not the user's: without it, report against FP32 only.
-                notes.append(f"No FP16 baseline: {exc} Results are against FP32 only.")
-                logger.warning("%s", notes[-1])
-                fp16 = False
-                continue
-            finally:
-                session = None
-            rows.append(
-                RowResult(name, path, _to_json(stats), _accuracy(correct, labelled), _perplexity(nll, labelled))
-            )
-    finally:
-        spill.close()
+    evaluate = _evaluate_distributed if run.distributed else _evaluate_here
+    rows, samples, batches = evaluate(
+        reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes
+    )
+    if not any(r.name == "FP16" for r in rows):
+        fp16 = False
     _headline(rows, out_names[0], fp16)
     return CompareResult(
         str(reference),
@@ -317,17 +306,165 @@ def compare(
 _REFERENCE = "FP32 (reference)"
 
 
+def _reference_row(reference, score: _Score, labelled: int) -> RowResult:
+    return RowResult(
+        _REFERENCE,
+        str(reference),
+        _to_json(score.outputs),
+        _accuracy(score.correct, labelled),
+        _perplexity(score.nll, labelled),
+    )
+
+
+def _row(name, path, score: _Score, labelled: int) -> RowResult:
+    return RowResult(
+        name, path, _to_json(score.outputs), _accuracy(score.correct, labelled), _perplexity(score.nll, labelled)
+    )
+
+
+def _no_fp16(exc: Fp8OnnxError, notes: list[str]) -> None:
+    # The baseline is ours, not the user's: without it, report against FP32 only.
+    notes.append(f"No FP16 baseline: {exc} Results are against FP32 only.")
+    logger.warning("%s", notes[-1])
+
+
+def _evaluate_here(
+    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes
+):
+    """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
+    are read back batch by batch for each other model, so memory holds one session."""
+    spill = Spill()
+    try:
+        session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
+        ref_score = _Score({o: _OutputStats() for o in out_names})
+        labelled = samples = batches = 0
+        label_out = None
+        bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
+        for batch in bar:
+            (score, label_out), ref = reference_batch(session, batches, batch.feed, batch.labels, out_names)
+            ref_score.merge(score)
+            for o, r in zip(out_names, ref):
+                spill.save(f"out/{o}", batches, r)
+            for k, v in batch.feed.items():
+                spill.save(f"in/{k}", batches, v)
+            if label_out is not None:
+                labelled += batch.labels.size
+                spill.save("labels", batches, batch.labels)
+            samples += batch.size
+            batches += 1
+            if max_samples is not None and samples >= max_samples:
+                break
+        del session
+        if batches == 0:
+            raise Fp8OnnxError("The evaluation data gave no batches.")
+        feed_names = list(batch.feed)
+        rows = [_reference_row(reference, ref_score, labelled)]
+        for name, (path, build) in models.items():
+            try:
+                session = build()
+                total_score = _Score({o: _OutputStats() for o in out_names})
+                for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
+                    feed = {k: spill.load(f"in/{k}", b) for k in feed_names}
+                    labels = None if label_out is None else spill.load("labels", b)
+                    ref = [spill.load(f"out/{o}", b) for o in out_names]
+                    total_score.merge(candidate_batch(session, name, b, feed, ref, labels, label_out, out_names))
+            except Fp8OnnxError as exc:
+                if name != "FP16":
+                    raise
+                _no_fp16(exc, notes)
+                continue
+            finally:
+                session = None
+            rows.append(_row(name, path, total_score, labelled))
+    finally:
+        spill.close()
+    return rows, samples, batches
+
+
+def _evaluate_distributed(
+    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes
+):
+    """Every model's batches shared by Ray workers (:mod:`fp8onnx.distributed`): inputs and the
+    reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
+    and the per-batch sums are merged here in batch order - the single-process numbers exactly."""
+    from .distributed import shared_pool
+
+    with shared_pool(run.workers, run.ray_address) as pool:
+
+        def ship(path):  # a path every local worker reads; the model itself to a cluster
+            return str(path) if pool.local else inline_proto(load_model(path)).SerializeToString()
+
+        pool.load(ship(reference), _worker_session, provider, f"Reference model {str(reference)!r}")
+        batches_in = []  # (batch, its feed's object-store reference)
+        samples = 0
+
+        def items():
+            nonlocal samples
+            for b, batch in enumerate(source.batches(batch_size)):
+                feed = pool.put(batch.feed)
+                batches_in.append((batch, feed))
+                yield b, feed, batch.labels, out_names
+                samples += batch.size
+                if max_samples is not None and samples >= max_samples:
+                    return
+
+        ref_score = _Score({o: _OutputStats() for o in out_names})
+        label_out, refs = None, []
+        results = pool.map(reference_batch, items(), keep=True)
+        for (score, labelled_output), ref in progress_bar(
+            results, total=total, desc="FP32", unit="batch", enable=progress
+        ):
+            ref_score.merge(score)
+            refs.append(ref)
+            label_out = labelled_output
+        if not refs:
+            raise Fp8OnnxError("The evaluation data gave no batches.")
+        labelled = sum(b.labels.size for b, _ in batches_in) if label_out is not None else 0
+        rows = [_reference_row(reference, ref_score, labelled)]
+        for name, (path, build) in models.items():
+            try:
+                if path is None:  # the FP16 baseline, built here
+                    blob = build(serialized=True)
+                    pool.load(blob, _worker_session, provider, f"The FP16 baseline of {str(reference)!r}")
+                else:
+                    pool.load(ship(path), _worker_session, provider, f"Candidate model {str(path)!r}")
+                total_score = _Score({o: _OutputStats() for o in out_names})
+                work = (
+                    (name, b, feed, ref, None if label_out is None else batch.labels, label_out, out_names)
+                    for b, ((batch, feed), ref) in enumerate(zip(batches_in, refs))
+                )
+                for score in progress_bar(
+                    pool.map(candidate_batch, work), total=len(refs), desc=name, unit="batch", enable=progress
+                ):
+                    total_score.merge(score)
+            except Fp8OnnxError as exc:
+                if name != "FP16":
+                    raise
+                _no_fp16(exc, notes)
+                continue
+            rows.append(_row(name, path, total_score, labelled))
+    return rows, samples, len(refs)
+
+
+def _worker_session(model, provider: str, what: str, threads: int):
+    src = model if isinstance(model, bytes) else pathlib.Path(model)
+    return make_session(src, provider, what, arena=False, threads=threads)
+
+
 def _session(path, provider: str):
     return make_session(pathlib.Path(path), provider, f"Candidate model {str(path)!r}", arena=False)
 
 
-def _fp16_session(ref_model, reference, provider: str):
+def _fp16_session(ref_model, reference, provider: str, serialized: bool = False):
+    """The FP16 baseline's session, or with ``serialized`` the baseline itself as bytes (for workers)."""
     try:
-        fp16_model = ConvertFloat16Pass()(ref_model).model
+        fp16_model = ConvertFloat16Pass()(ref_model.clone() if serialized else ref_model).model
     except Exception as exc:
         raise Fp8OnnxError(
             f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: {first_line(exc)})."
         ) from None
+    if serialized:
+        return inline_proto(fp16_model).SerializeToString()
     return session_for_model(fp16_model, provider, f"The FP16 baseline of {str(reference)!r}", arena=False)
 
 

@@ -1,18 +1,22 @@
-"""Scale-out on Ray: the batches of a statistics run spread over actors that each hold one session.
+"""Scale-out on Ray: the batches of a run spread over actors that each hold one onnxruntime session.
 
 requires: Ray (the ``[ray]`` extra); a running cluster (``ray start``, KubeRay) for ``address``, or
 none for a local one on this machine. ensures: every batch's result comes back to the caller in
 batch order, whichever worker computed it, so that a reduction in that order gives the
-single-process answer bit for bit; a worker that dies is restarted and its batch rerun
-(``RETRIES`` times).
+single-process answer bit for bit; a worker that dies is restarted (with its session) and its
+batch rerun, up to ``RETRIES`` times.
 
-The work of each batch is a plain function of (session, feed) - :func:`run_batch` -, the same one
-the single-process path calls, so the two paths cannot drift apart. Only small per-batch summaries
-(amax scalars, histogram counts) travel back; the model travels once, through Ray's object store.
+The work of a batch is a module-level function ``task(session, *args)`` - the same one the
+single-process path calls, so the two paths cannot drift apart. Only small per-batch summaries
+(amax scalars, histogram counts, metric sums) travel back to the caller; a model travels once per
+worker (through Ray's object store, or as a path on a local run), and large per-batch arrays can
+stay in the object store as references (``keep``).
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import importlib.util
 import logging
 import os
@@ -20,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .errors import Fp8OnnxError
 
-__all__ = ["RETRIES", "WorkerPool", "check_ray", "run_batch"]
+__all__ = ["RETRIES", "WorkerPool", "check_ray", "close_all", "shared_pool"]
 
 logger = logging.getLogger(__name__)
 RETRIES = 3  # restarts of a dead worker, and reruns of the batch it held
@@ -33,47 +37,46 @@ def check_ray(workers: int, address: str | None) -> None:
         raise Fp8OnnxError("--workers/--ray need Ray: pip install 'fp8onnx[ray]'.")
 
 
-def run_batch(session, outputs: list[str], feed: dict, summarize: Callable) -> object:
-    """One batch: run ``session`` for ``outputs`` and reduce them with ``summarize(dict)``."""
-    return summarize(dict(zip(outputs, session.run(outputs, feed))))
-
-
 class _Worker:
-    """A Ray actor: one onnxruntime session, built once from the serialized model."""
+    """A Ray actor holding one onnxruntime session at a time."""
 
-    def __init__(self, model: bytes, provider: str, what: str, threads: int, make) -> None:
-        self.session = make(model, provider, what, threads)
+    def __init__(self) -> None:
+        self.session = None
+        self.model = None
 
-    def run(self, index: int, outputs: list[str], feed: dict, summarize: Callable) -> tuple[int, object]:
-        return index, run_batch(self.session, outputs, feed, summarize)
+    def load(self, key: str, model, make: Callable, args: tuple) -> None:
+        """Build the session for ``model`` (bytes, their object-store reference, or a path) with
+        ``make(model, *args)``, unless this worker holds it already."""
+        if key != self.model:
+            if type(model).__name__ == "ObjectRef":
+                import ray
+
+                model = ray.get(model)
+            self.session = None  # one session at a time: the old one goes first
+            self.session, self.model = make(model, *args), key
+
+    def run(self, model: tuple, task: Callable, *args):
+        """``task(session, *args)``; ``model`` is the :meth:`load` arguments, so that a worker Ray
+        restarted (which starts without a session) builds it again before rerunning the batch."""
+        self.load(*model)
+        return task(self.session, *args)
 
     def pid(self) -> int:
         return os.getpid()
 
 
 class WorkerPool:
-    """``workers`` Ray actors, each holding a session of the same serialized model.
+    """``workers`` Ray actors; :meth:`load` gives each a session of one model, :meth:`map` runs a
+    task per batch on them. Use as a context manager: the actors end with it, and a local Ray
+    started here is shut down."""
 
-    ``make(model_bytes, provider, what, threads)`` builds the session inside the actor (a
-    module-level function, so that Ray ships it by reference). Use as a context manager; the actors
-    end with it, and a local Ray started here is shut down."""
-
-    def __init__(
-        self,
-        model: bytes,
-        make: Callable,
-        *,
-        workers: int,
-        address: str | None = None,
-        provider: str = "cpu",
-        what: str = "model",
-        threads: int | None = None,
-    ) -> None:
+    def __init__(self, *, workers: int, address: str | None = None, threads: int | None = None) -> None:
         check_ray(max(workers, 2), address)
         import ray
 
         self._ray = ray
         self._started = False
+        self.local = not address
         if not ray.is_initialized():
             # Ray's C++ warnings (e.g. about restartable actors' arguments) are not the user's business
             os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
@@ -82,40 +85,71 @@ class WorkerPool:
             self._started = not address
         if threads is None:  # share this machine's cores; on a cluster each actor asks for what it uses
             threads = 1 if address else max(1, (os.cpu_count() or 1) // workers)
+        self.threads = threads
         actor = ray.remote(num_cpus=threads, max_restarts=RETRIES, max_task_retries=RETRIES)(_Worker)
-        self._model = ray.put(model)  # held while the actors live: a restarted one rebuilds from it
-        self.workers = [actor.remote(self._model, provider, what, threads, make) for _ in range(workers)]
+        self.workers = [actor.remote() for _ in range(workers)]
+        self._keep = []  # object-store references the loaded models need while the actors live
+        self.shared = False
         logger.info("%d Ray workers, %d onnxruntime threads each", workers, threads)
 
     def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:
+        if not self.shared:
+            self.close()
+
+    def close(self) -> None:
         for w in self.workers:
             self._ray.kill(w)
-        self.workers = []
+        self.workers, self._keep = [], []
         if self._started:
             self._ray.shutdown()
 
-    def map(self, outputs: list[str], feeds: Iterable[dict], summarize: Callable) -> Iterator[object]:
-        """``summarize`` of each feed's outputs, in feed order; at most ``_IN_FLIGHT`` batches per
-        worker are queued, so the feeds are read as fast as the workers use them."""
+    def put(self, value):
+        """``value`` in the object store (a reference any worker can read)."""
+        return self._ray.put(value)
+
+    def load(self, model, make: Callable, *args) -> None:
+        """Every worker builds ``make(model, *args, threads)`` (``model``: bytes, or a path that every
+        worker can read). A worker that holds the same model (same bytes, or the same unchanged file)
+        with the same arguments keeps its session."""
+        if isinstance(model, bytes):
+            key = hashlib.sha256(model).hexdigest()
+            model = self._ray.put(model)
+            self._keep.append(model)
+        else:
+            st = os.stat(model)
+            key = f"{os.path.abspath(model)}:{st.st_size}:{st.st_mtime_ns}"
+        key = f"{key}:{make.__module__}.{make.__qualname__}{args!r}"
+        self._model = (key, model, make, (*args, self.threads))
+        self._ray.get([w.load.remote(*self._model) for w in self.workers])
+
+    def map(self, task: Callable, items: Iterable[tuple], *, keep: bool = False) -> Iterator[object]:
+        """``task(session, *item)`` for each item, results in item order; at most ``_IN_FLIGHT``
+        items per worker are queued, so the items are produced as fast as the workers use them.
+        With ``keep``, the task returns (small, large) and this yields (small, a reference to large):
+        the large part stays in the object store, for later tasks to take as an argument."""
         ray = self._ray
         pending, done = {}, {}
         load = [0] * len(self.workers)
-        feeds = iter(feeds)
+        items = iter(items)
         next_index = next_out = 0
         exhausted = False
         while True:
             while not exhausted and len(pending) < _IN_FLIGHT * len(self.workers):
-                feed = next(feeds, None)
-                if feed is None:
+                item = next(items, None)
+                if item is None:
                     exhausted = True
                     break
                 worker = min(range(len(self.workers)), key=lambda w: (load[w], w))  # the least busy
                 load[worker] += 1
-                ref = self.workers[worker].run.remote(next_index, outputs, feed, summarize)
-                pending[ref] = (next_index, worker)
+                call = self.workers[worker].run
+                if keep:
+                    ref, large = call.options(num_returns=2).remote(self._model, task, *item)
+                else:
+                    ref, large = call.remote(self._model, task, *item), None
+                pending[ref] = (next_index, worker, large)
                 next_index += 1
             while next_out in done:
                 yield done.pop(next_out)
@@ -126,20 +160,41 @@ class WorkerPool:
                 continue
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
-                index, worker = pending.pop(ref)
+                index, worker, large = pending.pop(ref)
                 load[worker] -= 1
                 try:
-                    _, result = ray.get(ref)
+                    done[index] = (ray.get(ref), large) if keep else ray.get(ref)
                 except ray.exceptions.RayError as exc:
                     raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {_cause(exc)}") from None
-                done[index] = result
 
 
 def _cause(exc: Exception) -> str:
     """The user-facing sentence inside a Ray error (an Fp8OnnxError raised in the worker, else the
-    first line)."""
+    last line of the remote traceback)."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, Fp8OnnxError):
         return str(cause)
     text = str(cause or exc).strip().splitlines()
     return text[-1] if text else type(exc).__name__
+
+
+_SHARED: dict[tuple[int, str | None], WorkerPool] = {}
+
+
+def shared_pool(workers: int, address: str | None) -> WorkerPool:
+    """One pool per (workers, address) for the whole process: calibration, every evaluation of a
+    study and each round of the fallback search reuse the same actors (starting them costs seconds).
+    ``with shared_pool(...) as pool`` leaves them running; :func:`close_all` ends them."""
+    key = (workers, address)
+    pool = _SHARED.get(key)
+    if pool is None or not pool.workers:
+        pool = _SHARED[key] = WorkerPool(workers=workers, address=address)
+        pool.shared = True
+        atexit.register(pool.close)
+    return pool
+
+
+def close_all() -> None:
+    """End every shared pool (and a local Ray they started)."""
+    while _SHARED:
+        _SHARED.popitem()[1].close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fp8onnx
-from fp8onnx.calibration import summarize, worker_session
+from fp8onnx.calibration import batch_summary, summarize, worker_session
 from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
 
@@ -25,6 +25,9 @@ def local_ray():
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
+    from fp8onnx.distributed import close_all
+
+    close_all()
     ray.shutdown()
 
 
@@ -42,8 +45,24 @@ def test_two_workers_write_the_same_statistics_and_model_as_one_process(tmp_path
     assert (tmp_path / "one.onnx").read_bytes() == (tmp_path / "two.onnx").read_bytes()
 
 
+def test_compare_and_study_on_two_workers_give_the_single_process_numbers(tmp_path):
+    """compare: every metric (cosines, errors, top-1, accuracy and perplexity from labels, the FP16
+    row) equal to the last bit; study: the same ranked table."""
+    model = SAMPLE / "decoder.onnx"
+    fp8onnx.quantize(model, tmp_path / "q.onnx", SAMPLE / "calib.npz", provider="cpu")
+    one = fp8onnx.compare(model, [tmp_path / "q.onnx"], SAMPLE / "eval.npz", provider="cpu", batch_size=32)
+    two = fp8onnx.compare(model, [tmp_path / "q.onnx"], SAMPLE / "eval.npz", provider="cpu", batch_size=32, workers=2)
+    assert [r.name for r in two.rows] == ["FP32 (reference)", "FP16", "q.onnx"]
+    assert one.rows[0].accuracy is not None and one.rows[2].perplexity is not None
+    assert two.to_json() == one.to_json()
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+    single = fp8onnx.study(path, data, data, provider="cpu")
+    spread = fp8onnx.study(path, data, data, provider="cpu", workers=2)
+    assert spread.to_json() == single.to_json()
+
+
 def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
-    from fp8onnx.distributed import WorkerPool
+    from fp8onnx.distributed import WorkerPool, close_all
     from fp8onnx.model_io import load_model
     from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
     from fp8onnx.passes._common import keep_only_outputs
@@ -58,7 +77,9 @@ def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32) * (i + 1)} for i in range(12)]
     local = make_session(blob, "cpu")
     expected = [summarize(dict(zip(outputs, local.run(outputs, f)))) for f in feeds]
-    with WorkerPool(blob, worker_session, workers=2, provider="cpu") as pool:
+    close_all()  # the shared pool of the other tests holds both CPUs of the local Ray
+    with WorkerPool(workers=2) as pool:
+        pool.load(blob, worker_session, "cpu", "the test model")
         victim = ray.get(pool.workers[0].pid.remote())
 
         def feeding():
@@ -67,7 +88,7 @@ def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
                     os.kill(victim, signal.SIGKILL)  # mid-run, with batches queued on it
                 yield feed
 
-        got = list(pool.map(outputs, feeding(), summarize))
+        got = list(pool.map(batch_summary, ((outputs, feed) for feed in feeding())))
         assert ray.get(pool.workers[0].pid.remote()) != victim  # it was restarted
     assert len(got) == len(feeds)
     for g, e in zip(got, expected):
