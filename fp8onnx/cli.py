@@ -675,6 +675,77 @@ def study(
 
 
 @main.command()
+@click.argument("source", type=click.Path())
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder for the results: cells/ (one JSON per model and configuration; a finished cell is not rerun), "
+    "zoo.json, zoo.csv.",
+)
+@click.option("--configs", help="Comma-separated configuration labels to run (default: all of them; see --list).")
+@click.option("--list", "list_configs", is_flag=True, help="Print the configuration labels and exit.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write the pass rates per configuration as a PNG.")
+@_batch_size_option
+@_workers_options
+@_provider_option
+@_run
+def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_address, provider):
+    """Formats and scaling methods across a zoo of models: the share of models that pass.
+
+    SOURCE is a folder (its *.onnx files and its subfolders holding model.onnx) or a text file listing
+    models, one per line. Each model brings its own data: NAME.calib.npz and NAME.eval.npz beside
+    NAME.onnx (or .txt/.jsonl, or folders), else calib.npz and eval.npz in its folder. With --workers
+    or --ray each model is a Ray task (rerun if its worker dies).
+
+    \b
+    Example:
+      fp8onnx zoo models/zoo/ -o zoo-results/ --workers 2 --plot zoo-results/pass_rates.png
+    """
+    from .zoo import find_models, write_outputs, write_plot, zoo_configs
+    from .zoo import zoo as run_zoo
+
+    every = zoo_configs()
+    if list_configs:
+        for label, group, _ in every:
+            click.echo(f"{label}  ({group})")
+        return
+    chosen = every
+    if configs:
+        wanted = [c.strip() for c in configs.split(",") if c.strip()]
+        known = {label for label, _, _ in every}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            raise Fp8OnnxError(f"Unknown zoo configuration {unknown[0]!r}; `fp8onnx zoo --list` shows them.")
+        chosen = [c for c in every if c[0] in wanted]
+    models = find_models(source)
+    reads = []
+    for m in models:
+        reads += model_reads(f"the zoo model {m.name!r}", m.model)
+        reads += [(f"the calibration data of {m.name!r}", m.calib), (f"the evaluation data of {m.name!r}", m.data)]
+    cells = pathlib.Path(out, "cells").resolve()
+    for label, path in reads:
+        if cells in pathlib.Path(path).resolve().parents:
+            raise Fp8OnnxError(f"{label.capitalize()} {str(path)!r} lies in the output's cells folder {str(cells)!r}.")
+    writes = [("the JSON output", pathlib.Path(out, "zoo.json")), ("the CSV output", pathlib.Path(out, "zoo.csv"))]
+    if not pathlib.Path(out).is_dir():
+        if not pathlib.Path(out).absolute().parent.is_dir():
+            raise Fp8OnnxError(f"The folder of the output {out!r} does not exist.")
+        pathlib.Path(out).mkdir()
+    check_paths(reads, writes + ([("the plot", plot)] if plot else []))
+    t0 = time.perf_counter()
+    result = run_zoo(
+        source, out, configs=chosen, run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address)
+    )
+    click.echo(result.table())
+    for path in write_outputs(result, out) + ([write_plot(result, plot)] if plot else []):
+        click.echo(f"wrote {path}")
+    click.echo(f"done in {time.perf_counter() - t0:.1f}s")
+
+
+@main.command()
 @click.argument("model", type=click.Path())
 @click.option("--calib", type=click.Path(), help="Calibration data for the scales (.npz, folder, or text).")
 @click.option(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .errors import Fp8OnnxError
 
-__all__ = ["RETRIES", "WorkerPool", "check_ray", "close_all", "shared_pool"]
+__all__ = ["RETRIES", "WorkerPool", "check_ray", "close_all", "remote_tasks", "shared_pool"]
 
 logger = logging.getLogger(__name__)
 RETRIES = 3  # restarts of a dead worker, and reruns of the batch it held
@@ -65,6 +65,45 @@ class _Worker:
         return os.getpid()
 
 
+def _init_ray(workers: int, address: str | None) -> bool:
+    """Connect to ``address``, or start a local Ray; True when this call started one."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
+    # Ray's own notices (e.g. on token authentication of the local cluster) are not the user's business
+    ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    return not address
+
+
+def _threads(workers: int, address: str | None) -> int:
+    """onnxruntime threads per worker: this machine's cores shared; on a cluster, one per actor
+    (each asks Ray for what it uses, so a cluster's cores are filled by more workers)."""
+    return 1 if address else max(1, (os.cpu_count() or 1) // workers)
+
+
+def remote_tasks(fn: Callable, calls: list[tuple], *, workers: int, address: str | None = None) -> Iterator[object]:
+    """``fn(*call)`` for every call as independent Ray tasks (at most ``workers`` at once on a local
+    Ray), results in call order. A task whose worker died is rerun (``RETRIES`` times); one that
+    still fails gives ``{"error": ...}`` instead of ending the others."""
+    check_ray(max(workers, 2), address)
+    import ray
+
+    started = _init_ray(workers, address)
+    try:
+        remote = ray.remote(num_cpus=_threads(workers, address), max_retries=RETRIES)(fn)
+        refs = [remote.remote(*call) for call in calls]
+        for ref in refs:
+            try:
+                yield ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                yield {"error": f"the Ray task failed: {_cause(exc)}"}
+    finally:
+        if started:
+            ray.shutdown()
+
+
 class WorkerPool:
     """``workers`` Ray actors; :meth:`load` gives each a session of one model, :meth:`map` runs a
     task per batch on them. Use as a context manager: the actors end with it, and a local Ray
@@ -75,17 +114,9 @@ class WorkerPool:
         import ray
 
         self._ray = ray
-        self._started = False
         self.local = not address
-        if not ray.is_initialized():
-            # Ray's C++ warnings (e.g. about restartable actors' arguments) are not the user's business
-            os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
-            kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
-            ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-            self._started = not address
-        if threads is None:  # share this machine's cores; on a cluster each actor asks for what it uses
-            threads = 1 if address else max(1, (os.cpu_count() or 1) // workers)
-        self.threads = threads
+        self._started = _init_ray(workers, address)
+        self.threads = _threads(workers, address) if threads is None else threads
         actor = ray.remote(num_cpus=threads, max_restarts=RETRIES, max_task_retries=RETRIES)(_Worker)
         self.workers = [actor.remote() for _ in range(workers)]
         self._keep = []  # object-store references the loaded models need while the actors live

@@ -11,7 +11,7 @@ import numpy as np
 from .errors import Fp8OnnxError
 from .model_io import write_bytes_atomic
 
-__all__ = ["constant_window", "save_png", "scale_exponents", "sensitivity_bars"]
+__all__ = ["constant_window", "pass_rates", "save_png", "scale_exponents", "sensitivity_bars"]
 
 
 def _pyplot():
@@ -91,3 +91,17 @@ def sensitivity_bars(names: list[str], sqnr_db: list[float], path: pathlib.Path)
     ax.set_xticklabels(names, rotation=90, fontsize=6)
     ax.set_ylabel("SQNR dB (lower = more sensitive)")
     return _finish(plt, fig, ax, "Per-node sensitivity to FP8, in graph order", path)
+
+
+def pass_rates(labels: list[str], ptq: list[float], llm: list[float], path: pathlib.Path) -> pathlib.Path:
+    """Per configuration, the share of models within 1% relative loss and within 99.5% of FP16."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.5 * len(labels) + 2), 4.2))
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, [100 * v for v in ptq], 0.4, label="within 1% relative loss (PTQ paper)")
+    ax.bar(x + 0.2, [100 * v for v in llm], 0.4, label=">= 99.5% of FP16 (FP8 LLM paper)")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("models passing (%)")
+    ax.set_ylim(0, 105)
+    return _finish(plt, fig, ax, "Share of the zoo's models that pass, per configuration", path)

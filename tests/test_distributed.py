@@ -22,7 +22,6 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     from fp8onnx.distributed import close_all
@@ -115,3 +114,31 @@ def test_without_ray_the_message_names_the_extra(tmp_path, monkeypatch):
     )
     assert result.exit_code == 2 and "fp8onnx[ray]" in result.output
     assert not (tmp_path / "s.json").exists()
+
+
+def crash_once(marker: str, value: int) -> int:
+    """Kills its worker process the first time (no marker yet), then computes."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    return value * 2
+
+
+def test_zoo_tasks_on_ray_give_the_same_cells_and_a_dead_task_is_rerun(tmp_path):
+    import sys
+
+    from test_zoo import CONFIGS, small_zoo
+
+    from fp8onnx.distributed import close_all, remote_tasks
+    from fp8onnx.zoo import zoo
+
+    close_all()  # the tasks need the CPUs the shared pool holds
+    folder = small_zoo(tmp_path / "zoo")
+    here = zoo(folder, tmp_path / "here", configs=CONFIGS, provider="cpu")
+    spread = zoo(folder, tmp_path / "ray", configs=CONFIGS, provider="cpu", workers=2)
+    assert spread.ran == 3 and spread.models == here.models
+    assert spread.configs == here.configs
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this file
+    marker = str(tmp_path / "crashed")
+    assert list(remote_tasks(crash_once, [(marker, 1), (marker, 2), (marker, 3)], workers=2)) == [2, 4, 6]
+    assert os.path.exists(marker)

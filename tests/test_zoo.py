@@ -1,0 +1,90 @@
+"""fp8onnx zoo: models found with their sidecar data, a grid of cells saved one by one and reused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from fp8onnx.cli import main
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.quantize import QuantizeConfig
+from fp8onnx.zoo import find_models, zoo, zoo_configs
+
+from helpers import SAMPLE, mlp_data, mlp_model
+
+CONFIGS = [c for c in zoo_configs() if c[0] in ("e4m3fn amax", "e5m2 amax", "e4m3fn weight-only")]
+
+
+def small_zoo(folder):
+    """Two MLPs with NAME.calib.npz / NAME.eval.npz beside them, and the sample decoder as an export
+    folder holding model.onnx, calib.npz and eval.npz."""
+    folder.mkdir()
+    for i in range(2):
+        mlp_model(folder / f"mlp{i}.onnx", seed=i)
+        mlp_data(folder / f"mlp{i}.calib.npz", seed=10 + i)
+        mlp_data(folder / f"mlp{i}.eval.npz", seed=20 + i)
+    dec = folder / "decoder"
+    dec.mkdir()
+    shutil.copy(SAMPLE / "decoder.onnx", dec / "model.onnx")
+    for name in ("calib.npz", "eval.npz"):
+        shutil.copy(SAMPLE / name, dec / name)
+    return folder
+
+
+def test_models_are_found_with_their_data(tmp_path):
+    folder = small_zoo(tmp_path / "zoo")
+    models = find_models(folder)
+    assert [m.name for m in models] == ["decoder", "mlp0", "mlp1"]
+    assert models[1].calib.endswith("mlp0.calib.npz") and models[0].data.endswith("decoder/eval.npz")
+    listing = tmp_path / "models.txt"
+    listing.write_text("# the zoo\nzoo/mlp1.onnx\n\nzoo/decoder\n")
+    assert [m.name for m in find_models(listing)] == ["mlp1", "decoder"]
+    (folder / "mlp1.eval.npz").unlink()
+    with pytest.raises(Fp8OnnxError, match=r"mlp1.onnx' has no eval data: expected mlp1.eval.npz"):
+        find_models(folder)
+    with pytest.raises(Fp8OnnxError, match="does not exist"):
+        find_models(tmp_path / "nowhere")
+
+
+def test_the_pass_rates_come_from_the_cells_and_a_rerun_computes_only_what_is_missing(tmp_path):
+    folder, out = small_zoo(tmp_path / "zoo"), tmp_path / "out"
+    first = zoo(folder, out, configs=CONFIGS, provider="cpu")
+    assert first.ran == 3 and [c["label"] for c in first.configs] == [c[0] for c in CONFIGS]
+    for summary in first.configs:
+        cells = [m["cells"][summary["label"]] for m in first.models]
+        assert summary["models"] == 3
+        assert summary["passes_ptq"] == sum(bool(c["passes_ptq"]) for c in cells)
+        assert summary["passes_llm"] == sum(c["ratio_to_fp16"] >= 0.995 for c in cells)
+    decoder = first.models[0]
+    assert decoder["metric"] == "task accuracy" and decoder["cells"]["e4m3fn amax"]["ratio_to_fp16"] > 0.99
+    # a cell lost (an interrupted run): only its model runs again, and the result is the same
+    (out / "cells" / "mlp1" / "e5m2_amax.cell.json").unlink()
+    again = zoo(folder, out, configs=CONFIGS, provider="cpu")
+    assert again.ran == 1 and again.models == first.models and again.configs == first.configs
+    assert zoo(folder, out, configs=CONFIGS, provider="cpu").ran == 0
+    # one more configuration later: every model runs for that one only
+    more = CONFIGS + [("e4m3fn pow2", "scaling", QuantizeConfig(scaling="pow2"))]
+    grown = zoo(folder, out, configs=more, provider="cpu")
+    assert grown.ran == 3 and all(
+        m["cells"]["e4m3fn amax"] == f["cells"]["e4m3fn amax"] for m, f in zip(grown.models, first.models)
+    )
+
+
+def test_cli_writes_json_csv_and_plot_and_refuses_bad_input(tmp_path):
+    folder, out = small_zoo(tmp_path / "zoo"), tmp_path / "out"
+    runner = CliRunner()
+    args = ["zoo", str(folder), "-o", str(out), "--configs", "e4m3fn amax,e5m2 amax", "--provider", "cpu"]
+    result = runner.invoke(main, [*args, "--plot", str(tmp_path / "rates.png")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "zoo.json").read_text())
+    assert [c["label"] for c in doc["configs"]] == ["e4m3fn amax", "e5m2 amax"]
+    assert (out / "zoo.csv").read_text().count("\n") == 1 + 3 * 2
+    assert (tmp_path / "rates.png").read_bytes()[:4] == b"\x89PNG"
+    bad = runner.invoke(main, ["zoo", str(folder), "-o", str(out), "--configs", "e9m9 amax"])
+    assert bad.exit_code == 2 and "Unknown zoo configuration 'e9m9 amax'" in bad.output
+    onto = runner.invoke(main, [*args, "--plot", str(folder / "mlp0.onnx")])
+    assert onto.exit_code == 2 and "mlp0.onnx" in onto.output
+    assert runner.invoke(main, ["zoo", "--list", str(folder), "-o", str(out)]).output.count("\n") == len(zoo_configs())
