@@ -166,13 +166,14 @@ def make_session(
     instrumented: bool = False,
     weights: dict[str, np.ndarray] | None = None,
     threads: int = 0,
+    disabled_optimizers: tuple[str, ...] = (),
 ) -> ort.InferenceSession:
     """An InferenceSession for serialized bytes or a path; failures name ``what``. ``optimize=False``
     turns graph optimizations off (a load check that must not fold weights, see ``save_model``);
     ``instrumented=True`` is for graphs that report statistics of their own tensors (see ``_options``);
     ``weights``: arrays for initializers the model declares as external data, handed to onnxruntime
     without a copy (the session keeps them alive); ``threads``: onnxruntime's intra-op threads (0: its
-    default)."""
+    default); ``disabled_optimizers``: onnxruntime graph transformers to leave out (by name)."""
     provider = resolve_provider(provider)
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
@@ -181,7 +182,9 @@ def make_session(
     if weights:
         options.add_external_initializers(list(weights), values)
     try:
-        session = ort.InferenceSession(src, options, providers=providers)
+        session = ort.InferenceSession(
+            src, options, providers=providers, disabled_optimizers=list(disabled_optimizers) or None
+        )
     except Exception as exc:
         raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from None
     if weights:
@@ -218,7 +221,13 @@ def _handed_over(value: ir.Value) -> bool:
 
 
 def session_for_model(
-    model: ir.Model, provider: str = "auto", what: str = "model", *, arena: bool = True, instrumented: bool = False
+    model: ir.Model,
+    provider: str = "auto",
+    what: str = "model",
+    *,
+    arena: bool = True,
+    instrumented: bool = False,
+    disabled_optimizers: tuple[str, ...] = (),
 ) -> ort.InferenceSession:
     """A session for an in-memory model. Its main graph's weights of ``HANDOVER_BYTES`` or more go to
     onnxruntime as arrays over the model's own memory (memory-mapped external data included): only
@@ -245,7 +254,13 @@ def session_for_model(
         for v, tensor in saved:
             v.const_value = tensor
     return make_session(
-        proto.SerializeToString(), provider, what, arena=arena, instrumented=instrumented, weights=weights
+        proto.SerializeToString(),
+        provider,
+        what,
+        arena=arena,
+        instrumented=instrumented,
+        weights=weights,
+        disabled_optimizers=disabled_optimizers,
     )
 
 

@@ -164,3 +164,18 @@ def test_kv_cache_decoders_calibrate_from_a_text_file_alone(name, tmp_path):
     assert past and all(data[k].shape[2] == 0 for k in past) and "labels" in data.files
     r = CliRunner().invoke(main, ["compare", str(folder), str(tmp_path / "q.onnx"), "--data", str(tmp_path / "d.npz")])
     assert r.exit_code == 0 and "ppl" in r.output, r.output
+
+
+@pytest.mark.wild
+def test_the_fp16_baseline_of_a_vit_loads_in_onnxruntime(tmp_path):
+    """onnxruntime 1.32's NchwcTransformer crashed the process (SIGSEGV) building the FP16 baseline's
+    session of the corpus ViT (a float16 Conv patch embedding); compare leaves that transformer out."""
+    import fp8onnx
+
+    if not available("torch-vit-o17"):
+        pytest.skip("needs torch (pip install -e .[wild])")
+    path, data = build("torch-vit-o17", tmp_path)
+    np.savez(tmp_path / "data.npz", **data)
+    result = fp8onnx.compare(path, [], tmp_path / "data.npz", provider="cpu")
+    fp16 = next(r for r in result.rows if r.name == "FP16")
+    assert fp16.outputs[next(iter(fp16.outputs))]["cosine_mean"] > 0.999
