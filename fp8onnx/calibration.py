@@ -34,9 +34,10 @@ from .runtime import (
     DEFAULT_BATCH,
     WEIGHT_MEMORY,
     RunOptions,
-    inline_proto,
     make_session,
+    portable_model,
     session_for_model,
+    session_from_portable,
     weight_bytes,
 )
 from .segments import run_segmented
@@ -215,8 +216,11 @@ def batch_summary(session, outputs: list[str], feed: dict) -> dict:
     return summarize(dict(zip(outputs, values)))
 
 
-def worker_session(model: bytes, provider: str, what: str, threads: int):
-    """The calibration session of a Ray worker (built there, from the serialized model)."""
+def worker_session(model, provider: str, what: str, threads: int):
+    """The calibration session of a Ray worker, built there from :func:`portable_model`'s output
+    (or from serialized bytes)."""
+    if isinstance(model, tuple):
+        return session_from_portable(model, provider, what, arena=False, instrumented=True, threads=threads)
     return make_session(model, provider, what, arena=False, instrumented=True, threads=threads)
 
 
@@ -287,8 +291,8 @@ def collect_amax(
             pool = shared_pool(run.workers, run.ray_address)
         with pool:
             with phase("Ray workers"):
-                blob = inline_proto(instrumented).SerializeToString()
-                pool.load(blob, worker_session, provider, "The calibration model")
+                portable = portable_model(instrumented, files=pool.local)  # weights by value to a cluster
+                pool.load(portable, worker_session, provider, "The calibration model")
             with phase("run the calibration batches"):
                 summaries = pool.map(batch_summary, ((outputs, b.feed) for b in batches))
                 for summary in progress_bar(summaries, total=total, desc="calibrating", unit="batch", enable=progress):

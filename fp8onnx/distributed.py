@@ -145,8 +145,8 @@ class WorkerPool:
         """Every worker builds ``make(model, *args, threads)`` (``model``: bytes, or a path that every
         worker can read). A worker that holds the same model (same bytes, or the same unchanged file)
         with the same arguments keeps its session."""
-        if isinstance(model, bytes):
-            key = hashlib.sha256(model).hexdigest()
+        if isinstance(model, (bytes, tuple)):  # serialized, or runtime.portable_model's (graph, weights)
+            key = _digest(model)
             model = self._ray.put(model)
             self._keep.append(model)
         else:
@@ -197,6 +197,22 @@ class WorkerPool:
                     done[index] = (ray.get(ref), large) if keep else ray.get(ref)
                 except ray.exceptions.RayError as exc:
                     raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {_cause(exc)}") from None
+
+
+def _digest(model) -> str:
+    """What identifies a model's content: its bytes, or a portable model's graph and weights (file
+    locations, or the arrays themselves)."""
+    h = hashlib.sha256()
+    if isinstance(model, bytes):
+        h.update(model)
+        return h.hexdigest()
+    graph, where = model
+    h.update(graph)
+    for name in sorted(where):
+        w = where[name]
+        h.update(name.encode())
+        h.update(repr(w).encode() if isinstance(w, tuple) else w.tobytes())
+    return h.hexdigest()
 
 
 def _cause(exc: Exception) -> str:

@@ -27,8 +27,10 @@ __all__ = [
     "inline_proto",
     "make_session",
     "median_latency_ms",
+    "portable_model",
     "resolve_provider",
     "session_for_model",
+    "session_from_portable",
     "weight_bytes",
 ]
 
@@ -262,6 +264,54 @@ def session_for_model(
         weights=weights,
         disabled_optimizers=disabled_optimizers,
     )
+
+
+def portable_model(model: ir.Model, *, files: bool = True) -> tuple[bytes, dict]:
+    """The model for another process: (the graph serialized without its large weights, where each
+    of them is). With ``files``, a weight in an external-data file travels as (file, offset,
+    length), to be memory-mapped where it is used (workers on this machine, or on a filesystem every
+    node shares); otherwise, and for a weight in memory, as its array. Either way a model of any
+    size goes (protobuf's 2 GB limit is the graph's alone). :func:`session_from_portable` builds
+    the session."""
+    handed = [v for v in model.graph.initializers.values() if _handed_over(v)]
+    where = {}
+    for v in handed:
+        t = v.const_value
+        if files and isinstance(t, ir.ExternalTensor):
+            where[v.name] = (t.path, t.offset or 0, t.nbytes, t.dtype.numpy(), tuple(t.shape.numpy()))
+        else:
+            where[v.name] = np.ascontiguousarray(t.numpy())
+    external = [
+        v
+        for graph in (model.graph, *model.graph.subgraphs())
+        for v in graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor) and v.name not in where
+    ]
+    saved = [(v, v.const_value) for v in (*handed, *external)]
+    try:
+        for v in handed:
+            t = v.const_value
+            v.const_value = ir.ExternalTensor(_IN_MEMORY, 0, t.nbytes, t.dtype, shape=t.shape, name=v.name)
+        for v in external:
+            v.const_value = ir.Tensor(v.const_value.numpy(), dtype=v.const_value.dtype, name=v.name)
+        graph = ir.to_proto(model).SerializeToString()
+    finally:
+        for v, tensor in saved:
+            v.const_value = tensor
+    return graph, where
+
+
+def session_from_portable(portable: tuple[bytes, dict], provider: str, what: str, **options) -> ort.InferenceSession:
+    """A session for :func:`portable_model`'s output (weights memory-mapped from their files)."""
+    graph, where = portable
+    weights = {}
+    for name, w in where.items():
+        if isinstance(w, tuple):
+            path, offset, _, dtype, shape = w
+            weights[name] = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        else:
+            weights[name] = w
+    return make_session(graph, provider, what, weights=weights, **options)
 
 
 def median_latency_ms(session: ort.InferenceSession, feed: dict, *, warmup: int = 3, runs: int = 20) -> float:

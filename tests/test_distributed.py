@@ -142,3 +142,21 @@ def test_zoo_tasks_on_ray_give_the_same_cells_and_a_dead_task_is_rerun(tmp_path)
     marker = str(tmp_path / "crashed")
     assert list(remote_tasks(crash_once, [(marker, 1), (marker, 2), (marker, 3)], workers=2)) == [2, 4, 6]
     assert os.path.exists(marker)
+
+
+def test_a_model_with_external_data_goes_to_workers_as_file_references(tmp_path):
+    """A Llama-style model whose weights live in a .data file: workers memory-map the weights from
+    it (only the graph is serialized), and the statistics are the single-process ones."""
+    from fp8onnx.model_io import load_model
+    from fp8onnx.models.build_llama import build, write_data
+    from fp8onnx.runtime import portable_model
+
+    path = build(tmp_path / "llama", layers=1, dim=64, heads=2, ffn=128, vocab=256)
+    write_data(tmp_path / "llama", 256, 16, 24, 8)
+    graph, where = portable_model(load_model(path))
+    assert where and all(isinstance(w, tuple) and w[0].endswith(".data") for w in where.values())
+    assert len(graph) < 100_000  # the weights stay in their file
+    calib = tmp_path / "llama" / "calib.npz"
+    fp8onnx.calibrate(path, calib, tmp_path / "one.json", provider="cpu", batch_size=4)
+    fp8onnx.calibrate(path, calib, tmp_path / "two.json", provider="cpu", batch_size=4, workers=2)
+    assert (tmp_path / "one.json").read_bytes() == (tmp_path / "two.json").read_bytes()
