@@ -40,7 +40,7 @@ from .runtime import (
     session_from_portable,
     weight_bytes,
 )
-from .segments import run_segmented
+from .segments import run_segmented, run_segmented_on
 
 __all__ = ["WEIGHT_MEMORY", "Stats", "auto_batch_size", "collect_amax", "weight_amax"]
 
@@ -272,15 +272,28 @@ def collect_amax(
             stats.batching = _samples(batch_size)
         total = source.count_batches(batch_size)
         batches = counted(source.batches(batch_size))
-        run_segmented(
-            instrumented,
-            outputs,
-            (b.feed for b in batches),
-            lambda _, values: running.add_summary(summarize(values)),
-            budget=weight_memory,
-            provider=provider,
-            progress=lambda it, n, desc: bar(it, total=n, desc=desc),
-        )
+        show = lambda it, n, desc: bar(it, total=n, desc=desc)  # noqa: E731
+        feeds = (b.feed for b in batches)
+        if run.distributed:  # each segment's batches shared by Ray workers
+            from .distributed import shared_pool
+
+            pool = shared_pool(run.workers, run.ray_address)
+            merge = lambda _, summary: running.add_summary(summary)  # noqa: E731
+            with pool:
+                run_segmented_on(
+                    pool,
+                    instrumented,
+                    outputs,
+                    feeds,
+                    summarize,
+                    merge,
+                    budget=weight_memory,
+                    provider=provider,
+                    progress=show,
+                )
+        else:
+            merge = lambda _, values: running.add_summary(summarize(values))  # noqa: E731
+            run_segmented(instrumented, outputs, feeds, merge, budget=weight_memory, provider=provider, progress=show)
     elif run.distributed:
         from .distributed import shared_pool
 

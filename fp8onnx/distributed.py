@@ -154,7 +154,10 @@ class WorkerPool:
             key = f"{os.path.abspath(model)}:{st.st_size}:{st.st_mtime_ns}"
         key = f"{key}:{make.__module__}.{make.__qualname__}{args!r}"
         self._model = (key, model, make, (*args, self.threads))
-        self._ray.get([w.load.remote(*self._model) for w in self.workers])
+        try:
+            self._ray.get([w.load.remote(*self._model) for w in self.workers])
+        except self._ray.exceptions.RayError as exc:  # e.g. the model does not load in onnxruntime
+            raise Fp8OnnxError(_cause(exc)) from None
 
     def map(self, task: Callable, items: Iterable[tuple], *, keep: bool = False) -> Iterator[object]:
         """``task(session, *item)`` for each item, results in item order; at most ``_IN_FLIGHT``

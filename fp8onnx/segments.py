@@ -267,3 +267,112 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
     del session, weights
     for v in seg.weights:
         release(v.const_value)
+
+
+class _SegmentSession:
+    """A Ray worker's session of one segment, with its large weights memory-mapped (or as arrays)."""
+
+    def __init__(self, portable, provider: str, what: str, threads: int):
+        from .runtime import session_from_portable
+
+        graph, where = portable
+        # the segment's large weights are graph inputs, fed at every run (as in this process)
+        self.weights = {
+            name: np.memmap(w[0], dtype=w[3], mode="r", offset=w[1], shape=w[4]) if isinstance(w, tuple) else w
+            for name, w in where.items()
+        }
+        self.session = session_from_portable((graph, {}), provider, what, instrumented=True, threads=threads)
+
+
+def segment_batch(sess: _SegmentSession, b: int, what: str, names, later, wanted, summarize, *produced):
+    """One batch of one segment on a Ray worker: its inputs from the dicts earlier segments (and the
+    feed) produced; returns (``summarize`` of the wanted values, the values later segments read)."""
+    feed = {k: v for d in produced for k, v in d.items() if k in sess.inputs}
+    feed.update(sess.weights)
+    try:
+        values = dict(zip(names, sess.session.run(names, feed)))
+    except Exception as exc:
+        raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
+    return summarize({k: v for k, v in values.items() if k in wanted}), {k: values[k] for k in later}
+
+
+def _segment_worker(portable, provider: str, what: str, threads: int) -> _SegmentSession:
+    sess = _SegmentSession(portable, provider, what, threads)
+    sess.inputs = {i.name for i in sess.session.get_inputs()}
+    return sess
+
+
+def run_segmented_on(
+    pool,
+    model: ir.Model,
+    wanted: Iterable[str],
+    feeds: Iterable[dict[str, np.ndarray]],
+    summarize: Callable[[dict[str, np.ndarray]], object],
+    on_summary: Callable[[int, object], None],
+    *,
+    budget: int,
+    provider: str = "cpu",
+    progress: Callable[[Iterable, int, str], Iterable] | None = None,
+) -> int:
+    """:func:`run_segmented` on a :class:`fp8onnx.distributed.WorkerPool`: each segment's batches are
+    shared by the workers (one session of that segment each, its weights memory-mapped from the
+    model's file on this machine, or sent by value to a cluster); the tensors that cross a cut stay in
+    Ray's object store instead of a temporary folder. ``summarize`` runs on the worker (the same
+    function the caller applies in one process), ``on_summary(batch, summary)`` here, in batch
+    order. Returns the number of batches."""
+    wanted = list(dict.fromkeys(wanted))
+    segments = split(model.graph, budget, wanted)
+    logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
+    graph_inputs = {v.name for v in model.graph.inputs}
+    produced: dict[tuple[str | int, int], object] = {}  # (producer, batch) -> object-store reference
+    source: dict[str, str | int] = {}  # tensor name -> its producer ("feed" or a segment index)
+    num_batches = 0
+    for feed in feeds:
+        produced[("feed", num_batches)] = pool.put({k: v for k, v in feed.items() if k in graph_inputs})
+        num_batches += 1
+    source.update({name: "feed" for name in graph_inputs})
+    last_read: dict[str | int, int] = {}
+    for i, seg in enumerate(segments):
+        for v in seg.inputs:
+            last_read[source.get(v.name, "feed")] = i
+        source.update({v.name: i for v in seg.outputs})
+    source = {name: "feed" for name in graph_inputs}
+    ray = pool._ray
+    for i, seg in enumerate(segments):
+        producers = sorted({source[v.name] for v in seg.inputs}, key=str)
+        source.update({v.name: i for v in seg.outputs})
+        if not seg.outputs or num_batches == 0:
+            continue
+        what = f"Calibration segment {i + 1}/{len(segments)} (from node {seg.nodes[0].name!r})"
+        first = {}
+        for p in producers:  # the first batch's inputs, for the segment's input types and ranks
+            first.update(ray.get(produced[(p, 0)]))
+        proto = _segment_proto(model, seg, first).SerializeToString()
+        del first
+        files = pool.local
+        where = {}
+        for v in seg.weights:
+            t = v.const_value
+            if files and isinstance(t, ir.ExternalTensor):
+                where[v.name] = (t.path, t.offset or 0, t.nbytes, t.dtype.numpy(), tuple(t.shape.numpy()))
+            else:
+                where[v.name] = np.ascontiguousarray(t.numpy())
+        pool.load((proto, where), _segment_worker, provider, what)
+        names = [v.name for v in seg.outputs]
+        later = sorted(seg.later)
+        items = (
+            (b, what, names, later, set(wanted), summarize, *[produced[(p, b)] for p in producers])
+            for b in range(num_batches)
+        )
+        results = pool.map(segment_batch, items, keep=True)
+        if progress is not None:
+            results = progress(results, num_batches, f"segment {i + 1}/{len(segments)}")
+        for b, (summary, kept) in enumerate(results):
+            on_summary(b, summary)
+            produced[(i, b)] = kept
+        for v in seg.weights:
+            release(v.const_value)
+        for p in [p for p, last in last_read.items() if last == i]:  # no later segment reads them
+            for b in range(num_batches):
+                produced.pop((p, b), None)
+    return num_batches

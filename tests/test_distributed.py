@@ -160,3 +160,23 @@ def test_a_model_with_external_data_goes_to_workers_as_file_references(tmp_path)
     fp8onnx.calibrate(path, calib, tmp_path / "one.json", provider="cpu", batch_size=4)
     fp8onnx.calibrate(path, calib, tmp_path / "two.json", provider="cpu", batch_size=4, workers=2)
     assert (tmp_path / "one.json").read_bytes() == (tmp_path / "two.json").read_bytes()
+    # layer by layer (a 64 KiB weight budget: one segment per few nodes): each segment's batches on the
+    # workers, the tensors crossing a cut in Ray's object store - still the same statistics
+    small = {"provider": "cpu", "batch_size": 4, "weight_memory": 64 << 10}
+    fp8onnx.calibrate(path, calib, tmp_path / "seg1.json", **small)
+    fp8onnx.calibrate(path, calib, tmp_path / "seg2.json", **small, workers=2)
+    assert (tmp_path / "seg1.json").read_bytes() == (tmp_path / "seg2.json").read_bytes()
+
+
+def test_a_model_that_does_not_load_on_the_workers_is_one_clear_sentence(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    good = mlp_model(tmp_path / "m.onnx")
+    data = mlp_data(tmp_path / "d.npz")
+    from fp8onnx.compare import _worker_session
+    from fp8onnx.distributed import shared_pool
+
+    with pytest.raises(Fp8OnnxError, match=r"Candidate model .*bad.onnx.* does not load in onnxruntime"):
+        shared_pool(2, None).load(str(bad), _worker_session, "cpu", f"Candidate model {str(bad)!r}", ())
+    result = fp8onnx.compare(good, [good], data, provider="cpu", workers=2)
+    assert result.rows[-1].value == result.rows[0].value
