@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .errors import Fp8OnnxError
 
-__all__ = ["RETRIES", "WorkerPool", "check_ray", "close_all", "remote_tasks", "shared_pool"]
+__all__ = ["RETRIES", "WorkerPool", "check_ray", "close_all", "map_outputs", "remote_tasks", "shared_pool"]
 
 logger = logging.getLogger(__name__)
 RETRIES = 3  # restarts of a dead worker, and reruns of the batch it held
@@ -248,3 +248,25 @@ def close_all() -> None:
     """End every shared pool (and a local Ray they started)."""
     while _SHARED:
         _SHARED.popitem()[1].close()
+
+
+def _fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what: str):
+    try:
+        values = session.run(outputs, feed)
+    except Exception as exc:
+        from .errors import first_line
+
+        raise Fp8OnnxError(f"{what} failed in onnxruntime: {first_line(exc)}") from None
+    return values if reduce is None else reduce(values)
+
+
+def map_outputs(run, model, outputs: list[str], feeds: Iterable[dict], what: str, reduce: Callable | None = None):
+    """``reduce(outputs of model on feed)`` (default: the outputs) for each feed, in feed order, on the
+    shared pool of ``run``'s workers; ``model`` is an instrumented ``ir.Model`` (a statistics graph:
+    priority-based order, no arena), sent as :func:`fp8onnx.runtime.portable_model`."""
+    from .calibration import worker_session
+    from .runtime import portable_model
+
+    pool = shared_pool(run.workers, run.ray_address)
+    pool.load(portable_model(model, files=pool.local), worker_session, run.provider, what)
+    return pool.map(_fetch, ((outputs, feed, reduce, what) for feed in feeds))

@@ -21,7 +21,7 @@ from .errors import Fp8OnnxError
 from .passes._common import initializer, insert_at_definition, keep_only_outputs
 from .progress import progress_bar
 from .runtime import RunOptions, session_for_model, weight_bytes
-from .segments import run_segmented
+from .segments import run_segmented, run_segmented_on
 
 __all__ = ["F32", "sum_in_graph"]
 
@@ -79,20 +79,29 @@ def sum_in_graph(
     source = as_data(data, input_specs(model), model)
     total = source.count_batches(run.batch)
     feeds = (b.feed for b in source.batches(run.batch))
-    if weight_bytes(model) > run.weight_memory:
-        bar = functools.partial(progress_bar, unit="batch", enable=run.progress)
-        run_segmented(
-            instrumented,
-            outputs,
-            feeds,
-            lambda _, got: accumulate(got),
-            budget=run.weight_memory,
-            provider=run.provider,
-            progress=lambda it, n, d: bar(it, total=n, desc=d),
-        )
+    bar = functools.partial(progress_bar, unit="batch", enable=run.progress)
+    show = lambda it, n, d: bar(it, total=n, desc=d)  # noqa: E731
+    segmented = weight_bytes(model) > run.weight_memory
+    if segmented and run.distributed:  # each segment's batches on Ray workers (fp8onnx.distributed)
+        from .distributed import shared_pool
+
+        with shared_pool(run.workers, run.ray_address) as pool:
+            budget = run.weight_memory
+            merge = lambda _, got: accumulate(got)  # noqa: E731
+            run_segmented_on(
+                pool, instrumented, outputs, feeds, dict, merge, budget=budget, provider=run.provider, progress=show
+            )
+    elif segmented:
+        budget, merge = run.weight_memory, lambda _, got: accumulate(got)
+        run_segmented(instrumented, outputs, feeds, merge, budget=budget, provider=run.provider, progress=show)
+    elif run.distributed:  # per-batch values summed here in batch order: the single-process sums
+        from .distributed import map_outputs
+
+        for values in bar(map_outputs(run, instrumented, outputs, feeds, f"The {desc} model"), total=total, desc=desc):
+            accumulate(dict(zip(outputs, values)))
     else:
         session = session_for_model(instrumented, run.provider, f"The {desc} model", instrumented=True)
-        for feed in progress_bar(feeds, total=total, desc=desc, unit="batch", enable=run.progress):
+        for feed in bar(feeds, total=total, desc=desc):
             accumulate(dict(zip(outputs, session.run(outputs, feed))))
     if len(sums) != len(outputs):
         raise Fp8OnnxError(f"No calibration batch to compute {desc} on.")

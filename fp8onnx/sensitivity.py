@@ -129,6 +129,11 @@ class SensitivityResult:
         return "\n".join(lines)
 
 
+def _floats(values) -> np.ndarray:
+    """One batch's error and energy sums, as float64 (module-level: Ray workers run it too)."""
+    return np.array([float(v) for v in values], np.float64)
+
+
 def sensitivity(
     model: str | os.PathLike,
     calib=None,
@@ -174,18 +179,26 @@ def sensitivity(
     sums = np.zeros(len(outputs), np.float64)
     samples = batches = 0
     total = feeds.count_batches(run.batch)
+
     # Nothing measurable (every node in a subgraph): no pass at all (run([]) would fetch every output).
-    session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True) if outputs else None
-    for batch in progress_bar(
-        feeds.batches(run.batch) if outputs else (),
-        total=total,
-        desc="sensitivity",
-        unit="batch",
-        enable=run.progress,
-    ):
-        sums += np.array([float(v) for v in session.run(outputs, batch.feed)], np.float64)
-        samples += batch.size
-        batches += 1
+    def counted():
+        nonlocal samples, batches
+        for batch in feeds.batches(run.batch):
+            samples += batch.size
+            batches += 1
+            yield batch.feed
+
+    if not outputs:
+        per_batch = iter(())
+    elif run.distributed:  # Ray workers (fp8onnx.distributed): per-batch sums, added here in batch order
+        from .distributed import map_outputs
+
+        per_batch = map_outputs(run, ir_model, outputs, counted(), "The sensitivity model", _floats)
+    else:
+        session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True)
+        per_batch = (_floats(session.run(outputs, feed)) for feed in counted())
+    for values in progress_bar(per_batch, total=total, desc="sensitivity", unit="batch", enable=run.progress):
+        sums += values
     by_name = {}
     for k, (d, _) in enumerate(measured):
         err, energy = sums[2 * k], sums[2 * k + 1]

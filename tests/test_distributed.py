@@ -180,3 +180,18 @@ def test_a_model_that_does_not_load_on_the_workers_is_one_clear_sentence(tmp_pat
         shared_pool(2, None).load(str(bad), _worker_session, "cpu", f"Candidate model {str(bad)!r}", ())
     result = fp8onnx.compare(good, [good], data, provider="cpu", workers=2)
     assert result.rows[-1].value == result.rows[0].value
+
+
+def test_gptq_bias_correction_and_sensitivity_on_workers_match_one_process(tmp_path):
+    """The in-graph statistics (GPTQ's X^T X, bias correction's means) and the sensitivity SQNR
+    sums, per batch on the workers and added here in batch order: the same model, the same ranking."""
+    model, calib = SAMPLE / "decoder.onnx", SAMPLE / "calib.npz"
+    opts = {"provider": "cpu", "weight_rounding": "gptq", "bias_correction": True}
+    fp8onnx.quantize(model, tmp_path / "one.onnx", calib, **opts)
+    fp8onnx.quantize(model, tmp_path / "two.onnx", calib, **opts, workers=2)
+    assert (tmp_path / "one.onnx").read_bytes() == (tmp_path / "two.onnx").read_bytes()
+    one = fp8onnx.sensitivity(model, calib, provider="cpu")
+    two = fp8onnx.sensitivity(model, calib, provider="cpu", workers=2)
+    assert (two.samples, two.batches) == (one.samples, one.batches) == (128, 8)
+    assert sum(r.sqnr_db is not None for r in one.nodes) == 29
+    assert [(r.name, r.sqnr_db, r.rank) for r in two.nodes] == [(r.name, r.sqnr_db, r.rank) for r in one.nodes]
