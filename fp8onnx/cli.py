@@ -772,6 +772,7 @@ def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_addre
 )
 @click.option("--top", type=click.IntRange(min=1), help="Show only the N most sensitive nodes.")
 @_batch_size_option
+@_workers_options
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every node's SQNR as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write sensitivity.png into this folder.")
@@ -791,6 +792,8 @@ def sensitivity(
     refine,
     top,
     batch_size,
+    workers,
+    ray_address,
     provider,
     json_out,
     plot_dir,
@@ -832,7 +835,7 @@ def sensitivity(
         stats=stats,
         eval_data=eval_data,
         refine=refine,
-        run=_run_options(batch_size, provider),
+        run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
     )
     click.echo(result.table(top))
     if json_out:
