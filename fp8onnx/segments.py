@@ -273,14 +273,10 @@ class _SegmentSession:
     """A Ray worker's session of one segment, with its large weights memory-mapped (or as arrays)."""
 
     def __init__(self, portable, provider: str, what: str, threads: int):
-        from .runtime import session_from_portable
+        from .runtime import open_weights, session_from_portable
 
         graph, where = portable
-        # the segment's large weights are graph inputs, fed at every run (as in this process)
-        self.weights = {
-            name: np.memmap(w[0], dtype=w[3], mode="r", offset=w[1], shape=w[4]) if isinstance(w, tuple) else w
-            for name, w in where.items()
-        }
+        self.weights = open_weights(where)  # the segment's large weights are inputs, fed at every run
         self.session = session_from_portable((graph, {}), provider, what, instrumented=True, threads=threads)
 
 
@@ -322,6 +318,8 @@ def run_segmented_on(
     order. Returns the number of batches."""
     wanted = list(dict.fromkeys(wanted))
     segments = split(model.graph, budget, wanted)
+    from .runtime import weight_location
+
     logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
     graph_inputs = {v.name for v in model.graph.inputs}
     produced: dict[tuple[str | int, int], object] = {}  # (producer, batch) -> object-store reference
@@ -349,14 +347,7 @@ def run_segmented_on(
             first.update(ray.get(produced[(p, 0)]))
         proto = _segment_proto(model, seg, first).SerializeToString()
         del first
-        files = pool.local
-        where = {}
-        for v in seg.weights:
-            t = v.const_value
-            if files and isinstance(t, ir.ExternalTensor):
-                where[v.name] = (t.path, t.offset or 0, t.nbytes, t.dtype.numpy(), tuple(t.shape.numpy()))
-            else:
-                where[v.name] = np.ascontiguousarray(t.numpy())
+        where = {v.name: weight_location(v.const_value, files=pool.local) for v in seg.weights}
         pool.load((proto, where), _segment_worker, provider, what)
         names = [v.name for v in seg.outputs]
         later = sorted(seg.later)
