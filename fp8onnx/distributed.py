@@ -73,7 +73,13 @@ def _init_ray(workers: int, address: str | None) -> bool:
         return False
     kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
     # Ray's own notices (e.g. on token authentication of the local cluster) are not the user's business
-    ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    try:
+        ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    except Exception as exc:  # no cluster there, or a local one that cannot start
+        from .errors import first_line
+
+        where = f"the Ray cluster at {address!r}" if address else "a local Ray"
+        raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}") from None
     return not address
 
 

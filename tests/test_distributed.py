@@ -195,3 +195,22 @@ def test_gptq_bias_correction_and_sensitivity_on_workers_match_one_process(tmp_p
     assert (two.samples, two.batches) == (one.samples, one.batches) == (128, 8)
     assert sum(r.sqnr_db is not None for r in one.nodes) == 29
     assert [(r.name, r.sqnr_db, r.rank) for r in two.nodes] == [(r.name, r.sqnr_db, r.rank) for r in one.nodes]
+
+
+def test_no_ray_cluster_at_the_address_is_one_sentence_with_exit_2(tmp_path):
+    """``--ray auto`` with no cluster running (this process's local Ray is shut down first)."""
+    from click.testing import CliRunner
+
+    from fp8onnx.distributed import close_all
+
+    close_all()
+    ray.shutdown()
+    try:
+        path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
+        args = ["calibrate", str(path), "--calib", str(data), "-o", str(tmp_path / "s.json"), "--ray", "auto"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert "Could not start or reach the Ray cluster at 'auto'" in result.output
+        assert not (tmp_path / "s.json").exists()
+    finally:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
