@@ -297,15 +297,21 @@ def collect_amax(
     elif run.distributed:
         from .distributed import shared_pool
 
-        batch_size, stats.batching = run.batch, _samples(run.batch)
-        total = source.count_batches(batch_size)
-        batches = counted(source.batches(batch_size))
         with phase("Ray workers"):
             pool = shared_pool(run.workers, run.ray_address)
         with pool:
             with phase("Ray workers"):
                 portable = portable_model(instrumented, files=pool.local)  # weights by value to a cluster
                 pool.load(portable, worker_session, provider, "The calibration model")
+            if run.batch_size is None and _batched_inputs(model):
+                with phase("size the batches"):  # one sample measured on a worker: the budget is a worker's
+                    batch_size, stats.batching = auto_batch_size(
+                        lambda feed: next(iter(pool.map(_run_peak, [(outputs, feed)]))), source, run.batch_memory
+                    )
+            else:
+                batch_size, stats.batching = run.batch, _samples(run.batch)
+            total = source.count_batches(batch_size)
+            batches = counted(source.batches(batch_size))
             with phase("run the calibration batches"):
                 summaries = pool.map(batch_summary, ((outputs, b.feed) for b in batches))
                 for summary in progress_bar(summaries, total=total, desc="calibrating", unit="batch", enable=progress):
