@@ -31,7 +31,14 @@ from .errors import Fp8OnnxError, first_line
 from .model_io import load_model, model_file
 from .passes import ConvertFloat16Pass
 from .progress import progress_bar
-from .runtime import RunOptions, inline_proto, make_session, resolve_provider, session_for_model
+from .runtime import (
+    RunOptions,
+    make_session,
+    portable_model,
+    resolve_provider,
+    session_for_model,
+    session_from_portable,
+)
 from .segments import Spill
 
 __all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "RowResult", "compare"]
@@ -395,8 +402,8 @@ def _evaluate_distributed(
 
     with shared_pool(run.workers, run.ray_address) as pool:
 
-        def ship(path):  # a path every local worker reads; the model itself to a cluster
-            return str(path) if pool.local else inline_proto(load_model(path)).SerializeToString()
+        def ship(path):  # a path every local worker reads; the model itself (any size) to a cluster
+            return str(path) if pool.local else portable_model(load_model(path), files=False)
 
         pool.load(ship(reference), _worker_session, provider, f"Reference model {str(reference)!r}", ())
         batches_in = []  # (batch, its feed's object-store reference)
@@ -453,8 +460,12 @@ def _evaluate_distributed(
 
 
 def _worker_session(model, provider: str, what: str, disabled: tuple[str, ...], threads: int):
-    src = model if isinstance(model, bytes) else pathlib.Path(model)
-    return make_session(src, provider, what, arena=False, threads=threads, disabled_optimizers=disabled)
+    """A worker's session of a model given as a path, or as :func:`fp8onnx.runtime.portable_model`'s
+    (graph, weights)."""
+    options = {"arena": False, "threads": threads, "disabled_optimizers": disabled}
+    if isinstance(model, tuple):
+        return session_from_portable(model, provider, what, **options)
+    return make_session(pathlib.Path(model), provider, what, **options)
 
 
 def _session(path, provider: str):
@@ -462,7 +473,8 @@ def _session(path, provider: str):
 
 
 def _fp16_session(ref_model, reference, provider: str, serialized: bool = False):
-    """The FP16 baseline's session, or with ``serialized`` the baseline itself as bytes (for workers)."""
+    """The FP16 baseline's session, or with ``serialized`` the baseline itself for workers
+    (:func:`fp8onnx.runtime.portable_model`)."""
     try:
         fp16_model = ConvertFloat16Pass()(ref_model.clone() if serialized else ref_model).model
     except Exception as exc:
@@ -470,7 +482,7 @@ def _fp16_session(ref_model, reference, provider: str, serialized: bool = False)
             f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: {first_line(exc)})."
         ) from None
     if serialized:
-        return inline_proto(fp16_model).SerializeToString()
+        return portable_model(fp16_model, files=False)
     what = f"The FP16 baseline of {str(reference)!r}"
     return session_for_model(fp16_model, provider, what, arena=False, disabled_optimizers=FP16_DISABLED)
 

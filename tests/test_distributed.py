@@ -218,3 +218,28 @@ def test_no_ray_cluster_at_the_address_is_one_sentence_with_exit_2(tmp_path):
         assert not (tmp_path / "s.json").exists()
     finally:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+def test_models_travel_by_value_where_workers_share_no_files(tmp_path):
+    """As on a cluster (the pool marked not local): models, the FP16 baseline and an external-data
+    model's weights go through the object store, not as paths; the numbers do not change."""
+    from fp8onnx.distributed import close_all, shared_pool
+    from fp8onnx.models.build_llama import build, write_data
+
+    close_all()
+    shared_pool(2, None).local = False
+    try:
+        model = SAMPLE / "decoder.onnx"
+        fp8onnx.quantize(model, tmp_path / "q.onnx", SAMPLE / "calib.npz", provider="cpu")
+        one = fp8onnx.compare(model, [tmp_path / "q.onnx"], SAMPLE / "eval.npz", provider="cpu")
+        two = fp8onnx.compare(model, [tmp_path / "q.onnx"], SAMPLE / "eval.npz", provider="cpu", workers=2)
+        assert two.to_json() == one.to_json()
+        path = build(tmp_path / "llama", layers=1, dim=64, heads=2, ffn=128, vocab=256)
+        write_data(tmp_path / "llama", 256, 16, 24, 8)
+        calib = tmp_path / "llama" / "calib.npz"
+        for extra in ({}, {"weight_memory": 64 << 10}):
+            a = fp8onnx.calibrate(path, calib, provider="cpu", batch_size=4, **extra)
+            b = fp8onnx.calibrate(path, calib, provider="cpu", batch_size=4, workers=2, **extra)
+            assert a.amax == b.amax and all(np.array_equal(a.hist[k].counts, b.hist[k].counts) for k in a.hist)
+    finally:
+        close_all()
