@@ -35,7 +35,6 @@ from .runtime import (
     WEIGHT_MEMORY,
     RunOptions,
     make_session,
-    portable_model,
     session_for_model,
     session_from_portable,
     weight_bytes,
@@ -207,15 +206,6 @@ def summarize(values: dict[str, np.ndarray]) -> dict:
     return summary
 
 
-def batch_summary(session, outputs: list[str], feed: dict) -> dict:
-    """One calibration batch on a Ray worker: run, then :func:`summarize`."""
-    try:
-        values = session.run(outputs, feed)
-    except Exception as exc:
-        raise Fp8OnnxError(f"Calibration failed in onnxruntime: {first_line(exc)}") from None
-    return summarize(dict(zip(outputs, values)))
-
-
 def worker_session(model, provider: str, what: str, threads: int):
     """The calibration session of a Ray worker, built there from :func:`portable_model`'s output
     (or from serialized bytes)."""
@@ -257,21 +247,22 @@ def collect_amax(
             stats.num_samples += batch.size
             yield batch
 
+    def batched(measure=None):
+        """(batch count or None, the counted batches): sized by ``measure`` on one sample when the
+        user chose no --batch-size and every input has a batch axis, else ``run.batch``."""
+        if measure is not None and run.batch_size is None and _batched_inputs(model):
+            with phase("size the batches"):
+                size, stats.batching = auto_batch_size(measure, source, run.batch_memory)
+        else:
+            size, stats.batching = run.batch, _samples(run.batch)
+        return source.count_batches(size), counted(source.batches(size))
+
     if weight_bytes(model) > weight_memory:
         bar = functools.partial(progress_bar, unit="batch", enable=progress)
-        if run.batch_size is None and histograms and _batched_inputs(model):
-            # Fetching every measured tensor dominates; one sample's segmented run tells how much.
-            with phase("size the batches"):
-                batch_size, stats.batching = auto_batch_size(
-                    lambda feed: _segmented_values(instrumented, outputs, feed, weight_memory, provider),
-                    source,
-                    run.batch_memory,
-                )
-        else:  # statistics are scalars: onnxruntime's activations of one segment are what the batch costs
-            batch_size = run.batch
-            stats.batching = _samples(batch_size)
-        total = source.count_batches(batch_size)
-        batches = counted(source.batches(batch_size))
+        # With histograms, fetching every measured tensor dominates: one sample's segmented run tells
+        # how much. Without, the statistics are scalars and one segment's activations are what a batch costs.
+        measure = lambda feed: _segmented_values(instrumented, outputs, feed, weight_memory, provider)  # noqa: E731
+        _, batches = batched(measure if histograms else None)
         show = lambda it, n, desc: bar(it, total=n, desc=desc)  # noqa: E731
         feeds = (b.feed for b in batches)
         if run.distributed:  # each segment's batches shared by Ray workers
@@ -295,25 +286,16 @@ def collect_amax(
             merge = lambda _, values: running.add_summary(summarize(values))  # noqa: E731
             run_segmented(instrumented, outputs, feeds, merge, budget=weight_memory, provider=provider, progress=show)
     elif run.distributed:
-        from .distributed import shared_pool
+        from .distributed import fetch, statistics_pool
 
         with phase("Ray workers"):
-            pool = shared_pool(run.workers, run.ray_address)
+            pool = statistics_pool(run, instrumented, "The calibration model")
         with pool:
-            with phase("Ray workers"):
-                portable = portable_model(instrumented, files=pool.local)  # weights by value to a cluster
-                pool.load(portable, worker_session, provider, "The calibration model")
-            if run.batch_size is None and _batched_inputs(model):
-                with phase("size the batches"):  # one sample measured on a worker: the budget is a worker's
-                    batch_size, stats.batching = auto_batch_size(
-                        lambda feed: next(iter(pool.map(_run_peak, [(outputs, feed)]))), source, run.batch_memory
-                    )
-            else:
-                batch_size, stats.batching = run.batch, _samples(run.batch)
-            total = source.count_batches(batch_size)
-            batches = counted(source.batches(batch_size))
+            # one sample measured on a worker: the budget is a worker's
+            total, batches = batched(lambda feed: next(iter(pool.map(_run_peak, [(outputs, feed)]))))
             with phase("run the calibration batches"):
-                summaries = pool.map(batch_summary, ((outputs, b.feed) for b in batches))
+                work = ((outputs, b.feed, summarize, "Calibration") for b in batches)
+                summaries = pool.map(fetch, work)
                 for summary in progress_bar(summaries, total=total, desc="calibrating", unit="batch", enable=progress):
                     running.add_summary(summary)
     else:
@@ -323,15 +305,7 @@ def collect_amax(
             session = session_for_model(
                 instrumented, provider, "The calibration model", arena=not histograms, instrumented=True
             )
-        if run.batch_size is None and _batched_inputs(model):
-            with phase("size the batches"):
-                batch_size, stats.batching = auto_batch_size(
-                    lambda feed: _run_peak(session, outputs, feed), source, run.batch_memory
-                )
-        else:
-            batch_size, stats.batching = run.batch, _samples(run.batch)
-        total = source.count_batches(batch_size)
-        batches = counted(source.batches(batch_size))
+        total, batches = batched(lambda feed: _run_peak(session, outputs, feed))
         with phase("run the calibration batches"):
             for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
                 try:

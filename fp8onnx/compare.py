@@ -317,16 +317,6 @@ _REFERENCE = "FP32 (reference)"
 FP16_DISABLED = ("NchwcTransformer",)
 
 
-def _reference_row(reference, score: _Score, labelled: int) -> RowResult:
-    return RowResult(
-        _REFERENCE,
-        str(reference),
-        _to_json(score.outputs),
-        _accuracy(score.correct, labelled),
-        _perplexity(score.nll, labelled),
-    )
-
-
 def _row(name, path, score: _Score, labelled: int) -> RowResult:
     return RowResult(
         name, path, _to_json(score.outputs), _accuracy(score.correct, labelled), _perplexity(score.nll, labelled)
@@ -369,7 +359,7 @@ def _evaluate_here(
         if batches == 0:
             raise Fp8OnnxError("The evaluation data gave no batches.")
         feed_names = list(batch.feed)
-        rows = [_reference_row(reference, ref_score, labelled)]
+        rows = [_row(_REFERENCE, str(reference), ref_score, labelled)]
         for name, (path, build) in models.items():
             try:
                 session = build()
@@ -431,7 +421,7 @@ def _evaluate_distributed(
         if not refs:
             raise Fp8OnnxError("The evaluation data gave no batches.")
         labelled = sum(b.labels.size for b, _ in batches_in) if label_out is not None else 0
-        rows = [_reference_row(reference, ref_score, labelled)]
+        rows = [_row(_REFERENCE, str(reference), ref_score, labelled)]
         for name, (path, build) in models.items():
             try:
                 if path is None:  # the FP16 baseline, built here

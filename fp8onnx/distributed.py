@@ -24,7 +24,17 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .errors import Fp8OnnxError
 
-__all__ = ["RETRIES", "WorkerPool", "check_ray", "close_all", "map_outputs", "remote_tasks", "shared_pool"]
+__all__ = [
+    "RETRIES",
+    "WorkerPool",
+    "check_ray",
+    "close_all",
+    "fetch",
+    "map_outputs",
+    "remote_tasks",
+    "shared_pool",
+    "statistics_pool",
+]
 
 logger = logging.getLogger(__name__)
 RETRIES = 3  # restarts of a dead worker, and reruns of the batch it held
@@ -256,23 +266,31 @@ def close_all() -> None:
         _SHARED.popitem()[1].close()
 
 
-def _fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what: str):
+def fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what: str):
+    """One batch on a worker: ``outputs`` of the session on ``feed``, as ``{name: array}`` reduced by
+    ``reduce`` (a module-level function: it travels by reference), or the list of arrays."""
     try:
         values = session.run(outputs, feed)
     except Exception as exc:
         from .errors import first_line
 
         raise Fp8OnnxError(f"{what} failed in onnxruntime: {first_line(exc)}") from None
-    return values if reduce is None else reduce(values)
+    return values if reduce is None else reduce(dict(zip(outputs, values)))
 
 
-def map_outputs(run, model, outputs: list[str], feeds: Iterable[dict], what: str, reduce: Callable | None = None):
-    """``reduce(outputs of model on feed)`` (default: the outputs) for each feed, in feed order, on the
-    shared pool of ``run``'s workers; ``model`` is an instrumented ``ir.Model`` (a statistics graph:
-    priority-based order, no arena), sent as :func:`fp8onnx.runtime.portable_model`."""
+def statistics_pool(run, model, what: str) -> WorkerPool:
+    """The shared pool of ``run``'s workers, each holding a session of ``model``: an instrumented
+    ``ir.Model`` (a statistics graph: priority-based order, no arena), sent as
+    :func:`fp8onnx.runtime.portable_model`."""
     from .calibration import worker_session
     from .runtime import portable_model
 
     pool = shared_pool(run.workers, run.ray_address)
     pool.load(portable_model(model, files=pool.local), worker_session, run.provider, what)
-    return pool.map(_fetch, ((outputs, feed, reduce, what) for feed in feeds))
+    return pool
+
+
+def map_outputs(run, model, outputs: list[str], feeds: Iterable[dict], what: str, reduce: Callable | None = None):
+    """:func:`fetch` for each feed, in feed order, on :func:`statistics_pool`'s workers."""
+    pool = statistics_pool(run, model, what)
+    return pool.map(fetch, ((outputs, feed, reduce, what) for feed in feeds))

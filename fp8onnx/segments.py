@@ -278,6 +278,7 @@ class _SegmentSession:
         graph, where = portable
         self.weights = open_weights(where)  # the segment's large weights are inputs, fed at every run
         self.session = session_from_portable((graph, {}), provider, what, instrumented=True, threads=threads)
+        self.inputs = {i.name for i in self.session.get_inputs()}
 
 
 def segment_batch(sess: _SegmentSession, b: int, what: str, names, later, wanted, summarize, *produced):
@@ -290,12 +291,6 @@ def segment_batch(sess: _SegmentSession, b: int, what: str, names, later, wanted
     except Exception as exc:
         raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
     return summarize({k: v for k, v in values.items() if k in wanted}), {k: values[k] for k in later}
-
-
-def _segment_worker(portable, provider: str, what: str, threads: int) -> _SegmentSession:
-    sess = _SegmentSession(portable, provider, what, threads)
-    sess.inputs = {i.name for i in sess.session.get_inputs()}
-    return sess
 
 
 def run_segmented_on(
@@ -348,7 +343,7 @@ def run_segmented_on(
         proto = _segment_proto(model, seg, first).SerializeToString()
         del first
         where = {v.name: weight_location(v.const_value, files=pool.local) for v in seg.weights}
-        pool.load((proto, where), _segment_worker, provider, what)
+        pool.load((proto, where), _SegmentSession, provider, what)
         names = [v.name for v in seg.outputs]
         later = sorted(seg.later)
         items = (

@@ -129,9 +129,9 @@ class SensitivityResult:
         return "\n".join(lines)
 
 
-def _floats(values) -> np.ndarray:
-    """One batch's error and energy sums, as float64 (module-level: Ray workers run it too)."""
-    return np.array([float(v) for v in values], np.float64)
+def _floats(values: dict) -> np.ndarray:
+    """One batch's error and energy sums, in output order, as float64 (Ray workers run it too)."""
+    return np.array([float(v) for v in values.values()], np.float64)
 
 
 def sensitivity(
@@ -196,7 +196,7 @@ def sensitivity(
         per_batch = map_outputs(run, ir_model, outputs, counted(), "The sensitivity model", _floats)
     else:
         session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True)
-        per_batch = (_floats(session.run(outputs, feed)) for feed in counted())
+        per_batch = (_floats(dict(zip(outputs, session.run(outputs, feed)))) for feed in counted())
     for values in progress_bar(per_batch, total=total, desc="sensitivity", unit="batch", enable=run.progress):
         sums += values
     by_name = {}

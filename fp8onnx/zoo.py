@@ -32,7 +32,6 @@ import re
 import tempfile
 
 from .errors import Fp8OnnxError
-from .formats import Fp8Format
 from .model_io import write_text_atomic
 from .quantize import QuantizeConfig
 from .runtime import RunOptions
@@ -48,17 +47,9 @@ def zoo_configs() -> list[tuple[str, str, QuantizeConfig]]:
     """(label, group, config): the PTQ paper's formats, the scaling methods, static against dynamic
     activations, weight-only, and the presets."""
     from .config import PRESETS
+    from .study import study_configs
 
-    configs = [
-        (f"{f.value} amax", "format", QuantizeConfig(format=f))
-        for f in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4)
-    ]
-    configs += [(f"e4m3fn {s}", "scaling", QuantizeConfig(scaling=s)) for s in ("pow2", "percentile", "mse")]
-    configs += [
-        ("e4m3fn dynamic", "activations", QuantizeConfig(activations="dynamic")),
-        ("e4m3fn per-token", "activations", QuantizeConfig(activations="dynamic-per-token")),
-        ("e4m3fn weight-only", "activations", QuantizeConfig(activations="none")),
-    ]
+    configs = [c for c in study_configs([]) if c[1] in ("format", "scaling", "activations")]
     configs += [(f"preset {name}", "preset", QuantizeConfig.for_preset(name)) for name in PRESETS]
     return configs
 
@@ -272,15 +263,26 @@ def _model_dir(out: pathlib.Path, name: str) -> pathlib.Path:
 def _load_done(out: pathlib.Path, model: ZooModel) -> tuple[dict | None, dict[str, dict]]:
     """(the model's saved summary or None, its saved cells by label)."""
     folder = _model_dir(out, model.name)
-    head, cells = None, {}
-    if (folder / "model.json").is_file():
-        head = json.loads((folder / "model.json").read_text(encoding="utf-8"))
-        if head.get("model") != model.model:  # another model under the same name: start it again
-            return None, {}
-        for path in folder.glob("*.cell.json"):
-            cell = json.loads(path.read_text(encoding="utf-8"))
+    head, cells = _read(folder / "model.json"), {}
+    if head is None or head.get("model") != model.model:  # none yet, or another model of that name
+        return None, {}
+    for path in folder.glob("*.cell.json"):
+        cell = _read(path)
+        if cell is not None and isinstance(cell.get("label"), str):
             cells[cell["label"]] = cell
     return head, cells
+
+
+def _read(path: pathlib.Path) -> dict | None:
+    """A saved JSON document, or None when it is missing or unreadable (that cell is computed again)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("zoo: %s is unreadable (%s); computing it again", path, exc)
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _save(out: pathlib.Path, model: ZooModel, result: dict) -> None:

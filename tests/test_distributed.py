@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fp8onnx
-from fp8onnx.calibration import batch_summary, summarize, worker_session
+from fp8onnx.calibration import summarize, worker_session
 from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
 
@@ -65,7 +65,7 @@ def test_compare_and_study_on_two_workers_give_the_single_process_numbers(tmp_pa
 
 
 def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
-    from fp8onnx.distributed import WorkerPool, close_all
+    from fp8onnx.distributed import WorkerPool, close_all, fetch
     from fp8onnx.model_io import load_model
     from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
     from fp8onnx.passes._common import keep_only_outputs
@@ -91,7 +91,7 @@ def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
                     os.kill(victim, signal.SIGKILL)  # mid-run, with batches queued on it
                 yield feed
 
-        got = list(pool.map(batch_summary, ((outputs, feed) for feed in feeding())))
+        got = list(pool.map(fetch, ((outputs, feed, summarize, "the test model") for feed in feeding())))
         assert ray.get(pool.workers[0].pid.remote()) != victim  # it was restarted
     assert len(got) == len(feeds)
     for g, e in zip(got, expected):

@@ -65,6 +65,10 @@ def test_the_pass_rates_come_from_the_cells_and_a_rerun_computes_only_what_is_mi
     again = zoo(folder, out, configs=CONFIGS, provider="cpu")
     assert again.ran == 1 and again.models == first.models and again.configs == first.configs
     assert zoo(folder, out, configs=CONFIGS, provider="cpu").ran == 0
+    # a cell file edited into nonsense is computed again, not trusted and not a crash
+    (out / "cells" / "mlp0" / "e4m3fn_amax.cell.json").write_text("{not json")
+    mended = zoo(folder, out, configs=CONFIGS, provider="cpu")
+    assert mended.ran == 1 and mended.models == first.models
     # one more configuration later: every model runs for that one only
     more = CONFIGS + [("e4m3fn pow2", "scaling", QuantizeConfig(scaling="pow2"))]
     grown = zoo(folder, out, configs=more, provider="cpu")
