@@ -38,9 +38,10 @@ from .config import (
     WEIGHT_ROUNDINGS,
     QuantizeConfig,
 )
+from .data import TextSource, is_text
 from .errors import Fp8OnnxError, printable
 from .formats import Fp8Format
-from .guard import check_paths, model_reads, model_writes
+from .guard import check_paths, model_reads, model_writes, output_folder
 from .model_io import write_text_atomic
 from .phases import process_age
 from .phases import table as phases_table
@@ -280,6 +281,39 @@ def _run_options(
     )
 
 
+def _text_options(*names: str):
+    """--tokenizer / --seq-len for a command's data options ``names``: each of them that names a text
+    file (.txt, .jsonl) reaches the library as a :class:`~fp8onnx.data.TextSource` with these settings."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, tokenizer=None, seq_len=None, **kwargs):
+            if tokenizer is not None or seq_len is not None:
+                texts = [n for n in names if kwargs.get(n) is not None and is_text(kwargs[n])]
+                if not texts:
+                    raise Fp8OnnxError(
+                        "--tokenizer and --seq-len apply to text data (.txt, .jsonl); this command was given none."
+                    )
+                if tokenizer is not None and not pathlib.Path(tokenizer).exists():
+                    raise Fp8OnnxError(f"Tokenizer file {tokenizer!r} does not exist (a Hugging Face tokenizer.json).")
+                for name in texts:
+                    kwargs[name] = TextSource(kwargs[name], tokenizer, seq_len)
+            return fn(*args, **kwargs)
+
+        wrapper = click.option(
+            "--seq-len",
+            type=click.IntRange(min=1),
+            help="Tokens per sample for text data [default: 128].",
+        )(wrapper)
+        return click.option(
+            "--tokenizer",
+            type=click.Path(),
+            help="The tokenizer.json for text data [default: the one beside the model, or the text].",
+        )(wrapper)
+
+    return decorate
+
+
 def _csv(ctx, param, value):
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else DEFAULT_OP_TYPES
 
@@ -422,6 +456,7 @@ _per_channel_option = click.option(
     "float in order of measured gain (N+1 more evaluations).",
 )
 @_run
+@_text_options("calib", "eval_data", "check_data")
 def quantize(
     model,
     output,
@@ -562,6 +597,7 @@ def quantize(
 @_provider_option
 @_precision_option
 @_run
+@_text_options("calib")
 def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_address, weight_memory, provider, precision):
     """Record activation statistics of MODEL once, for later `quantize --stats`.
 
@@ -599,6 +635,7 @@ def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_addre
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @_run
+@_text_options("data")
 def compare(reference, candidates, data, no_fp16, batch_size, workers, ray_address, provider, json_out):
     """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline.
 
@@ -639,6 +676,7 @@ def compare(reference, candidates, data, no_fp16, batch_size, workers, ray_addre
     help="Also smoothing, GPTQ, bias correction, their combinations and the presets (a pass over --calib each).",
 )
 @_run
+@_text_options("calib", "data")
 def study(
     model, calib, data, max_samples, batch_size, workers, ray_address, provider, json_out, csv_out, plot_dir, techniques
 ):
@@ -651,8 +689,8 @@ def study(
     """
     from .study import PLOT_FILES, write_outputs, write_plots
 
-    if plot_dir and not pathlib.Path(plot_dir).is_dir():
-        raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
+    if plot_dir:
+        output_folder(plot_dir, "Plot folder")
     plots = [(f"the plot {name}", pathlib.Path(plot_dir) / name) for name in PLOT_FILES] if plot_dir else []
     check_paths(
         model_reads("the input model", model) + [("the calibration data", calib), ("the evaluation data", data)],
@@ -730,10 +768,7 @@ def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_addre
         if cells in pathlib.Path(path).resolve().parents:
             raise Fp8OnnxError(f"{label.capitalize()} {str(path)!r} lies in the output's cells folder {str(cells)!r}.")
     writes = [("the JSON output", pathlib.Path(out, "zoo.json")), ("the CSV output", pathlib.Path(out, "zoo.csv"))]
-    if not pathlib.Path(out).is_dir():
-        if not pathlib.Path(out).absolute().parent.is_dir():
-            raise Fp8OnnxError(f"The folder of the output {out!r} does not exist.")
-        pathlib.Path(out).mkdir()
+    output_folder(out)
     check_paths(reads, writes + ([("the plot", plot)] if plot else []))
     t0 = time.perf_counter()
     result = run_zoo(
@@ -777,6 +812,7 @@ def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_addre
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every node's SQNR as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write sensitivity.png into this folder.")
 @_run
+@_text_options("calib", "data", "eval_data")
 def sensitivity(
     model,
     calib,
@@ -810,8 +846,8 @@ def sensitivity(
     from .sensitivity import sensitivity as run_sensitivity
     from .sensitivity import write_json
 
-    if plot_dir and not pathlib.Path(plot_dir).is_dir():
-        raise Fp8OnnxError(f"Plot folder {plot_dir!r} does not exist.")
+    if plot_dir:
+        output_folder(plot_dir, "Plot folder")
     plot = pathlib.Path(plot_dir) / "sensitivity.png" if plot_dir else None
     check_paths(
         model_reads("the input model", model)
@@ -865,6 +901,7 @@ def inspect(model, as_json, plot_dir):
       fp8onnx inspect model.fp8.onnx --plot plots/
     """
     if plot_dir:
+        output_folder(plot_dir, "Plot folder")
         check_paths(
             model_reads("the input model", model), [("the plot", pathlib.Path(plot_dir) / "scale_exponents.png")]
         )

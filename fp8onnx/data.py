@@ -227,9 +227,15 @@ class NpzData:
                     feed = {k: np.asarray(v[start]) for k, v in arrays.items()}  # 0-d arrays, not scalars
                     lab = labels[start] if labels is not None else None
                 else:  # concatenate whole feeds along their (dynamic) batch axis
-                    feed = {k: v[sl].reshape((-1,) + v.shape[2:]) for k, v in arrays.items()}
-                    lab = None if labels is None else labels[sl].reshape((-1,) + labels.shape[2:])
+                    feed = {k: _joined(v[sl]) for k, v in arrays.items()}
+                    lab = None if labels is None else _joined(labels[sl])
                 yield Batch(feed, lab)
+
+
+def _joined(feeds: np.ndarray) -> np.ndarray:
+    """Feeds (F, B, ...) as one batch (F*B, ...). The size is explicit: a 0-length axis (a prefill's
+    empty KV cache) leaves nothing for ``reshape(-1, ...)`` to infer from."""
+    return feeds.reshape((feeds.shape[0] * feeds.shape[1],) + feeds.shape[2:])
 
 
 def _read_header(fh) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -330,15 +336,41 @@ def _check_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: str)
     return out
 
 
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def is_text(path: str | os.PathLike) -> bool:
+    return pathlib.Path(path).suffix.lower() in TEXT_SUFFIXES
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSource(os.PathLike):
+    """A text file with how to tokenize it (``--tokenizer``, ``--seq-len``). It is path-like, so it
+    goes wherever a data path goes (path checks, reports); :func:`as_data` reads its options.
+    ``tokenizer`` None: the ``tokenizer.json`` beside the model or the text; ``seq_len`` None: 128."""
+
+    path: str | os.PathLike
+    tokenizer: str | os.PathLike | None = None
+    seq_len: int | None = None
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return os.fspath(self.path)
+
+
 def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
     """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``. A
-    ``.txt``/``.jsonl`` path is tokenized for ``model`` (see :class:`fp8onnx.sources.TextData`)."""
+    ``.txt``/``.jsonl`` path (or a :class:`TextSource`) is tokenized for ``model`` (see
+    :class:`fp8onnx.sources.TextData`)."""
     if isinstance(data, (str, os.PathLike)):
         path = pathlib.Path(data)
-        if path.suffix.lower() in (".txt", ".jsonl"):
+        if isinstance(data, TextSource) or is_text(path):
             from .sources import TextData
 
-            return TextData(data, specs, model)
+            text = data if isinstance(data, TextSource) else TextSource(data)
+            return TextData(text.path, specs, model, tokenizer=text.tokenizer, seq_len=text.seq_len)
         if path.suffix.lower() not in (".npz", ".npy") and not (path.is_dir() and any(path.glob("*.npz"))):
             from .media import kind_of
             from .sources import MediaData

@@ -155,6 +155,24 @@ def _inside(path: pathlib.Path, folder: pathlib.Path) -> bool:
     return path.suffix == ".npz" and folder.resolve() in path.resolve().parents
 
 
+def output_folder(path: str | os.PathLike, label: str = "Output folder") -> pathlib.Path:
+    """``path`` as a folder for outputs: created when it does not exist yet and its parent does (as
+    ``mkdir``, not ``mkdir -p``: a mistyped parent is reported, not built)."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise Fp8OnnxError(f"{label} {str(path)!r} is a file; give a folder.")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise Fp8OnnxError(f"{label} {str(path)!r} cannot be made: its parent {str(parent)!r} does not exist.")
+    try:
+        path.mkdir()
+    except OSError as exc:
+        raise Fp8OnnxError(f"{label} {str(path)!r} cannot be made: {exc.strerror}.") from None
+    return path
+
+
 def check_output_path(out: str | os.PathLike, label: str = "Output path") -> pathlib.Path:
     """Refuse an output path whose folder is missing or not writable, or that is a folder."""
     out = pathlib.Path(out)

@@ -323,6 +323,20 @@ def _save_external(
     return out
 
 
+def new_file_mode() -> int:
+    """The permissions an ordinary new file gets here: 0666 less the process's umask."""
+    try:  # Linux states the umask without changing it (os.umask can only be read by setting it)
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[[], object] | None = None) -> None:
     """Write to a temporary file in the target folder, fsync, rename: all or nothing. ``check`` runs
     in another thread meanwhile; the file is renamed into place only when it returned, and its
@@ -340,6 +354,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[
         except OSError as exc:
             raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from None
         try:
+            os.fchmod(fd, new_file_mode())  # mkstemp's 0600 would hide the output from other accounts
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()

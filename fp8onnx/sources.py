@@ -45,7 +45,7 @@ import numpy as np
 import onnx_ir as ir
 
 from . import media
-from .data import LABELS, Batch, InputSpec, input_specs
+from .data import LABELS, TEXT_SUFFIXES, Batch, InputSpec, input_specs
 from .errors import Fp8OnnxError, printable
 from .media import AudioOptions, ImageOptions
 
@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-TEXT_SUFFIXES = (".txt", ".jsonl")
 _PROBE = 1 << 20  # bytes read to tell a blank-line-separated corpus from one document per line
 _CHUNK = 256  # documents tokenized per call (tokenizers encodes a batch in parallel)
 _PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECASE)
@@ -598,13 +597,27 @@ class TextData:
     """A text file as a data source (``as_data``): samples made as ``fp8onnx data`` makes them, with
     its defaults (128 tokens; windows for a language model, padded sentences otherwise), batched."""
 
-    def __init__(self, path: str | os.PathLike, specs: list[InputSpec], model: ir.Model | None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: list[InputSpec],
+        model: ir.Model | None,
+        *,
+        tokenizer: str | os.PathLike | None = None,
+        seq_len: int | None = None,
+    ):
         self.path = pathlib.Path(path)
         self.specs = specs
         self.model = model
         pad = model is not None and not is_language_model(model, specs)
-        self.options = TextOptions(find_tokenizer(path, model), pad=pad)
+        if tokenizer is None:
+            tokenizer = find_tokenizer(path, model)
+        elif not self.path.is_file():
+            raise Fp8OnnxError(f"Text file {str(path)!r} does not exist.")
+        self.options = TextOptions(tokenizer, pad=pad, **({} if seq_len is None else {"seq_len": seq_len}))
         self.tokenizer = load_tokenizer(self.options.tokenizer)
+        if model is not None:
+            check_tokenizer(model, self.tokenizer, self.options.tokenizer)
         logger.info(
             "text data %s: %s of %d tokens, tokenizer %s",
             self.path,

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import fp8onnx
 from fp8onnx.cli import main
 
 from helpers import mlp_data, mlp_model
@@ -184,3 +185,14 @@ def test_lossless_integer_data_is_cast_with_a_note(tmp_path):
     r = run("quantize", path, "--calib", tmp_path / "d.npz", "-o", tmp_path / "q.onnx")
     assert r.exit_code == 0, r.output
     assert "cast int64 to float32 (every value is exact)" in r.output, r.output
+
+
+def test_a_plot_folder_is_made_when_its_parent_exists(tmp_path):
+    model = tmp_path / "q.onnx"
+    fp8onnx.quantize(mlp_model(tmp_path / "m.onnx"), model, mlp_data(tmp_path / "d.npz"), provider="cpu")
+    r = CliRunner().invoke(main, ["inspect", str(model), "--plot", str(tmp_path / "plots")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "plots" / "scale_exponents.png").is_file()
+    r = CliRunner().invoke(main, ["inspect", str(model), "--plot", str(tmp_path / "no" / "plots")])
+    assert r.exit_code == 2 and "its parent" in r.output and "does not exist" in r.output, r.output
+    assert not (tmp_path / "no").exists()

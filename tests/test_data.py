@@ -34,6 +34,16 @@ def test_feed_layout_concatenates_along_dynamic_batch(tmp_path):
     assert batches[0].feed["x"].dtype == np.float32
 
 
+def test_feed_layout_with_an_empty_kv_axis_concatenates(tmp_path):
+    """A prefill's feeds: every past KV cache has a 0-length sequence axis (what onnxruntime-genai's
+    decoders take); they are ordinary data and batch like the rest."""
+    specs = SPECS + [InputSpec("past", np.dtype(np.float32), (None, 3, None, 64))]
+    np.savez(tmp_path / "d.npz", x=np.ones((5, 1, 16), np.float32), past=np.zeros((5, 1, 3, 0, 64), np.float32))
+    batches = list(NpzData(tmp_path / "d.npz", specs).batches(2))
+    assert [b.feed["past"].shape for b in batches] == [(2, 3, 0, 64)] * 2 + [(1, 3, 0, 64)]
+    assert [b.feed["x"].shape for b in batches] == [(2, 16)] * 2 + [(1, 16)]
+
+
 def test_feed_layout_runs_one_by_one_with_fixed_batch(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.ones((3, 1, 16), np.float32))
     data = NpzData(tmp_path / "d.npz", FIXED)

@@ -178,3 +178,24 @@ def test_sizes_count_every_external_data_file_of_an_export_folder(tmp_path):
     expected = (folder / "model.onnx").stat().st_size + (folder / "model.onnx_data").stat().st_size
     written = sum(f.stat().st_size for f in (tmp_path / "q.onnx", tmp_path / "q.onnx.data"))  # external in, out
     assert report.input_bytes == expected and report.output_bytes == written
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_outputs_get_the_permissions_of_any_new_file(tmp_path, monkeypatch, external):
+    """A model written through a temporary file keeps umask permissions, not mkstemp's 0600: a
+    service account that runs the model must be able to read it."""
+    import fp8onnx.model_io as model_io
+
+    if external:
+        monkeypatch.setattr(model_io, "EXTERNAL_DATA_THRESHOLD", 0)
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "q.onnx"
+        fp8onnx.quantize(mlp_model(tmp_path / "m.onnx"), out, mlp_data(tmp_path / "d.npz"), provider="cpu")
+        os.umask(0o027)
+        fp8onnx.convert_fp16(tmp_path / "m.onnx", tmp_path / "h.onnx")
+    finally:
+        os.umask(old)
+    written = [out, tmp_path / "q.onnx.data"] if external else [out]
+    assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(0o644)}
+    assert oct((tmp_path / "h.onnx").stat().st_mode & 0o777) == oct(0o640)

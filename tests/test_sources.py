@@ -330,3 +330,32 @@ def test_a_missing_text_file_given_to_calib_is_named(tmp_path):
         main, ["quantize", str(model), "--calib", str(tmp_path / "none.txt"), "-o", str(tmp_path / "q.onnx")]
     )
     assert r.exit_code == 2 and "none.txt' does not exist" in r.output, r.output
+
+
+def test_tokenizer_and_seq_len_on_every_command_that_takes_data(tmp_path, tokenizer_file, corpus):
+    """--tokenizer / --seq-len: text given straight to a command is the same data `fp8onnx data` makes
+    with those settings (no tokenizer beside the model or the text here)."""
+    model = _model(tmp_path / "lm.onnx")
+    text = tmp_path / "texts" / "corpus.txt"
+    text.parent.mkdir()
+    text.write_bytes(corpus.read_bytes())
+    tok = ("--tokenizer", tokenizer_file, "--seq-len", 24)
+    assert _cli(model, text, *tok, "-o", tmp_path / "c.npz").exit_code == 0
+    with np.load(tmp_path / "c.npz") as npz:
+        assert npz["input_ids"].shape[1] == 24
+    r = _run("quantize", model, "--calib", text, *tok, "-o", tmp_path / "q.onnx")
+    assert r.exit_code == 0, r.output
+    assert _run("quantize", model, "--calib", tmp_path / "c.npz", "-o", tmp_path / "q2.onnx").exit_code == 0
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "q2.onnx").read_bytes()
+    r = _run("calibrate", model, "--calib", text, *tok, "-o", tmp_path / "s.json")
+    assert r.exit_code == 0 and json.loads((tmp_path / "s.json").read_text())["num_samples"] > 0, r.output
+    r = _run("compare", model, tmp_path / "q.onnx", "--data", text, *tok, "--json", tmp_path / "cmp.json")
+    assert r.exit_code == 0, r.output
+    r = _run("sensitivity", model, "--calib", text, *tok, "--top", 1)
+    assert r.exit_code == 0, r.output
+    without = _run("quantize", model, "--calib", text, "-o", tmp_path / "q3.onnx")
+    assert without.exit_code == 2 and "needs a tokenizer.json" in without.output
+    r = _run("quantize", model, "--calib", tmp_path / "c.npz", "--seq-len", 8, "-o", tmp_path / "q4.onnx")
+    assert r.exit_code == 2 and "apply to text data" in r.output, r.output
+    r = _run("quantize", model, "--calib", text, "--tokenizer", tmp_path / "no.json", "-o", tmp_path / "q4.onnx")
+    assert r.exit_code == 2 and "no.json' does not exist" in r.output, r.output

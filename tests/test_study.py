@@ -98,9 +98,9 @@ def test_study_cli_writes_json_and_csv(tmp_path):
     rows = list(csv.DictReader(io.StringIO((tmp_path / "s.csv").read_text())))
     assert [row["label"] for row in rows] == [row["label"] for row in doc["rows"]]
     r = CliRunner().invoke(
-        main, ["study", str(path), "--calib", str(data), "--data", str(data), "--plot", str(tmp_path / "missing")]
+        main, ["study", str(path), "--calib", str(data), "--data", str(data), "--plot", str(tmp_path / "missing" / "plots")]
     )
-    assert r.exit_code == 2 and "Plot folder" in r.output
+    assert r.exit_code == 2 and "Plot folder" in r.output and "its parent" in r.output  # a missing folder is made
 
 
 def test_byte_identical_configurations_are_evaluated_once(tmp_path, monkeypatch):
