@@ -331,7 +331,13 @@ _per_channel_option = click.option(
 
 @main.command()
 @click.argument("model", type=click.Path())
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the FP8 model.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(),
+    help="Where to write the FP8 model; for an export folder MODEL, a folder (unless it ends in .onnx).",
+)
 @click.option(
     "--calib", type=click.Path(), help="Calibration data: an .npz file, a folder of them, or a .txt/.jsonl text file."
 )
@@ -498,9 +504,14 @@ def quantize(
 ):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
 
+    MODEL is an .onnx file or an export folder. A folder (onnxruntime-genai, Optimum decoder or
+    encoder-decoder) with -o FOLDER gives a folder that the same runtime loads: every model in it
+    quantized, calibrated by running the export on the prompts of --calib, every other file copied.
+
     \b
     Examples:
       fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
+      fp8onnx quantize export_dir/ --calib corpus.txt -o export_fp8/   # a runnable folder
       fp8onnx quantize model.onnx --stats stats.json --scaling pow2 --margin 1 -o model.fp8.onnx
       fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx
       fp8onnx quantize model.onnx --scaling constant --scale 0.05 -o model.cscale.onnx
@@ -517,10 +528,13 @@ def quantize(
         raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
     if (max_float_nodes is not None or refine) and accuracy_target is None:
         raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
+    folder_mode = pathlib.Path(model).is_dir() and not str(output).endswith(".onnx")
+    if folder_mode and report and pathlib.Path(output).resolve() in pathlib.Path(report).resolve().parents:
+        raise Fp8OnnxError(f"The report {report!r} lies inside the output folder {output!r}; write it elsewhere.")
     # The library guards what it reads itself; --check's data is read only here.
     check_paths(
         [("the evaluation data", check_data), ("the evaluation data", eval_data)],
-        model_writes("the output model", output) + [("the report", report)],
+        ([] if folder_mode else model_writes("the output model", output)) + [("the report", report)],
     )
     options = dict(
         format=fmt,
@@ -553,6 +567,19 @@ def quantize(
     t0 = time.perf_counter()
     startup = process_age()
     run = _run_options(batch_size, provider, weight_memory, batch_memory, workers, ray_address)
+    if folder_mode:
+        from .exports import quantize_folder
+
+        if accuracy_target is not None or stats or check_data:
+            raise Fp8OnnxError(
+                "--accuracy-target, --stats and --check take one model: give MODEL/model.onnx, or -o OUT.onnx."
+            )
+        result = quantize_folder(model, output, calib, config=config, run=run)
+        click.echo(result.summary())
+        if report:
+            write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")
+        click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
+        return
     if accuracy_target is not None:
         from .fallback import quantize_to_target
 

@@ -323,18 +323,28 @@ def _save_external(
     return out
 
 
-def new_file_mode() -> int:
-    """The permissions an ordinary new file gets here: 0666 less the process's umask."""
-    try:  # Linux states the umask without changing it (os.umask can only be read by setting it)
+def umask() -> int:
+    """The process's umask, read without changing it where the OS allows (Linux states it)."""
+    try:
         with open("/proc/self/status") as fh:
             for line in fh:
                 if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
+                    return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
-    mask = os.umask(0o022)
+    mask = os.umask(0o022)  # elsewhere it can only be read by setting it
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def new_file_mode() -> int:
+    """The permissions an ordinary new file gets here: 0666 less the umask."""
+    return 0o666 & ~umask()
+
+
+def new_folder_mode() -> int:
+    """The permissions an ordinary new folder gets here: 0777 less the umask."""
+    return 0o777 & ~umask()
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[[], object] | None = None) -> None:

@@ -97,9 +97,8 @@ def test_study_cli_writes_json_and_csv(tmp_path):
     doc = json.loads((tmp_path / "s.json").read_text())
     rows = list(csv.DictReader(io.StringIO((tmp_path / "s.csv").read_text())))
     assert [row["label"] for row in rows] == [row["label"] for row in doc["rows"]]
-    r = CliRunner().invoke(
-        main, ["study", str(path), "--calib", str(data), "--data", str(data), "--plot", str(tmp_path / "missing" / "plots")]
-    )
+    plots = str(tmp_path / "missing" / "plots")
+    r = CliRunner().invoke(main, ["study", str(path), "--calib", str(data), "--data", str(data), "--plot", plots])
     assert r.exit_code == 2 and "Plot folder" in r.output and "its parent" in r.output  # a missing folder is made
 
 

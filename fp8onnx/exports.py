@@ -1,0 +1,347 @@
+"""Export folders in, runnable FP8 folders out.
+
+``quantize_folder(EXPORT_DIR, OUT_DIR, calib)`` writes a folder that the runtime which loaded the
+original loads unchanged: every ONNX model of the export quantized (external data beside it), every
+other file copied (configs, tokenizer, chat template, generation config), so the file names that
+``genai_config.json`` or Optimum's configs reference stay valid.
+
+The layouts it knows (:func:`describe_export`):
+
+- onnxruntime-genai: ``genai_config.json`` names the decoder (with a KV cache);
+- Optimum causal LM: ``model.onnx`` (with or without past), or ``decoder_model.onnx`` +
+  ``decoder_with_past_model.onnx`` and/or ``decoder_model_merged.onnx``;
+- Optimum encoder-decoder (T5, BART, Marian, ...): ``encoder_model.onnx`` and those decoders;
+- any folder with one model (a classifier, an encoder): quantized with the data as given.
+
+For the generative layouts, the calibration data of every model comes from running the export as
+it runs in deployment (:class:`fp8onnx.generation.Generator`, FP32, greedy): the token ids of the
+given data are the prompts; a model with a KV cache sees its prefill and ``decode_steps`` decode
+steps on the caches its own prefill wrote; the decoder of an encoder-decoder sees the encoder's
+real outputs (teacher-forced on the prompt, then decoding).
+
+The folder is built beside OUT_DIR under a temporary name and renamed into place when every model
+has been written: a failure leaves nothing half-written. OUT_DIR may be new, empty, or a folder this
+function wrote before (it has ``fp8onnx.json``), never the export folder or a folder inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+
+from . import __version__
+from .data import InputSpec, TextSource, as_data, is_text
+from .errors import Fp8OnnxError
+from .generation import Generator, start_token
+from .guard import external_locations
+from .model_io import new_folder_mode, write_text_atomic
+from .runtime import RunOptions, make_session
+
+__all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
+
+logger = logging.getLogger(__name__)
+MANIFEST = "fp8onnx.json"
+DECODE_STEPS = 8
+_OPTIMUM = {
+    "encoder": "encoder_model.onnx",
+    "decoder": "decoder_model.onnx",
+    "decoder_with_past": "decoder_with_past_model.onnx",
+    "decoder_merged": "decoder_model_merged.onnx",
+}
+
+
+@dataclasses.dataclass
+class Export:
+    folder: pathlib.Path
+    layout: str  # "onnxruntime-genai", "optimum decoder", "optimum encoder-decoder", "one model"
+    models: list[pathlib.Path]  # every ONNX model, each quantized
+    roles: dict[str, pathlib.Path]  # generation role -> model (empty for "one model")
+
+    def plans(self) -> list[dict[str, pathlib.Path]]:
+        """Role sets to generate with, together covering every model: split decoders and a merged
+        one are each run by a pass of their own."""
+        if not self.roles:
+            return []
+        encoder = {k: v for k, v in self.roles.items() if k == "encoder"}
+        split = {k: v for k, v in self.roles.items() if k in ("decoder", "decoder_with_past")}
+        merged = {k: v for k, v in self.roles.items() if k == "decoder_merged"}
+        return [{**encoder, **part} for part in (split, merged) if part]
+
+
+def _models(folder: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix == ".onnx" and p.is_file())
+
+
+def describe_export(folder: str | os.PathLike) -> Export:
+    """Which models an export folder holds and the role each plays in generation."""
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise Fp8OnnxError(f"Export folder {str(folder)!r} does not exist or is not a folder.")
+    models = _models(folder)
+    if not models:
+        raise Fp8OnnxError(f"Export folder {str(folder)!r} has no .onnx model.")
+    genai = folder / "genai_config.json"
+    if genai.is_file():
+        try:
+            cfg = json.loads(genai.read_text(encoding="utf-8"))["model"]
+            decoder = folder / cfg["decoder"]["filename"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise Fp8OnnxError(f"{str(genai)!r} does not name its decoder (model.decoder.filename): {exc}.") from None
+        others = [m.name for m in models if m != decoder]
+        if not decoder.is_file():
+            raise Fp8OnnxError(f"{str(genai)!r} names the decoder {decoder.name!r}, which is not in the folder.")
+        if others:
+            raise Fp8OnnxError(
+                f"onnxruntime-genai folder {str(folder)!r} has models beyond its decoder ({', '.join(others)}); "
+                "only a decoder-only export is supported as a folder: quantize those models one by one."
+            )
+        return Export(folder, "onnxruntime-genai", models, {"decoder": decoder})
+    named = {role: folder / name for role, name in _OPTIMUM.items() if (folder / name).is_file()}
+    if named:
+        if "encoder" in named and len(named) == 1:
+            raise Fp8OnnxError(f"Export folder {str(folder)!r} has an encoder_model.onnx but no decoder model.")
+        if "decoder_with_past" in named and "decoder" not in named:
+            raise Fp8OnnxError(
+                f"Export folder {str(folder)!r} has decoder_with_past_model.onnx without decoder_model.onnx for "
+                "the prefill."
+            )
+        others = [m.name for m in models if m not in named.values()]
+        if others:
+            raise Fp8OnnxError(
+                f"Export folder {str(folder)!r} has models in no role fp8onnx knows ({', '.join(others)}) beside "
+                "Optimum's encoder/decoder models; quantize them one by one."
+            )
+        layout = "optimum encoder-decoder" if "encoder" in named else "optimum decoder"
+        return Export(folder, layout, models, named)
+    if len(models) > 1:
+        raise Fp8OnnxError(
+            f"Export folder {str(folder)!r} has {len(models)} models ({', '.join(m.name for m in models)}) in no "
+            "layout fp8onnx knows (onnxruntime-genai, Optimum decoder or encoder-decoder); quantize them one by one."
+        )
+    (model,) = models
+    session = make_session(model, "cpu", f"Model {str(model)!r}", optimize=False)
+    names = {i.name for i in session.get_inputs()}
+    outputs = {o.name for o in session.get_outputs()}
+    if "input_ids" in names and "logits" in outputs:
+        return Export(folder, "optimum decoder", models, {"decoder": model})
+    return Export(folder, "one model", models, {})
+
+
+def _check_output(export: Export, out: pathlib.Path) -> None:
+    src, dst = export.folder.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise Fp8OnnxError(f"Output folder {str(out)!r} is the export folder or inside it; choose another folder.")
+    if dst in src.parents:
+        raise Fp8OnnxError(
+            f"Output folder {str(out)!r} holds the export folder {str(export.folder)!r}; choose another folder."
+        )
+    if out.exists():
+        if not out.is_dir():
+            raise Fp8OnnxError(f"Output {str(out)!r} is a file; an export folder in gives a folder out.")
+        if any(out.iterdir()) and not (out / MANIFEST).is_file():
+            raise Fp8OnnxError(
+                f"Output folder {str(out)!r} is not empty and was not written by fp8onnx; choose a new or empty folder."
+            )
+    elif not out.absolute().parent.is_dir():
+        raise Fp8OnnxError(f"Output folder {str(out)!r} cannot be made: its parent does not exist.")
+
+
+def _prompts(export: Export, calib, run: RunOptions):
+    """Batches of token ids [batch, seq] from ``calib`` (text, .npz with input_ids, feed dicts)."""
+    ids = InputSpec("input_ids", np.dtype(np.int64), (None, None))
+    if isinstance(calib, (str, os.PathLike)) and (isinstance(calib, TextSource) or is_text(calib)):
+        text = calib if isinstance(calib, TextSource) else TextSource(calib)
+        tokenizer = text.tokenizer
+        if tokenizer is None:
+            tokenizer = export.folder / "tokenizer.json"
+            if not tokenizer.is_file():
+                raise Fp8OnnxError(
+                    f"Export folder {str(export.folder)!r} has no tokenizer.json for the text {str(calib)!r}: "
+                    "pass --tokenizer."
+                )
+        calib = TextSource(text.path, tokenizer, text.seq_len)
+    # Windows of text (no model given: unpadded windows, as generation's prompts are)
+    source = as_data(calib, [ids, InputSpec("attention_mask", np.dtype(np.int64), (None, None))], None)
+    for batch in source.batches(run.batch):
+        prompt = np.asarray(batch.feed["input_ids"], np.int64)
+        mask = batch.feed.get("attention_mask")
+        if mask is not None and not np.all(mask):
+            keep = int(np.asarray(mask).sum(axis=1).min())  # padded sentences: their common unpadded start
+            prompt = prompt[:, :keep]
+        if prompt.shape[1]:
+            yield prompt
+
+
+class _Recorder:
+    """Feeds seen by each role, one feed-layout .npz per run (a folder of them is a data source)."""
+
+    def __init__(self, root: pathlib.Path, roles):
+        self.dirs = {role: root / role for role in roles}
+        for path in self.dirs.values():
+            path.mkdir(parents=True, exist_ok=True)
+        self.counts = dict.fromkeys(self.dirs, 0)
+
+    def __call__(self, role: str, feed: dict) -> None:
+        if role not in self.dirs:
+            return
+        np.savez(self.dirs[role] / f"{self.counts[role]:06d}.npz", **{k: np.asarray(v)[None] for k, v in feed.items()})
+        self.counts[role] += 1
+
+
+def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Path, decode_steps: int) -> dict:
+    """role-in-plan -> folder of feeds, for every model of the export."""
+    from .sources import cache_sizes
+
+    plans = export.plans()
+    data: dict[pathlib.Path, pathlib.Path] = {}
+    sizes = cache_sizes(export.folder)
+    start = start_token(export.folder)
+    generators = []
+    for i, plan in enumerate(plans):
+        todo = {role: path for role, path in plan.items() if path not in data}
+        recorder = _Recorder(root / f"plan{i}", todo)
+        for role, path in todo.items():
+            data[path] = recorder.dirs[role]
+        sessions = {
+            role: make_session(path, run.provider, f"The {role} model {path.name!r}") for role, path in plan.items()
+        }
+        generators.append(
+            Generator(sessions, start_token=start, cache_sizes=sizes, record=recorder, where=str(export.folder))
+        )
+    prompts = 0
+    for prompt in _prompts(export, calib, run):
+        for generator in generators:
+            teacher = prompt[:, :-1] if generator.encoder_decoder else None
+            generator.greedy(prompt, decode_steps, teacher=teacher)
+        prompts += prompt.shape[0]
+    if prompts == 0:
+        raise Fp8OnnxError(f"The calibration data {str(calib)!r} gave no token ids to run the export on.")
+    logger.info("ran %s on %d prompts (%d decode steps each) for calibration", export.folder, prompts, decode_steps)
+    return data
+
+
+def _copy_other_files(export: Export, out: pathlib.Path) -> list[str]:
+    """Everything but the models and their external data, with its relative path."""
+    skip = {m.resolve() for m in export.models}
+    for model in export.models:
+        skip |= {(model.parent / loc).resolve() for loc in external_locations(model)}
+    copied = []
+    for path in sorted(export.folder.rglob("*")):
+        if path.resolve() in skip or not path.is_file():
+            continue
+        rel = path.relative_to(export.folder)
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, out / rel)
+        copied.append(str(rel))
+    return copied
+
+
+@dataclasses.dataclass
+class FolderReport:
+    source: str
+    output: str
+    layout: str
+    reports: dict  # model file name -> QuantizeReport
+    copied: list[str]
+    prompts_from: str | None
+    decode_steps: int
+
+    def to_json(self) -> dict:
+        return {
+            "version": __version__,
+            "source": self.source,
+            "output": self.output,
+            "layout": self.layout,
+            "calibration": {"data": self.prompts_from, "decode_steps": self.decode_steps},
+            "models": {name: r.to_json() for name, r in self.reports.items()},
+            "copied": self.copied,
+        }
+
+    def summary(self) -> str:
+        lines = [f"{self.source} ({self.layout}) -> {self.output}: {len(self.reports)} models quantized"]
+        for name, report in self.reports.items():
+            lines.append(f"[{name}]")
+            lines += ["  " + line for line in report.summary().splitlines()]
+        lines.append(
+            f"  copied {len(self.copied)} other files: {', '.join(self.copied[:8])}"
+            + (", ..." if len(self.copied) > 8 else "")
+        )
+        return "\n".join(lines)
+
+
+def quantize_folder(
+    export_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    calib=None,
+    *,
+    config=None,
+    run: RunOptions | None = None,
+    decode_steps: int = DECODE_STEPS,
+    **options,
+) -> FolderReport:
+    """Quantize every model of the export folder ``export_dir`` into ``out_dir`` (see the module
+    docstring). ``calib``: text (a .txt/.jsonl path or :class:`~fp8onnx.data.TextSource`; the
+    folder's tokenizer.json by default), an .npz with ``input_ids``, or feed dicts; for a one-model
+    folder anything ``quantize`` takes. ``config``/``options`` and ``run`` as for
+    :func:`fp8onnx.quantize`."""
+    from .config import QuantizeConfig
+    from .quantize import quantize
+
+    run_kw, options = RunOptions.split(options)
+    run = RunOptions.of(run, **run_kw)
+    config = config or QuantizeConfig(**options)
+    export = describe_export(export_dir)
+    out = pathlib.Path(out_dir)
+    _check_output(export, out)
+    parent = out.absolute().parent
+    build = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-feeds-"))
+    try:
+        os.chmod(build, new_folder_mode())  # mkdtemp's 0700 would hide the output from other accounts
+        data = (
+            _calibration_feeds(export, calib, run, scratch, decode_steps) if export.roles and calib is not None else {}
+        )
+        reports = {}
+        for model in export.models:
+            logger.info("quantizing %s", model.name)
+            reports[model.name] = quantize(model, build / model.name, data.get(model, calib), config=config, run=run)
+            reports[model.name].output = str(out / model.name)
+        copied = _copy_other_files(export, build)
+        result = FolderReport(
+            str(export.folder),
+            str(out),
+            export.layout,
+            reports,
+            copied,
+            None if calib is None else str(calib),
+            decode_steps,
+        )
+        write_text_atomic(build / MANIFEST, json.dumps(result.to_json(), indent=1) + "\n")
+        _swap_into_place(build, out)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+def _swap_into_place(build: pathlib.Path, out: pathlib.Path) -> None:
+    """Rename the finished folder to ``out``; a previous fp8onnx output there is replaced."""
+    if not out.exists():
+        os.replace(build, out)
+        return
+    old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.absolute().parent))
+    os.replace(out, old / "previous")
+    try:
+        os.replace(build, out)
+    except OSError:
+        os.replace(old / "previous", out)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,101 @@
+"""Folder in, folder out (fp8onnx.exports) without the exporters: a one-model folder, the output's
+guards, atomic replacement. The exporters' folders and their runtimes are in tests/wild/test_deploy.py."""
+
+import json
+import os
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from fp8onnx.cli import main
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.exports import MANIFEST, describe_export, quantize_folder
+
+from helpers import mlp_data, mlp_model
+
+
+@pytest.fixture()
+def export(tmp_path):
+    folder = tmp_path / "export"
+    (folder / "assets").mkdir(parents=True)
+    onnx.save(
+        onnx.load(mlp_model(tmp_path / "m.onnx")),
+        folder / "model.onnx",
+        save_as_external_data=True,
+        location="model.onnx_data",
+        size_threshold=0,
+    )
+    (folder / "config.json").write_text('{"model_type": "mlp"}')
+    (folder / "assets" / "labels.txt").write_text("a\nb\n")
+    return folder
+
+
+def test_a_one_model_folder_gives_a_folder_with_every_other_file(tmp_path, export):
+    old = os.umask(0o022)
+    try:
+        r = CliRunner().invoke(
+            main,
+            [
+                "quantize",
+                str(export),
+                "--calib",
+                str(mlp_data(tmp_path / "d.npz")),
+                "-o",
+                str(tmp_path / "out"),
+                "--provider",
+                "cpu",
+            ],
+        )
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
+        [
+            MANIFEST,
+            "assets/labels.txt",
+            "config.json",
+            "model.onnx",
+            "model.onnx.data",
+        ]
+    )  # the source's model.onnx_data is replaced by the quantized weights, not copied
+    assert describe_export(export).layout == "one model"
+    assert json.loads((out / MANIFEST).read_text())["layout"] == "one model"
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder left
+    # a second run replaces its own earlier output
+    quantize_folder(export, out, mlp_data(tmp_path / "d.npz"), provider="cpu")
+    assert (out / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("inside", "is the export folder or inside it"),
+        ("same", "is the export folder or inside it"),
+        ("parent", "holds the export folder"),
+        ("foreign", "not empty and was not written by fp8onnx"),
+        ("file", "is a file"),
+    ],
+)
+def test_output_folders_that_would_lose_something_are_refused(tmp_path, export, where, message):
+    out = {"inside": export / "fp8", "same": export, "parent": tmp_path}.get(where, tmp_path / "out")
+    if where == "foreign":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    if where == "file":
+        out.write_text("x")
+    with pytest.raises(Fp8OnnxError, match=message):
+        quantize_folder(export, out, mlp_data(tmp_path / "d.npz"), provider="cpu")
+    if where == "foreign":
+        assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_folders_in_no_known_layout_are_named(tmp_path, export):
+    mlp_model(export / "other.onnx")
+    with pytest.raises(Fp8OnnxError, match=r"2 models \(model.onnx, other.onnx\) in no layout"):
+        describe_export(export)
+    (export / "genai_config.json").write_text('{"model": {"decoder": {"filename": "missing.onnx"}}}')
+    with pytest.raises(Fp8OnnxError, match=r"names the decoder 'missing\.onnx'"):
+        describe_export(export)

@@ -1,0 +1,229 @@
+"""Export folders in, runnable FP8 folders out, proved in the runtimes users deploy with (issue 26).
+
+Three tiny random-init models (seeded) are exported by the real exporters into folders with their
+configs and a tokenizer: onnxruntime-genai's model builder (a Llama), Optimum's causal LM with past
+(a Llama), and Optimum's encoder-decoder (T5: encoder, decoder, decoder with past, merged decoder).
+`fp8onnx quantize FOLDER --calib TEXT -o OUT` writes each as a folder, and then:
+
+- the runtime that loads the original loads the output unchanged and generates greedily:
+  onnxruntime-genai (`og.Model`), Optimum's `ORTModelForCausalLM` / `ORTModelForSeq2SeqLM`;
+- on the FP32 folder, that runtime's tokens are those of fp8onnx's own generation engine (which
+  makes the calibration data and `compare`'s generation fidelity), so the engine runs exports as
+  their runtimes do;
+- the FP8 folder keeps every non-model file, its models read float8 weights, and its generated
+  tokens are reported against FP32's (random weights give near-flat logits: the agreement of these
+  tiny models says little about a trained one; docs/benchmarks.md has SmolLM2's).
+
+Marked ``wild``: needs the ``[wild]`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from corpus import SEED, VOCAB, _build_genai, _hf_causal_lm, _quietly, available
+
+PROMPTS, PROMPT_LEN, NEW = 5, 8, 12
+
+pytestmark = pytest.mark.wild
+
+
+def _tokenizer(folder: pathlib.Path) -> None:
+    """The word-level tokenizer the genai case uses ("<i>" is token i), as tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(VOCAB)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _text(path: pathlib.Path) -> pathlib.Path:
+    rng = np.random.default_rng(SEED + 1)
+    docs = [" ".join(f"<{i}>" for i in rng.integers(3, VOCAB, 40)) for _ in range(24)]
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def _move_out(folder: pathlib.Path, *names: str) -> None:
+    """The builders leave their Hugging Face source inside the folder; a user's export has none."""
+    for name in names:
+        if (folder / name).exists():
+            shutil.move(str(folder / name), str(folder.parent / f"{folder.name}-{name}"))
+
+
+def build_genai(folder: pathlib.Path) -> pathlib.Path:
+    folder.mkdir(parents=True)
+    _build_genai("fp32", "cpu", folder)
+    _move_out(folder, "source", "cache")
+    return folder
+
+
+def build_optimum_causal(folder: pathlib.Path) -> pathlib.Path:
+    from optimum.exporters.onnx import main_export
+
+    folder.mkdir(parents=True)
+    _, source = _hf_causal_lm("llama", folder.parent / "causal-src")
+    _quietly(main_export, str(source), folder, task="text-generation-with-past", do_validation=False)
+    _tokenizer(folder)
+    return folder
+
+
+def build_optimum_t5(folder: pathlib.Path) -> pathlib.Path:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from optimum.exporters.onnx import main_export
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(SEED)
+    source = folder.parent / "t5-src"
+    transformers.T5ForConditionalGeneration(config).eval().save_pretrained(source)
+    folder.mkdir(parents=True)
+    _quietly(main_export, str(source), folder, task="text2text-generation-with-past", do_validation=False)
+    _tokenizer(folder)
+    return folder
+
+
+BUILDERS = {"genai": build_genai, "optimum-causal": build_optimum_causal, "optimum-t5": build_optimum_t5}
+
+
+def _prompts() -> np.ndarray:
+    return np.random.default_rng(SEED + 2).integers(3, VOCAB, (PROMPTS, PROMPT_LEN))
+
+
+def runtime_generate(kind: str, folder: pathlib.Path) -> np.ndarray:
+    """Greedy tokens [prompts, NEW] from the runtime a user would load ``folder`` with."""
+    prompts = _prompts()
+    if kind == "genai":
+        import onnxruntime_genai as og
+
+        model = og.Model(str(folder))
+        out = []
+        for prompt in prompts:
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=PROMPT_LEN + NEW, do_sample=False)
+            generator = og.Generator(model, params)
+            generator.append_tokens(prompt.tolist())
+            while not generator.is_done():
+                generator.generate_next_token()
+            out.append(list(generator.get_sequence(0))[PROMPT_LEN:])
+        return np.array(out)
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM, ORTModelForSeq2SeqLM
+
+    cls = ORTModelForSeq2SeqLM if kind == "optimum-t5" else ORTModelForCausalLM
+    model = _quietly(cls.from_pretrained, str(folder), provider="CPUExecutionProvider")
+    ids = torch.tensor(prompts)
+    out = _quietly(
+        model.generate,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=0,
+    )
+    return out[:, -NEW:].numpy()
+
+
+def engine_generate(folder: pathlib.Path) -> np.ndarray:
+    from fp8onnx.exports import describe_export
+    from fp8onnx.generation import Generator, start_token
+    from fp8onnx.runtime import make_session
+    from fp8onnx.sources import cache_sizes
+
+    export = describe_export(folder)
+    plan = export.plans()[-1]  # the merged decoder where there is one, as Optimum loads it
+    sessions = {role: make_session(path, "cpu") for role, path in plan.items()}
+    generator = Generator(sessions, start_token=start_token(folder), cache_sizes=cache_sizes(folder))
+    return generator.greedy(_prompts(), NEW)
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def exported(request, tmp_path_factory):
+    requires = ("torch", "transformers", "optimum.exporters.onnx", "onnxruntime_genai", "tokenizers")
+    if not available_all(requires):
+        pytest.skip("needs the [wild] extra (pip install -e .[wild])")
+    root = tmp_path_factory.mktemp(request.param)
+    folder = BUILDERS[request.param](root / "export")
+    text = _text(root / "text.txt")
+    out = root / "fp8"
+    result = CliRunner().invoke(
+        __import__("fp8onnx.cli", fromlist=["main"]).main,
+        ["quantize", str(folder), "--calib", str(text), "--seq-len", "16", "-o", str(out), "--provider", "cpu"],
+    )
+    assert result.exit_code == 0, result.output
+    return request.param, folder, out
+
+
+def available_all(names) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(n.split(".")[0]) is not None for n in names) and available("genai-llama")
+
+
+def test_the_output_folder_is_complete(exported):
+    _, folder, out = exported
+    models = sorted(p.name for p in folder.glob("*.onnx"))
+    assert sorted(p.name for p in out.glob("*.onnx")) == models
+    others = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.suffix != ".onnx"}
+    others -= {loc for m in folder.glob("*.onnx") for loc in _locations(m)}
+    copied = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert others <= copied  # configs, tokenizer, generation config: nothing left behind
+    manifest = json.loads((out / "fp8onnx.json").read_text())
+    assert sorted(manifest["models"]) == models
+    for name in models:
+        proto = onnx.load(str(out / name))
+        fp8 = [i for i in _initializers(proto) if i.data_type == onnx.TensorProto.FLOAT8E4M3FN]
+        assert fp8, f"{name}: no float8 weight"
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} <= {"0o644", "0o755"}
+
+
+def _initializers(proto):
+    from fp8onnx.passes._common import proto_graphs
+
+    for graph in proto_graphs(proto.graph):
+        yield from graph.initializer
+
+
+def _locations(model: pathlib.Path) -> set[str]:
+    from fp8onnx.guard import external_locations
+
+    return set(external_locations(model))
+
+
+def test_the_runtime_loads_and_generates_like_the_engine(exported):
+    kind, folder, out = exported
+    reference = runtime_generate(kind, folder)
+    assert reference.shape == (PROMPTS, NEW)
+    np.testing.assert_array_equal(engine_generate(folder), reference)  # the engine runs it as the runtime does
+    fp8 = runtime_generate(kind, out)
+    assert fp8.shape == (PROMPTS, NEW) and ((fp8 >= 0) & (fp8 < VOCAB)).all()
+    # The same FP8 graphs in plain onnxruntime: the engine and the runtime agree on them too (a
+    # near-tie may flip one token under another optimisation level, so not bit for bit).
+    from fp8onnx.generation import agreement
+
+    assert agreement(engine_generate(out), fp8)["token_agreement"] >= 0.9
+    print(kind, "FP8 vs FP32 generation:", agreement(reference, fp8))
