@@ -29,6 +29,7 @@ from . import inspect as api_inspect
 from . import quantize as api_quantize
 from . import study as run_study
 from .api import inspect_summary
+from .compare import GENERATE_PROMPTS, GENERATE_TOKENS
 from .config import (
     ACTIVATION_MODES,
     DEFAULT_OP_TYPES,
@@ -657,25 +658,45 @@ def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_addre
     help="Evaluation data (.npz, folder, or .txt/.jsonl text); 'labels' enables accuracy.",
 )
 @click.option("--no-fp16", is_flag=True, help="Do not build and run the FP16 baseline.")
+@click.option(
+    "--generate",
+    type=click.IntRange(min=0),
+    default=GENERATE_TOKENS,
+    show_default=True,
+    metavar="N",
+    help="Language models (input_ids in, logits out): greedy tokens each model generates from prompts taken "
+    "from the data, compared with FP32's; 0: no generation check.",
+)
+@click.option(
+    "--prompts",
+    type=click.IntRange(min=1),
+    default=GENERATE_PROMPTS,
+    show_default=True,
+    help="Prompts for --generate: the first rows of the data (their first 32 tokens).",
+)
 @_batch_size_option
 @_workers_options
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @_run
 @_text_options("data")
-def compare(reference, candidates, data, no_fp16, batch_size, workers, ray_address, provider, json_out):
-    """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline.
+def compare(
+    reference, candidates, data, no_fp16, generate, prompts, batch_size, workers, ray_address, provider, json_out
+):
+    """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline; for language models
+    also greedy generation against FP32's; for every model its time per batch and session memory.
 
     \b
     Example:
       fp8onnx compare model.onnx model.fp8.onnx model.pow2.onnx --data eval.npz --json cmp.json
+      fp8onnx compare llm/ llm-fp8/ --data held_out.txt --generate 48 --prompts 5
     """
     reads = model_reads("the reference model", reference)
     for cand in candidates:
         reads += model_reads(f"the candidate model {cand!r}", cand)
     check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out)])
     run = _run_options(batch_size, provider, workers=workers, ray_address=ray_address)
-    result = api_compare(reference, candidates, data, fp16=not no_fp16, run=run)
+    result = api_compare(reference, candidates, data, fp16=not no_fp16, generate=generate, prompts=prompts, run=run)
     click.echo(result.table())
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")

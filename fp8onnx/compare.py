@@ -16,12 +16,14 @@ relative loss within 1%.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import pathlib
 import re
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -33,6 +35,7 @@ from .passes import ConvertFloat16Pass
 from .progress import progress_bar
 from .runtime import (
     RunOptions,
+    heap_in_use,
     make_session,
     portable_model,
     resolve_provider,
@@ -46,6 +49,9 @@ __all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "RowResult", "compare"]
 logger = logging.getLogger(__name__)
 LLM_RATIO = 0.995  # FP8 within 99.5% of FP16 (FP8 LLM paper)
 PTQ_REL_LOSS = 0.01  # within 1% relative loss (PTQ paper)
+GENERATE_TOKENS = 32  # greedy tokens each model generates in the generation check
+GENERATE_PROMPTS = 5
+PROMPT_TOKENS = 32  # each prompt: the first tokens of a row of the data
 _LOGITS_NAME = re.compile(r"logit|score|prob|class", re.IGNORECASE)
 
 
@@ -152,6 +158,9 @@ class RowResult:
     value: float | None = None
     ratio_to_fp16: float | None = None
     rel_loss_vs_fp16: float | None = None
+    latency_ms: float | None = None  # median onnxruntime time per batch after the first (warm-up)
+    session_mib: float | None = None  # resident memory the session added, built and run once
+    generation: dict | None = None  # greedy generation vs FP32 (fp8onnx.generation.agreement)
 
     @property
     def passes_llm(self) -> bool | None:
@@ -177,6 +186,7 @@ class CompareResult:
     provider: str
     rows: list[RowResult]
     notes: list[str] = dataclasses.field(default_factory=list)  # e.g. why there is no FP16 baseline
+    generation: dict | None = None  # prompts, prompt_tokens, tokens of the generation check
 
     def to_json(self) -> dict:
         return {
@@ -185,6 +195,7 @@ class CompareResult:
             "samples": self.samples,
             "batches": self.batches,
             "provider": self.provider,
+            "generation": self.generation,
             "criteria": {"llm_ratio_to_fp16": LLM_RATIO, "ptq_rel_loss_vs_fp16": PTQ_REL_LOSS},
             "rows": [r.to_json() for r in self.rows],
             "notes": self.notes,
@@ -204,6 +215,8 @@ class CompareResult:
             "vs FP16",
             "99.5%",
             "1% rel",
+            "ms/batch",
+            "MiB",
         ]
         lines = []
         for r in self.rows:
@@ -221,6 +234,8 @@ class CompareResult:
                     _fmt(r.ratio_to_fp16, ".2%"),
                     _yes(r.passes_llm),
                     _yes(r.passes_ptq),
+                    _fmt(r.latency_ms, ".1f"),
+                    _fmt(r.session_mib, ".0f"),
                 ]
             )
         widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
@@ -235,7 +250,38 @@ class CompareResult:
                 f"vs FP16: {headline} relative to the FP16 model's; pass at >= 99.5% (FP8 LLM paper) "
                 "and within 1% relative loss (PTQ paper)"
             )
+        if any(r.latency_ms is not None for r in self.rows):
+            out.append(
+                f"ms/batch: median onnxruntime time per batch after a warm-up one; MiB: memory the session holds "
+                f"({self.provider}). On the CPU EP FP8 buys size, not speed: it has no FP8 GEMM, and each "
+                "float8 weight is dequantized again at every run."
+            )
+        out.extend(self._generation_lines())
         return "\n".join(out)
+
+    def _generation_lines(self) -> list[str]:
+        if not self.generation:
+            return []
+        g = self.generation
+        out = [
+            f"greedy generation, {g['prompts']} prompts of {g['prompt_tokens']} tokens from the data, "
+            f"{g['tokens']} new tokens, vs FP32's:"
+        ]
+        head = ["model", "tokens before divergence", "token agreement", "identical text"]
+        lines = [
+            [
+                r.name,
+                f"{r.generation['tokens_before_divergence']:.1f} of {g['tokens']}",
+                f"{r.generation['token_agreement']:.1%}",
+                f"{r.generation['identical']:.0%}",
+            ]
+            for r in self.rows
+            if r.generation
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+        return out
 
 
 def _fmt(v, spec: str) -> str:
@@ -261,11 +307,15 @@ def compare(
     *,
     fp16: bool = True,
     max_samples: int | None = None,
+    generate: int = GENERATE_TOKENS,
+    prompts: int = GENERATE_PROMPTS,
     run: RunOptions | None = None,
     **run_options,
 ) -> CompareResult:
     """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``
-    (at most about ``max_samples`` samples: whole batches until that many are seen).
+    (at most about ``max_samples`` samples: whole batches until that many are seen). A language
+    model (``input_ids`` in, ``logits`` out) also generates ``generate`` tokens greedily from
+    ``prompts`` prompts taken from the data (``generate=0``: not), each model against FP32's tokens.
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
@@ -299,6 +349,9 @@ def compare(
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
     _headline(rows, out_names[0], fp16)
+    generation = None
+    if generate and _is_language_model(ref_model):
+        generation = _generation(reference, models, rows, source, generate, prompts, provider, notes)
     return CompareResult(
         str(reference),
         str(data) if isinstance(data, (str, os.PathLike)) else "feeds",
@@ -307,7 +360,48 @@ def compare(
         provider,
         rows,
         notes,
+        generation,
     )
+
+
+def _is_language_model(model) -> bool:
+    return any(v.name == "input_ids" for v in model.graph.inputs) and any(
+        v.name == "logits" for v in model.graph.outputs
+    )
+
+
+def _generation(reference, models, rows, source, tokens: int, prompts: int, provider: str, notes) -> dict | None:
+    """Greedy generation of every model (fp8onnx.generation) from the first ``prompts`` rows of the
+    data's input_ids (their first PROMPT_TOKENS tokens), each row's agreement with FP32's tokens."""
+    from .generation import Generator, agreement
+    from .sources import cache_sizes
+
+    rows_ids = []
+    for batch in source.batches(prompts):
+        rows_ids.extend(np.asarray(batch.feed["input_ids"]).reshape(-1, batch.feed["input_ids"].shape[-1]))
+        if len(rows_ids) >= prompts:
+            break
+    if not rows_ids:
+        return None
+    prompt = np.stack(rows_ids[:prompts])[:, :PROMPT_TOKENS].astype(np.int64)
+    sizes = cache_sizes(pathlib.Path(reference).parent)
+    builders = {_REFERENCE: lambda: make_session(pathlib.Path(reference), provider, f"Model {str(reference)!r}")}
+    builders.update({name: build for name, (_, build) in models.items()})
+    produced = {}
+    for name, build in builders.items():
+        if name == "FP16" and not any(r.name == "FP16" for r in rows):
+            continue
+        try:
+            generator = Generator({"decoder": build()}, cache_sizes=sizes, where=f"model {name!r}")
+            produced[name] = generator.greedy(prompt, tokens)
+        except Fp8OnnxError as exc:
+            notes.append(f"No generation check: {exc}")
+            logger.warning("%s", notes[-1])
+            return None
+    for row in rows:
+        if row.name != _REFERENCE and row.name in produced:
+            row.generation = agreement(produced[_REFERENCE], produced[row.name])
+    return {"prompts": int(prompt.shape[0]), "prompt_tokens": int(prompt.shape[1]), "tokens": tokens}
 
 
 _REFERENCE = "FP32 (reference)"
@@ -336,13 +430,15 @@ def _evaluate_here(
     are read back batch by batch for each other model, so memory holds one session."""
     spill = Spill()
     try:
+        cost = _Cost()
         session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
         ref_score = _Score({o: _OutputStats() for o in out_names})
         labelled = samples = batches = 0
         label_out = None
         bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
         for batch in bar:
-            (score, label_out), ref = reference_batch(session, batches, batch.feed, batch.labels, out_names)
+            with cost.run():
+                (score, label_out), ref = reference_batch(session, batches, batch.feed, batch.labels, out_names)
             ref_score.merge(score)
             for o, r in zip(out_names, ref):
                 spill.save(f"out/{o}", batches, r)
@@ -355,20 +451,27 @@ def _evaluate_here(
             batches += 1
             if max_samples is not None and samples >= max_samples:
                 break
-        del session
+        cost.release()
+        session = None
         if batches == 0:
             raise Fp8OnnxError("The evaluation data gave no batches.")
         feed_names = list(batch.feed)
         rows = [_row(_REFERENCE, str(reference), ref_score, labelled)]
+        rows[0].latency_ms, rows[0].session_mib = cost.result()
         for name, (path, build) in models.items():
             try:
+                cost = _Cost()
                 session = build()
                 total_score = _Score({o: _OutputStats() for o in out_names})
                 for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
                     feed = {k: spill.load(f"in/{k}", b) for k in feed_names}
                     labels = None if label_out is None else spill.load("labels", b)
                     ref = [spill.load(f"out/{o}", b) for o in out_names]
-                    total_score.merge(candidate_batch(session, name, b, feed, ref, labels, label_out, out_names))
+                    with cost.run():
+                        outs = _run(session, name, feed, b)
+                    total_score.merge(_score(ref, outs, out_names, labels, label_out))
+                outs = None
+                cost.release()
             except Fp8OnnxError as exc:
                 if name != "FP16":
                     raise
@@ -377,9 +480,38 @@ def _evaluate_here(
             finally:
                 session = None
             rows.append(_row(name, path, total_score, labelled))
+            rows[-1].latency_ms, rows[-1].session_mib = cost.result()
     finally:
         spill.close()
     return rows, samples, batches
+
+
+class _Cost:
+    """A session's run time per batch, and the memory it holds: the C heap in use (glibc's mallinfo2)
+    while it is alive, after its last run, less before it was built. Resident-set sizes cannot tell
+    this in one process: freed memory of an earlier session is reused or kept."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.before = heap_in_use()
+        self.held: int | None = None
+
+    @contextlib.contextmanager
+    def run(self):
+        start = time.perf_counter()
+        yield
+        self.times.append(time.perf_counter() - start)
+
+    def release(self) -> None:
+        """Call while the session is still alive, after its last run."""
+        now = heap_in_use()
+        if now is not None and self.before is not None:
+            self.held = max(now - self.before, 0)
+
+    def result(self) -> tuple[float | None, float | None]:
+        warm = self.times[1:] or self.times
+        latency = float(np.median(warm)) * 1e3 if warm else None
+        return latency, None if self.held is None else self.held / 2**20
 
 
 def _evaluate_distributed(

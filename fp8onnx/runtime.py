@@ -7,6 +7,7 @@ Everything else stays at ORT's defaults, because that is how users run the resul
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -309,3 +310,34 @@ def median_latency_ms(session: ort.InferenceSession, feed: dict, *, warmup: int 
         times.append(time.perf_counter() - t0)
     times.sort()
     return 1e3 * times[len(times) // 2]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_in_use() -> int | None:
+    """Bytes of C heap this process has in use (glibc's mallinfo2: allocated chunks plus mmapped
+    ones), or None where that is not glibc. onnxruntime's sessions allocate through it when their
+    arena is off."""
+    try:
+        call = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    call.restype = _MallInfo2
+    info = call()
+    return int(info.uordblks + info.hblkhd)

@@ -401,6 +401,7 @@ def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
         [folder / "fp32.ptq-fp8.onnx", folder / "fp8-trained.onnx"],
         folder / "eval.npz",
         fp16=False,
+        generate=0,
         provider="cpu",
     )
     by_name = {r.name: r.accuracy for r in cmp.rows}

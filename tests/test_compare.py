@@ -111,3 +111,45 @@ def test_a_baseline_that_cannot_run_leaves_fp32_only(tmp_path, monkeypatch, wher
     assert result.notes[0].endswith("Results are against FP32 only.")
     assert ("could not be built" if where == "conversion" else "Resize refused") in result.notes[0]
     assert "note: No FP16 baseline" in result.table()
+
+
+def test_language_models_get_generation_fidelity_and_every_model_its_run_time_cost(tmp_path):
+    """The sample decoder (input_ids -> logits, no KV cache: each step reruns the sequence): FP32's
+    own copy generates FP32's tokens exactly, FP8 diverges somewhere; each row says its time per
+    batch and the memory its session holds."""
+    from helpers import SAMPLE
+
+    fp8 = tmp_path / "q.onnx"
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", fp8, SAMPLE / "calib.npz", provider="cpu")
+    same = tmp_path / "same.onnx"
+    same.write_bytes((SAMPLE / "decoder.onnx").read_bytes())
+    result = fp8onnx.compare(
+        SAMPLE / "decoder.onnx", [same, fp8], SAMPLE / "eval.npz", generate=12, prompts=3, provider="cpu"
+    )
+    rows = {r.name: r for r in result.rows}
+    assert result.generation == {"prompts": 3, "prompt_tokens": 32, "tokens": 12}
+    assert rows["same.onnx"].generation == {
+        "tokens_before_divergence": 12.0,
+        "token_agreement": 1.0,
+        "identical": 1.0,
+        "tokens": 12,
+        "prompts": 3,
+    }
+    assert 0 <= rows["q.onnx"].generation["token_agreement"] <= 1
+    assert rows["FP32 (reference)"].generation is None and rows["FP16"].generation is not None
+    assert all(r.latency_ms > 0 for r in result.rows)
+    # each session holds at least its weights: the FP32 model's 3.7 MB, the FP8 model's 1.2 MB
+    assert rows["same.onnx"].session_mib > 3.5 and rows["q.onnx"].session_mib > 1.1
+    table = result.table()
+    assert "greedy generation, 3 prompts of 32 tokens" in table and "ms/batch" in table
+    assert (
+        fp8onnx.compare(SAMPLE / "decoder.onnx", [fp8], SAMPLE / "eval.npz", generate=0, fp16=False).generation is None
+    )
+
+
+def test_models_that_are_not_language_models_get_no_generation(tmp_path):
+    data = mlp_data(tmp_path / "d.npz")
+    out = tmp_path / "q.onnx"
+    fp8onnx.quantize(mlp_model(tmp_path / "m.onnx"), out, data, provider="cpu")
+    result = fp8onnx.compare(tmp_path / "m.onnx", [out], data, provider="cpu")
+    assert result.generation is None and all(r.generation is None for r in result.rows)
