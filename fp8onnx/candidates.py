@@ -85,7 +85,7 @@ class Candidates:
                 self.write(sorted(keep), path, quiet)
                 paths.append(path)
             first = self.rounds == 0
-            result = compare(self.model, paths, self.eval_data, fp16=first, generate=0, run=self.run)
+            result = compare(self.model, paths, self.eval_data, fp16=first, generate=0, memory=False, run=self.run)
             by_name = {r.name: r for r in result.rows}
             if first and "FP16" in by_name:
                 self._fp16 = by_name["FP16"].value

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import pathlib
@@ -309,6 +310,7 @@ def compare(
     max_samples: int | None = None,
     generate: int = GENERATE_TOKENS,
     prompts: int = GENERATE_PROMPTS,
+    memory: bool = True,
     run: RunOptions | None = None,
     **run_options,
 ) -> CompareResult:
@@ -316,6 +318,7 @@ def compare(
     (at most about ``max_samples`` samples: whole batches until that many are seen). A language
     model (``input_ids`` in, ``logits`` out) also generates ``generate`` tokens greedily from
     ``prompts`` prompts taken from the data (``generate=0``: not), each model against FP32's tokens.
+    ``memory``: measure the heap each session holds (a garbage collection per model, 0.1-0.3 s).
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
@@ -344,7 +347,7 @@ def compare(
     notes: list[str] = []
     evaluate = _evaluate_distributed if run.distributed else _evaluate_here
     rows, samples, batches = evaluate(
-        reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes
+        reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes, memory
     )
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
@@ -424,13 +427,13 @@ def _no_fp16(exc: Fp8OnnxError, notes: list[str]) -> None:
 
 
 def _evaluate_here(
-    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes
+    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes, memory
 ):
     """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
     are read back batch by batch for each other model, so memory holds one session."""
     spill = Spill()
     try:
-        cost = _Cost()
+        cost = _Cost(memory)
         session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
         ref_score = _Score({o: _OutputStats() for o in out_names})
         labelled = samples = batches = 0
@@ -460,7 +463,7 @@ def _evaluate_here(
         rows[0].latency_ms, rows[0].session_mib = cost.result()
         for name, (path, build) in models.items():
             try:
-                cost = _Cost()
+                cost = _Cost(memory)
                 session = build()
                 total_score = _Score({o: _OutputStats() for o in out_names})
                 for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
@@ -491,9 +494,12 @@ class _Cost:
     while it is alive, after its last run, less before it was built. Resident-set sizes cannot tell
     this in one process: freed memory of an earlier session is reused or kept."""
 
-    def __init__(self):
+    def __init__(self, memory: bool = True):
         self.times: list[float] = []
-        self.before = heap_in_use()
+        self.memory = memory
+        if memory:
+            gc.collect()  # garbage freed later would count against the session (0.1-0.3 s: on request only)
+        self.before = heap_in_use() if memory else None
         self.held: int | None = None
 
     @contextlib.contextmanager
@@ -504,6 +510,9 @@ class _Cost:
 
     def release(self) -> None:
         """Call while the session is still alive, after its last run."""
+        if not self.memory:
+            return
+        gc.collect()
         now = heap_in_use()
         if now is not None and self.before is not None:
             self.held = max(now - self.before, 0)
@@ -515,7 +524,7 @@ class _Cost:
 
 
 def _evaluate_distributed(
-    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes
+    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes, memory
 ):
     """Every model's batches shared by Ray workers (:mod:`fp8onnx.distributed`): inputs and the
     reference's outputs stay in Ray's object store, each worker holds one model's session at a time,

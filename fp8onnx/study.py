@@ -205,7 +205,7 @@ def study(
             _run_config(model, tmp, item, stats, quiet, reports)
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
         unique, same_as = _distinct(paths)
-        result = compare(model, unique, data, max_samples=max_samples, generate=0, run=run)
+        result = compare(model, unique, data, max_samples=max_samples, generate=0, memory=False, run=run)
     by_file = {r.name: r for r in result.rows}
     by_file.update({name: by_file[first] for name, first in same_as.items()})
     rows = []

@@ -402,6 +402,7 @@ def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
         folder / "eval.npz",
         fp16=False,
         generate=0,
+        memory=False,
         provider="cpu",
     )
     by_name = {r.name: r.accuracy for r in cmp.rows}

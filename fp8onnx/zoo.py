@@ -147,7 +147,7 @@ def run_model(model: ZooModel, configs: list[tuple[str, str, QuantizeConfig]], r
                 cells[label] = {"group": group, "config": config.to_json(), "error": str(exc)}
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
         unique, same_as = _distinct(paths)
-        result = compare(model.model, unique, model.data, generate=0, run=quiet)
+        result = compare(model.model, unique, model.data, generate=0, memory=False, run=quiet)
     by_file = {r.name: r for r in result.rows}
     by_file.update({name: by_file[first] for name, first in same_as.items()})
     for i, label in enumerate(reports):
