@@ -455,6 +455,12 @@ _per_channel_option = click.option(
     "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
 )
 @click.option(
+    "--fold-at-load",
+    is_flag=True,
+    help="onnxruntime-genai folder: its decoder session dequantizes the float8 weights once at load "
+    "(session.disable_quant_qdq=1 in genai_config.json): on the CPU, FP32's speed and memory, FP8's file.",
+)
+@click.option(
     "--refine",
     type=click.IntRange(min=0),
     default=0,
@@ -501,6 +507,7 @@ def quantize(
     eval_data,
     accuracy_target,
     max_float_nodes,
+    fold_at_load,
     refine,
 ):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
@@ -568,6 +575,8 @@ def quantize(
     t0 = time.perf_counter()
     startup = process_age()
     run = _run_options(batch_size, provider, weight_memory, batch_memory, workers, ray_address)
+    if fold_at_load and not folder_mode:
+        raise Fp8OnnxError("--fold-at-load applies to an onnxruntime-genai folder written as a folder (-o OUT_DIR).")
     if folder_mode:
         from .exports import quantize_folder
 
@@ -575,7 +584,7 @@ def quantize(
             raise Fp8OnnxError(
                 "--accuracy-target, --stats and --check take one model: give MODEL/model.onnx, or -o OUT.onnx."
             )
-        result = quantize_folder(model, output, calib, config=config, run=run)
+        result = quantize_folder(model, output, calib, config=config, run=run, fold_at_load=fold_at_load)
         click.echo(result.summary())
         if report:
             write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")

@@ -253,9 +253,10 @@ class CompareResult:
             )
         if any(r.latency_ms is not None for r in self.rows):
             out.append(
-                f"ms/batch: median onnxruntime time per batch after a warm-up one; MiB: memory the session holds "
-                f"({self.provider}). On the CPU EP FP8 buys size, not speed: it has no FP8 GEMM, and each "
-                "float8 weight is dequantized again at every run."
+                f"ms/batch: median onnxruntime time per batch after a warm-up one; MiB: heap the session holds "
+                f"({self.provider}). On the CPU EP FP8 buys file size, not speed or memory: it has no FP8 GEMM; "
+                "these sessions set session.disable_quant_qdq=1, which dequantizes each float8 weight once at load "
+                "(at onnxruntime's defaults, again at every run)."
             )
         out.extend(self._generation_lines())
         return "\n".join(out)

@@ -219,7 +219,8 @@ def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Pat
     for prompt in _prompts(export, calib, run):
         for generator in generators:
             teacher = prompt[:, :-1] if generator.encoder_decoder else None
-            generator.greedy(prompt, decode_steps, teacher=teacher)
+            # without a KV cache a decode step reruns positions the prefill saw: nothing new to measure
+            generator.greedy(prompt, decode_steps if generator.cached else 0, teacher=teacher)
         prompts += prompt.shape[0]
     if prompts == 0:
         raise Fp8OnnxError(f"The calibration data {str(calib)!r} gave no token ids to run the export on.")
@@ -284,13 +285,16 @@ def quantize_folder(
     config=None,
     run: RunOptions | None = None,
     decode_steps: int = DECODE_STEPS,
+    fold_at_load: bool = False,
     **options,
 ) -> FolderReport:
     """Quantize every model of the export folder ``export_dir`` into ``out_dir`` (see the module
     docstring). ``calib``: text (a .txt/.jsonl path or :class:`~fp8onnx.data.TextSource`; the
     folder's tokenizer.json by default), an .npz with ``input_ids``, or feed dicts; for a one-model
     folder anything ``quantize`` takes. ``config``/``options`` and ``run`` as for
-    :func:`fp8onnx.quantize`."""
+    :func:`fp8onnx.quantize`. ``fold_at_load`` (onnxruntime-genai folders): the decoder's session
+    options get ``session.disable_quant_qdq = "1"``, so onnxruntime dequantizes the float8 weights
+    once at load instead of at every token (CPU: the speed and memory of FP32, the file of FP8)."""
     from .config import QuantizeConfig
     from .quantize import quantize
 
@@ -298,6 +302,11 @@ def quantize_folder(
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
     export = describe_export(export_dir)
+    if fold_at_load and export.layout != "onnxruntime-genai":
+        raise Fp8OnnxError(
+            f"--fold-at-load writes onnxruntime-genai's genai_config.json; {str(export.folder)!r} is an "
+            f"{export.layout} export: set session.disable_quant_qdq=1 in your own SessionOptions instead."
+        )
     out = pathlib.Path(out_dir)
     _check_output(export, out)
     parent = out.absolute().parent
@@ -314,6 +323,8 @@ def quantize_folder(
             reports[model.name] = quantize(model, build / model.name, data.get(model, calib), config=config, run=run)
             reports[model.name].output = str(out / model.name)
         copied = _copy_other_files(export, build)
+        if fold_at_load:
+            _fold_at_load(build / "genai_config.json")
         result = FolderReport(
             str(export.folder),
             str(out),
@@ -329,6 +340,15 @@ def quantize_folder(
         shutil.rmtree(build, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+def _fold_at_load(config: pathlib.Path) -> None:
+    """genai_config.json: the decoder's session sets session.disable_quant_qdq (onnxruntime-genai passes
+    unknown session_options keys to onnxruntime as config entries; values must be strings)."""
+    doc = json.loads(config.read_text(encoding="utf-8"))
+    options = doc["model"]["decoder"].setdefault("session_options", {})
+    options["session.disable_quant_qdq"] = "1"
+    write_text_atomic(config, json.dumps(doc, indent=4) + "\n")
 
 
 def _swap_into_place(build: pathlib.Path, out: pathlib.Path) -> None:

@@ -227,3 +227,29 @@ def test_the_runtime_loads_and_generates_like_the_engine(exported):
 
     assert agreement(engine_generate(out), fp8)["token_agreement"] >= 0.9
     print(kind, "FP8 vs FP32 generation:", agreement(reference, fp8))
+
+
+def test_fold_at_load_sets_the_genai_session_option(exported, tmp_path):
+    """--fold-at-load: genai_config.json's decoder session dequantizes the float8 weights once at load;
+    the model files are those of the folder without it, the tokens (nearly) the same."""
+    kind, folder, out = exported
+    if kind != "genai":
+        runner = CliRunner().invoke(
+            __import__("fp8onnx.cli", fromlist=["main"]).main,
+            ["quantize", str(folder), "--activations", "none", "--fold-at-load", "-o", str(tmp_path / "x")],
+        )
+        assert runner.exit_code == 2 and "genai_config.json" in runner.output, runner.output
+        return
+    folded = tmp_path / "folded"
+    text = next(out.parent.glob("text.txt"))
+    result = CliRunner().invoke(
+        __import__("fp8onnx.cli", fromlist=["main"]).main,
+        ["quantize", str(folder), "--calib", str(text), "--seq-len", "16", "-o", str(folded), "--fold-at-load"],
+    )
+    assert result.exit_code == 0, result.output
+    config = json.loads((folded / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["session.disable_quant_qdq"] == "1"
+    assert (folded / "model.onnx.data").read_bytes() == (out / "model.onnx.data").read_bytes()
+    from fp8onnx.generation import agreement
+
+    assert agreement(runtime_generate(kind, out), runtime_generate(kind, folded))["token_agreement"] >= 0.9

