@@ -108,6 +108,12 @@ def build_optimum_t5(folder: pathlib.Path) -> pathlib.Path:
 BUILDERS = {"genai": build_genai, "optimum-causal": build_optimum_causal, "optimum-t5": build_optimum_t5}
 
 
+def _cli(*args):
+    from fp8onnx.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
 def _prompts() -> np.ndarray:
     return np.random.default_rng(SEED + 2).integers(3, VOCAB, (PROMPTS, PROMPT_LEN))
 
@@ -170,10 +176,7 @@ def exported(request, tmp_path_factory):
     folder = BUILDERS[request.param](root / "export")
     text = _text(root / "text.txt")
     out = root / "fp8"
-    result = CliRunner().invoke(
-        __import__("fp8onnx.cli", fromlist=["main"]).main,
-        ["quantize", str(folder), "--calib", str(text), "--seq-len", "16", "-o", str(out), "--provider", "cpu"],
-    )
+    result = _cli("quantize", folder, "--calib", text, "--seq-len", 16, "-o", out, "--provider", "cpu")
     assert result.exit_code == 0, result.output
     return request.param, folder, out
 
@@ -234,18 +237,12 @@ def test_fold_at_load_sets_the_genai_session_option(exported, tmp_path):
     the model files are those of the folder without it, the tokens (nearly) the same."""
     kind, folder, out = exported
     if kind != "genai":
-        runner = CliRunner().invoke(
-            __import__("fp8onnx.cli", fromlist=["main"]).main,
-            ["quantize", str(folder), "--activations", "none", "--fold-at-load", "-o", str(tmp_path / "x")],
-        )
+        runner = _cli("quantize", folder, "--activations", "none", "--fold-at-load", "-o", tmp_path / "x")
         assert runner.exit_code == 2 and "genai_config.json" in runner.output, runner.output
         return
     folded = tmp_path / "folded"
     text = next(out.parent.glob("text.txt"))
-    result = CliRunner().invoke(
-        __import__("fp8onnx.cli", fromlist=["main"]).main,
-        ["quantize", str(folder), "--calib", str(text), "--seq-len", "16", "-o", str(folded), "--fold-at-load"],
-    )
+    result = _cli("quantize", folder, "--calib", text, "--seq-len", 16, "-o", folded, "--fold-at-load")
     assert result.exit_code == 0, result.output
     config = json.loads((folded / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["session.disable_quant_qdq"] == "1"
@@ -253,3 +250,23 @@ def test_fold_at_load_sets_the_genai_session_option(exported, tmp_path):
     from fp8onnx.generation import agreement
 
     assert agreement(runtime_generate(kind, out), runtime_generate(kind, folded))["token_agreement"] >= 0.9
+
+
+def test_feed_layout_with_empty_kv_caches_quantizes_the_genai_decoder(exported, tmp_path):
+    """SPEC §4's feed layout for onnxruntime-genai's decoder: each array has a leading feed axis, the
+    KV-cache inputs a 0-length past axis, (feeds, batch, kv_heads, 0, head_size)."""
+    kind, folder, _ = exported
+    if kind != "genai":
+        pytest.skip("the genai decoder's layout")
+    from fp8onnx.runtime import make_session
+
+    session = make_session(folder / "model.onnx", "cpu")
+    ids = np.random.default_rng(SEED).integers(3, VOCAB, (6, 2, 16))
+    arrays = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for arg in session.get_inputs():
+        if arg.name.startswith("past_key_values"):
+            arrays[arg.name] = np.zeros((6, 2, arg.shape[1], 0, 16), np.float32)  # genai: head_size 16
+    np.savez(tmp_path / "feeds.npz", **arrays)
+    result = _cli("quantize", folder / "model.onnx", "--calib", tmp_path / "feeds.npz", "-o", tmp_path / "q.onnx")
+    assert result.exit_code == 0, result.output
+    assert "calibrated on 12 samples" in result.output, result.output
