@@ -167,15 +167,10 @@ def _prompts(export: Export, calib, run: RunOptions):
                     "pass --tokenizer."
                 )
         calib = TextSource(text.path, tokenizer, text.seq_len)
-    # Windows of text (no model given: unpadded windows, as generation's prompts are)
-    source = as_data(calib, [ids, InputSpec("attention_mask", np.dtype(np.int64), (None, None))], None)
-    for batch in source.batches(run.batch):
+    # Text: unpadded windows (no model is given, so no padded sentences), as generation's prompts are
+    for batch in as_data(calib, [ids], None).batches(run.batch):
         prompt = np.asarray(batch.feed["input_ids"], np.int64)
-        mask = batch.feed.get("attention_mask")
-        if mask is not None and not np.all(mask):
-            keep = int(np.asarray(mask).sum(axis=1).min())  # padded sentences: their common unpadded start
-            prompt = prompt[:, :keep]
-        if prompt.shape[1]:
+        if prompt.ndim == 2 and prompt.shape[1]:
             yield prompt
 
 

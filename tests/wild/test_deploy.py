@@ -1,8 +1,10 @@
 """Export folders in, runnable FP8 folders out, proved in the runtimes users deploy with (issue 26).
 
-Three tiny random-init models (seeded) are exported by the real exporters into folders with their
+Four tiny random-init models (seeded) are exported by the real exporters into folders with their
 configs and a tokenizer: onnxruntime-genai's model builder (a Llama), Optimum's causal LM with past
-(a Llama), and Optimum's encoder-decoder (T5: encoder, decoder, decoder with past, merged decoder).
+(a Llama), Optimum's legacy three-file causal LM (GPT-2: decoder, decoder with past, their merge by
+``optimum.onnx.merge_decoders``), and Optimum's encoder-decoder (T5: encoder, decoder, decoder with
+past, merged decoder).
 `fp8onnx quantize FOLDER --calib TEXT -o OUT` writes each as a folder, and then:
 
 - the runtime that loads the original loads the output unchanged and generates greedily:
@@ -32,7 +34,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from corpus import SEED, VOCAB, _build_genai, _hf_causal_lm, _quietly, available
+from corpus import SEED, VOCAB, _build_genai, _build_optimum_merged, _hf_causal_lm, _quietly, available
 
 PROMPTS, PROMPT_LEN, NEW = 5, 8, 12
 
@@ -105,7 +107,22 @@ def build_optimum_t5(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-BUILDERS = {"genai": build_genai, "optimum-causal": build_optimum_causal, "optimum-t5": build_optimum_t5}
+def build_optimum_merged(folder: pathlib.Path) -> pathlib.Path:
+    """The legacy three-file layout (GPT-2): decoder_model, decoder_with_past_model and their merge."""
+    folder.mkdir(parents=True)
+    _build_optimum_merged(folder)
+    shutil.copy(folder / "source" / "config.json", folder / "config.json")
+    _move_out(folder, "source")
+    _tokenizer(folder)
+    return folder
+
+
+BUILDERS = {
+    "genai": build_genai,
+    "optimum-causal": build_optimum_causal,
+    "optimum-gpt2-merged": build_optimum_merged,
+    "optimum-t5": build_optimum_t5,
+}
 
 
 def _cli(*args):
