@@ -136,9 +136,13 @@ def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, lab
     return score
 
 
-def reference_batch(session, b: int, feed: dict, labels, out_names) -> tuple[tuple[_Score, int | None], list]:
-    """The reference on batch ``b``: ((its score against itself, the labelled output), its outputs)."""
-    ref = _run(session, _REFERENCE, feed, b)
+def reference_batch(
+    session, b: int, feed: dict, labels, out_names, cost: _Cost | None = None
+) -> tuple[tuple[_Score, int | None], list]:
+    """The reference on batch ``b``: ((its score against itself, the labelled output), its outputs);
+    ``cost`` times the onnxruntime run alone."""
+    with cost.run() if cost is not None else contextlib.nullcontext():
+        ref = _run(session, _REFERENCE, feed, b)
     label_out = _label_output(ref, out_names, labels)
     return (_score(ref, ref, out_names, labels, label_out), label_out), ref
 
@@ -325,6 +329,7 @@ def compare(
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
     run = RunOptions.of(run, **run_options)
     provider, batch_size, progress = resolve_provider(run.provider), run.batch, run.progress
+    named = [pathlib.Path(c).name for c in candidates]  # an export folder is named by its folder
     reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
     ref_model = load_model(reference)
     out_names = [v.name for v in ref_model.graph.outputs]
@@ -332,9 +337,8 @@ def compare(
     models: dict[str, tuple[str | None, Callable[[], object]]] = {}
     if fp16:
         models["FP16"] = (None, lambda **kw: _fp16_session(ref_model, reference, provider, **kw))
-    for cand in candidates:
+    for cand, name in zip(candidates, named):
         theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
-        name = pathlib.Path(cand).name
         while name in models or name == _REFERENCE:
             name += "'"
         if theirs != out_names:
@@ -441,8 +445,7 @@ def _evaluate_here(
         label_out = None
         bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
         for batch in bar:
-            with cost.run():
-                (score, label_out), ref = reference_batch(session, batches, batch.feed, batch.labels, out_names)
+            (score, label_out), ref = reference_batch(session, batches, batch.feed, batch.labels, out_names, cost)
             ref_score.merge(score)
             for o, r in zip(out_names, ref):
                 spill.save(f"out/{o}", batches, r)

@@ -249,14 +249,29 @@ class FolderReport:
     prompts_from: str | None
     decode_steps: int
 
-    def to_json(self) -> dict:
+    def to_json(self, full: bool = True) -> dict:
+        """Every model's full report (``--report``), or with ``full=False`` what the folder's
+        ``fp8onnx.json`` keeps: settings, counts and sizes (a preset's per-node report runs to MBs)."""
+
+        def brief(report) -> dict:
+            return {
+                "config": report.config,
+                "opset": [report.opset_from, report.opset_to],
+                "quantized_nodes": len(report.quantized),
+                "float_nodes": len(report.skipped),
+                "prepared": report.prepared,
+                "calibration": report.calibration,
+                "input_bytes": report.input_bytes,
+                "output_bytes": report.output_bytes,
+            }
+
         return {
             "version": __version__,
             "source": self.source,
             "output": self.output,
             "layout": self.layout,
             "calibration": {"data": self.prompts_from, "decode_steps": self.decode_steps},
-            "models": {name: r.to_json() for name, r in self.reports.items()},
+            "models": {name: r.to_json() if full else brief(r) for name, r in self.reports.items()},
             "copied": self.copied,
         }
 
@@ -329,7 +344,7 @@ def quantize_folder(
             None if calib is None else str(calib),
             decode_steps,
         )
-        write_text_atomic(build / MANIFEST, json.dumps(result.to_json(), indent=1) + "\n")
+        write_text_atomic(build / MANIFEST, json.dumps(result.to_json(full=False), indent=1) + "\n")
         _swap_into_place(build, out)
     finally:
         shutil.rmtree(build, ignore_errors=True)

@@ -7,10 +7,11 @@ measured as an LLM user measures it (issue 26), for two exports of the same mode
   same weights saved as a Hugging Face folder.
 
 For each: ``fp8onnx quantize FOLDER --calib calib.txt -o OUT`` with defaults and with ``--preset llm``
-(wall time, peak RSS), then ``fp8onnx compare FOLDER OUT OUT_LLM --data eval.txt --generate 48 --prompts 5``
-(next-token accuracy vs FP16, perplexity, greedy generation agreement with FP32, time per batch and session
-memory: FP32 / FP16 / FP8). For the genai folders also onnxruntime-genai itself: greedy generation of 48 tokens
-from 5 prompts (agreement with FP32's tokens, tokens per second).
+(wall time, peak RSS; the genai folder also with ``--fold-at-load``), then
+``fp8onnx compare FOLDER OUT OUT_LLM --data eval.txt --generate 48 --prompts 5`` (next-token accuracy vs
+FP16, perplexity, greedy generation agreement with FP32, time per batch and session memory: FP32 / FP16 /
+FP8). For the genai folders also onnxruntime-genai itself, at its defaults: greedy
+generation of 48 tokens from 5 prompts (agreement with FP32's tokens, tokens per second).
 
 calib.txt and eval.txt are disjoint documents of CPython's bundled documentation (``pydoc_data``): even-indexed
 topics for calibration, odd-indexed for evaluation, as ``models/build_smollm2.py`` splits them.
@@ -26,9 +27,9 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -73,15 +74,18 @@ def build(out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int) -> None:
 
 
 def _timed(args: list[str]) -> dict:
-    """Run an fp8onnx command; wall seconds and the child's peak RSS."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Run an fp8onnx command; wall seconds and that child's own peak RSS (os.wait4's rusage)."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "fp8onnx.cli", *args], capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if done.returncode:
-        raise SystemExit(f"fp8onnx {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"seconds": round(seconds, 1), "peak_rss_mib": round(max(peak, before) / 1024), "stdout": done.stdout}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", "fp8onnx.cli", *args], stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - t0
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if child.returncode:
+        raise SystemExit(f"fp8onnx {' '.join(args)} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return {"seconds": round(seconds, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024), "stdout": stdout}
 
 
 def og_generate(folder: pathlib.Path, prompts: list[list[int]]) -> tuple[np.ndarray, float]:
@@ -108,8 +112,11 @@ def measure(out: pathlib.Path, calib_n: int) -> dict:
     for name in ("torch", "genai"):
         folder = out / name
         row = {}
-        for label, extra in (("defaults", []), ("preset llm", ["--preset", "llm"])):
-            target = out / f"{name}-fp8" if not extra else out / f"{name}-fp8-llm"
+        variants = [("defaults", [], "fp8"), ("preset llm", ["--preset", "llm"], "fp8-llm")]
+        if name == "genai":
+            variants.append(("defaults --fold-at-load", ["--fold-at-load"], "fp8-fold"))
+        for label, extra, suffix in variants:
+            target = out / f"{name}-{suffix}"
             args = ["quantize", str(folder), "--calib", str(out / "calib.txt"), "-o", str(target), "--provider", "cpu"]
             row[f"quantize {label}"] = {k: v for k, v in _timed(args + extra).items() if k != "stdout"}
         cmp_json = out / f"{name}-compare.json"
@@ -134,7 +141,7 @@ def measure(out: pathlib.Path, calib_n: int) -> dict:
             prompts = [tok.encode(t, add_special_tokens=False).ids[:32] for t in text[:PROMPTS]]
             reference, rate = og_generate(folder, prompts)
             og_rows = {"FP32": {"tokens_per_s": round(rate, 1)}}
-            for label in ("fp8", "fp8-llm"):
+            for label in ("fp8", "fp8-llm", "fp8-fold"):
                 tokens, rate = og_generate(out / f"{name}-{label}", prompts)
                 og_rows[label] = {"tokens_per_s": round(rate, 1), **agreement(reference, tokens)}
             row["onnxruntime-genai"] = og_rows
