@@ -146,6 +146,11 @@ class Generator:
         return feed
 
     @property
+    def decodes_apart(self) -> bool:
+        """Whether decode steps run a model (or an If branch) of their own, not the prefill's nodes."""
+        return bool({"decoder_with_past", "decoder_merged"} & set(self.sessions))
+
+    @property
     def cached(self) -> bool:
         """Whether the decode steps run on a KV cache (else each step reruns the whole sequence)."""
         return any(self._has_past(role) for role in self.sessions if role != "encoder")
