@@ -537,8 +537,10 @@ def quantize(
     if (max_float_nodes is not None or refine) and accuracy_target is None:
         raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
     folder_mode = pathlib.Path(model).is_dir() and not str(output).endswith(".onnx")
-    if folder_mode and report and pathlib.Path(output).resolve() in pathlib.Path(report).resolve().parents:
-        raise Fp8OnnxError(f"The report {report!r} lies inside the output folder {output!r}; write it elsewhere.")
+    if folder_mode and report:
+        for label, folder in (("the output folder", output), ("the export folder", model)):
+            if pathlib.Path(folder).resolve() in pathlib.Path(report).resolve().parents:
+                raise Fp8OnnxError(f"The report {report!r} lies inside {label} {folder!r}; write it elsewhere.")
     # The library guards what it reads itself; --check's data is read only here.
     check_paths(
         [("the evaluation data", check_data), ("the evaluation data", eval_data)],

@@ -99,3 +99,15 @@ def test_folders_in_no_known_layout_are_named(tmp_path, export):
     (export / "genai_config.json").write_text('{"model": {"decoder": {"filename": "missing.onnx"}}}')
     with pytest.raises(Fp8OnnxError, match=r"names the decoder 'missing\.onnx'"):
         describe_export(export)
+
+
+@pytest.mark.parametrize("inside", ["export", "out"])
+def test_a_report_inside_either_folder_is_refused(tmp_path, export, inside):
+    report = (export if inside == "export" else tmp_path / "out") / "config.json"
+    before = (export / "config.json").read_text()
+    r = CliRunner().invoke(
+        main,
+        ["quantize", str(export), "--activations", "dynamic", "-o", str(tmp_path / "out"), "--report", str(report)],
+    )
+    assert r.exit_code == 2 and "lies inside" in r.output, r.output
+    assert (export / "config.json").read_text() == before
