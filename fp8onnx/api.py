@@ -97,14 +97,15 @@ def inspect(model: str | os.PathLike) -> dict:
         )
     ops = collections.Counter(n.op_type for n in ir.traversal.RecursiveGraphIterator(graph))
     matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")]
-    fed = sum(
-        1
+    quantized = [
+        n
         for n in matmuls
         if any(
             v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
             for v in n.inputs[:2]
         )
-    )
+    ]
+    fed = len(quantized)
     by_type: dict[str, int] = collections.defaultdict(int)
     for v in graph.initializers.values():
         if v.const_value is not None:
@@ -122,7 +123,9 @@ def inspect(model: str | os.PathLike) -> dict:
         "op_counts": dict(ops),
         "fp8onnx": json.loads(meta) if meta else None,
         "tensorrt_problems": check_tensorrt(m),
-        "high_risk": vocabulary_projections(m, matmuls),  # node -> why FP8 is risky there
+        # node -> why FP8 is risky there: in a quantized model only nodes that read float8 (not those
+        # kept in float), in a float one every candidate (advice before quantizing)
+        "high_risk": vocabulary_projections(m, quantized if tensors else matmuls),
     }
 
 

@@ -206,6 +206,9 @@ def test_a_vocabulary_projection_is_flagged_high_risk(tmp_path):
     for model in (path, tmp_path / "q.onnx"):  # float or already quantized: inspect says so too
         r = CliRunner().invoke(main, ["inspect", str(model)])
         assert r.exit_code == 0 and "HIGH RISK for FP8: lm_head" in r.output, r.output
+    fp8onnx.quantize(path, tmp_path / "kept.onnx", data, exclude=("lm_head",), provider="cpu")
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "kept.onnx")])
+    assert r.exit_code == 0 and "HIGH RISK" not in r.output, r.output  # already kept in float: no warning
     small, small_data = lm(tmp_path / "small.onnx", vocab=300)  # not vocabulary-sized
     assert all(n.risk is None for n in sensitivity(small, small_data, provider="cpu").nodes)
 
