@@ -419,8 +419,8 @@ CASES = [
         "has outputs ['logits']",
     ),
     (
-        "study plot folder missing",
-        ["study", "{t}/m.onnx", "--calib", "{t}/d.npz", "--data", "{t}/d.npz", "--plot", "{t}/nowhere"],
+        "study plot folder's parent missing",  # a missing folder whose parent exists is made
+        ["study", "{t}/m.onnx", "--calib", "{t}/d.npz", "--data", "{t}/d.npz", "--plot", "{t}/nowhere/plots"],
         "Plot folder",
     ),
 ]
