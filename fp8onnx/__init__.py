@@ -1,8 +1,9 @@
 """fp8onnx: FP8 (float8) post-training quantization of ONNX models for ONNX Runtime.
 
 The package root is the library's one face, and the command line calls it for every command:
-:func:`quantize`, :func:`calibrate`, :func:`compare`, :func:`study`, :func:`convert_fp16`,
-:func:`inspect`, :func:`sensitivity` and :func:`quantize_to_target` (``quantize --accuracy-target``).
+:func:`quantize`, :func:`quantize_folder` (an export folder in, a runnable folder out),
+:func:`calibrate`, :func:`compare`, :func:`study`, :func:`convert_fp16`, :func:`inspect`,
+:func:`sensitivity` and :func:`quantize_to_target` (``quantize --accuracy-target``).
 The recipe is a :class:`QuantizeConfig`, the runtime knobs a :class:`RunOptions`.
 Bad input raises :class:`Fp8OnnxError` with one sentence.
 """
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 from .api import calibrate, convert_fp16, inspect
 from .compare import compare
 from .errors import Fp8OnnxError
+from .exports import quantize_folder
 from .fallback import TargetNotMet, quantize_to_target
 from .formats import Fp8Format
 from .quantize import QuantizeConfig, quantize
@@ -40,6 +42,7 @@ __all__ = [
     "convert_fp16",
     "inspect",
     "quantize",
+    "quantize_folder",
     "quantize_to_target",
     "sensitivity",
     "study",

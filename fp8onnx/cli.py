@@ -689,10 +689,22 @@ def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_addre
 @_workers_options
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write compare.png into this folder.")
 @_run
 @_text_options("data")
 def compare(
-    reference, candidates, data, no_fp16, generate, prompts, batch_size, workers, ray_address, provider, json_out
+    reference,
+    candidates,
+    data,
+    no_fp16,
+    generate,
+    prompts,
+    batch_size,
+    workers,
+    ray_address,
+    provider,
+    json_out,
+    plot_dir,
 ):
     """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline; for language models
     also greedy generation against FP32's; for every model its time per batch and session memory.
@@ -700,17 +712,24 @@ def compare(
     \b
     Example:
       fp8onnx compare model.onnx model.fp8.onnx model.pow2.onnx --data eval.npz --json cmp.json
-      fp8onnx compare llm/ llm-fp8/ --data held_out.txt --generate 48 --prompts 5
+      fp8onnx compare llm/ llm-fp8/ --data held_out.txt --generate 48 --prompts 5 --plot plots/
     """
     reads = model_reads("the reference model", reference)
     for cand in candidates:
         reads += model_reads(f"the candidate model {cand!r}", cand)
-    check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out)])
+    if plot_dir:
+        output_folder(plot_dir, "Plot folder")
+    plot = pathlib.Path(plot_dir) / "compare.png" if plot_dir else None
+    check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out), ("the plot", plot)])
     run = _run_options(batch_size, provider, workers=workers, ray_address=ray_address)
     result = api_compare(reference, candidates, data, fp16=not no_fp16, generate=generate, prompts=prompts, run=run)
     click.echo(result.table())
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
+    if plot:
+        from .plots import compare_rows
+
+        click.echo(f"wrote {compare_rows(result.rows, result.generation, plot)}")
 
 
 @main.command()

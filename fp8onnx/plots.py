@@ -11,7 +11,7 @@ import numpy as np
 from .errors import Fp8OnnxError
 from .model_io import write_bytes_atomic
 
-__all__ = ["constant_window", "pass_rates", "save_png", "scale_exponents", "sensitivity_bars"]
+__all__ = ["compare_rows", "constant_window", "pass_rates", "save_png", "scale_exponents", "sensitivity_bars"]
 
 
 def _pyplot():
@@ -105,3 +105,44 @@ def pass_rates(labels: list[str], ptq: list[float], llm: list[float], path: path
     ax.set_ylabel("models passing (%)")
     ax.set_ylim(0, 105)
     return _finish(plt, fig, ax, "Share of the zoo's models that pass, per configuration", path)
+
+
+def compare_rows(rows, generation: dict | None, path: pathlib.Path) -> pathlib.Path:
+    """``compare``'s models side by side: the headline metric, the greedy tokens kept before the first
+    divergence from FP32 (language models), and the time per batch relative to FP32."""
+    plt = _pyplot()
+    panels = 3 if generation else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8))
+    names = [r.name for r in rows]
+    x = np.arange(len(names))
+
+    def bars(ax, values, label, ylabel):
+        ax.bar(x, [0 if v is None else v for v in values], color="tab:blue", label=label)
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.set_title(label, fontsize=9)
+
+    try:
+        headline = rows[0].headline or "headline metric"
+        bars(axes[0], [r.value for r in rows], headline, headline)
+        if generation:
+            n = generation["tokens"]
+            kept = [n if r.generation is None else r.generation["tokens_before_divergence"] for r in rows]
+            bars(
+                axes[1],
+                kept,
+                f"greedy tokens before divergence (of {generation['tokens']})",
+                "tokens",
+            )
+        base = rows[0].latency_ms
+        bars(
+            axes[-1],
+            [None if r.latency_ms is None or not base else r.latency_ms / base for r in rows],
+            "time per batch / FP32's",
+            "ratio",
+        )
+    except BaseException:
+        plt.close(fig)
+        raise
+    return save_png(plt, fig, path)

@@ -153,3 +153,19 @@ def test_models_that_are_not_language_models_get_no_generation(tmp_path):
     fp8onnx.quantize(mlp_model(tmp_path / "m.onnx"), out, data, provider="cpu")
     result = fp8onnx.compare(tmp_path / "m.onnx", [out], data, provider="cpu")
     assert result.generation is None and all(r.generation is None for r in result.rows)
+
+
+def test_compare_plot_is_written_into_a_new_folder(tmp_path):
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+
+    from helpers import SAMPLE
+
+    fp8 = tmp_path / "q.onnx"
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", fp8, activations="dynamic", provider="cpu")
+    args = ["compare", str(SAMPLE / "decoder.onnx"), str(fp8), "--data", str(SAMPLE / "eval.npz")]
+    r = CliRunner().invoke(main, [*args, "--generate", "4", "--plot", str(tmp_path / "plots")])
+    assert r.exit_code == 0, r.output
+    png = tmp_path / "plots" / "compare.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
