@@ -401,8 +401,10 @@ _per_channel_option = click.option(
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
     "--preset",
-    type=click.Choice(list(PRESETS)),
-    help="The measured best settings for a model family (docs/usage.md); options given explicitly override them.",
+    type=click.Choice(["auto", "none", *PRESETS]),
+    help="The measured best settings for a model family (docs/usage.md); auto: the family told from the graph "
+    "(decoder LLM, encoder, CNN, speech, other), none: plain per-tensor static amax; options given explicitly "
+    "override them.",
 )
 @click.option(
     "--weight-rounding",

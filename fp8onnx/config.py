@@ -135,6 +135,8 @@ class QuantizeConfig:
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
     preset: str | None = None  # recorded only: the fields a preset set are already in place (for_preset)
+    # --preset auto: the fields the user set, kept over the family's preset once it is known (for_family)
+    explicit: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
     precision: Precision | str = Precision.MODEL
     native_gemm: bool = False
     target: Target | str = "onnxruntime"
@@ -208,10 +210,21 @@ class QuantizeConfig:
 
     @classmethod
     def for_preset(cls, name: str, **explicit) -> QuantizeConfig:
-        """The preset's settings (``PRESETS``), overridden by every field given in ``explicit``."""
+        """The preset's settings (``PRESETS``), overridden by every field given in ``explicit``.
+        ``auto``: the preset of the model's family, chosen when the model is read (:meth:`for_family`);
+        ``none``: no preset (plain per-tensor static amax unless ``explicit`` says otherwise)."""
+        if name == "auto":
+            return cls(**explicit, preset="auto", explicit=tuple(explicit))
+        if name == "none":
+            return cls(**explicit)
         if name not in PRESETS:
-            raise Fp8OnnxError(f"Unknown --preset {name!r}; choose one of {', '.join(PRESETS)}.")
+            raise Fp8OnnxError(f"Unknown --preset {name!r}; choose one of auto, none, {', '.join(PRESETS)}.")
         return cls(**{**PRESETS[name]["settings"], **explicit, "preset": name})
+
+    def for_family(self, preset: str | None) -> QuantizeConfig:
+        """This ``auto`` config resolved: the family's ``preset`` (None: none) under the user's fields."""
+        given = {name: getattr(self, name) for name in self.explicit}
+        return QuantizeConfig.for_preset(preset or "none", **given)
 
     @property
     def weights_need_data(self) -> bool:

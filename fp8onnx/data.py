@@ -352,12 +352,13 @@ class TextSource(os.PathLike):
     path: str | os.PathLike
     tokenizer: str | os.PathLike | None = None
     seq_len: int | None = None
+    label: str | None = None  # how reports name it (the default sample: not its temporary path)
 
     def __fspath__(self) -> str:
         return os.fspath(self.path)
 
     def __str__(self) -> str:
-        return os.fspath(self.path)
+        return self.label or os.fspath(self.path)
 
 
 def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):

@@ -46,6 +46,7 @@ from .generation import Generator, start_token
 from .guard import external_locations
 from .model_io import new_folder_mode, write_text_atomic
 from .runtime import RunOptions, make_session
+from .sources import python_text_sample
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 
@@ -331,14 +332,22 @@ def quantize_folder(
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-feeds-"))
     try:
         os.chmod(build, new_folder_mode())  # mkdtemp's 0700 would hide the output from other accounts
+        optional = False  # no data given: the bundled text sample, for the models whose recipe needs data
+        if calib is None and export.roles and (export.folder / "tokenizer.json").is_file():
+            calib, optional = python_text_sample(export.folder / "tokenizer.json"), True
+            logger.warning("no --calib: calibrating on %s", calib)
         data = (
             _calibration_feeds(export, calib, run, scratch, decode_steps) if export.roles and calib is not None else {}
         )
         reports = {}
         for model in export.models:
             logger.info("quantizing %s", model.name)
-            reports[model.name] = quantize(model, build / model.name, data.get(model, calib), config=config, run=run)
+            reports[model.name] = quantize(
+                model, build / model.name, data.get(model, calib), config=config, run=run, calib_optional=optional
+            )
             reports[model.name].output = str(out / model.name)
+            if model in data and reports[model.name].calibration:  # not the feeds' temporary folder
+                reports[model.name].calibration["source"] = f"{calib}, run through the export"
         copied = _copy_other_files(export, build)
         if fold_at_load:
             _fold_at_load(build / "genai_config.json")

@@ -27,6 +27,7 @@ from .assign import (
 )
 from .calibration import Stats
 from .config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
+from .errors import Fp8OnnxError
 from .formats import EMULATED_NOTE
 from .guard import as_path, check_paths, external_locations, model_reads, model_writes
 from .model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
@@ -68,6 +69,7 @@ def quantize(
     stats: str | os.PathLike | Stats | None = None,
     report: str | os.PathLike | None = None,
     run: RunOptions | None = None,
+    calib_optional: bool = False,
     **options,
 ) -> QuantizeReport:
     """Quantize the MatMul/Gemm nodes of ``model`` to float8 and write the result to ``output``.
@@ -78,14 +80,19 @@ def quantize(
     provider, weight budget, progress); a model with more than ``run.weight_memory`` bytes of weights
     is calibrated layer by layer (see :mod:`fp8onnx.segments`). Keyword ``options`` are RunOptions
     fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields.
+
+    Without ``calib``, a recipe that needs data (static activation scales, GPTQ, smoothing, bias
+    correction) on a model with token inputs and a ``tokenizer.json`` beside it calibrates on a text
+    sample of CPython's documentation (:func:`fp8onnx.sources.python_text_sample`). ``calib_optional``:
+    ``calib`` is such a default, dropped where the recipe needs no data.
     """
     with recording() as phases:
-        result = _quantize(model, output, calib, config, stats, report, run, options)
+        result = _quantize(model, output, calib, config, stats, report, run, options, calib_optional)
     result.phases = phases.to_json()
     return result
 
 
-def _quantize(model, output, calib, config, stats, report, run, options) -> QuantizeReport:
+def _quantize(model, output, calib, config, stats, report, run, options, calib_optional=False) -> QuantizeReport:
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
@@ -100,6 +107,15 @@ def _quantize(model, output, calib, config, stats, report, run, options) -> Quan
     run = RunOptions.of(run, provider=provider)
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
+    family = None
+    if config.preset == "auto":  # the family's recipe, under what the user set explicitly
+        from .family import detect_family
+
+        family = detect_family(ir_model)
+        config = config.for_family(family.preset)
+        logger.info("%s", family.describe())
+    if stats is None:
+        calib = _calibration_data(model, ir_model, config, calib, calib_optional)
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
     lap("plan")
@@ -208,6 +224,7 @@ def _quantize(model, output, calib, config, stats, report, run, options) -> Quan
         not_lowered=dict(lowering.skipped) if lowering else {},
         runtime_checked=check_on,
         target_problems=target_problems,
+        family=None if family is None else family.to_json(),
     )
     if report is not None:
         result.phases = current_phases()
@@ -216,6 +233,32 @@ def _quantize(model, output, calib, config, stats, report, run, options) -> Quan
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
         lap("report")
     return result
+
+
+def _needs_data(config: QuantizeConfig) -> bool:
+    static = config.activations == "static" and config.scaling != "constant"
+    return static or config.weights_need_data
+
+
+def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool):
+    """``calib``, or without it the bundled text sample for a token model with a tokenizer beside it;
+    a default (``optional``) is dropped where the recipe needs no data."""
+    needed = _needs_data(config)
+    if calib is not None:
+        return calib if needed or not optional else None
+    if not needed or not any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None):
+        return None
+    from .sources import default_text_sample
+
+    sample = default_text_sample(model)
+    if sample is None:
+        raise Fp8OnnxError(
+            f"Model {str(model)!r} takes token ids and has no tokenizer.json beside it to calibrate on a bundled "
+            "text sample: pass --calib DATA (text with --tokenizer, or an .npz), or use --activations "
+            "dynamic-per-token (no data needed)."
+        )
+    logger.warning("no --calib: calibrating on %s", sample)
+    return sample
 
 
 def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:

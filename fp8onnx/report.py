@@ -86,6 +86,7 @@ class QuantizeReport:
     runtime_checked: str | None = "cpu"  # the EP the output was loaded on before writing (None: none)
     target_problems: list[str] = dataclasses.field(default_factory=list)  # what --target would reject
     phases: list[dict] = dataclasses.field(default_factory=list)  # wall seconds per phase (fp8onnx.phases)
+    family: dict | None = None  # --preset auto: the model family seen, why, and the preset applied
 
     @property
     def quantized(self) -> list[NodeReport]:
@@ -101,6 +102,8 @@ class QuantizeReport:
     def summary(self) -> str:
         cfg = self.config
         lines = [f"{self.model} -> {self.output}"]
+        if self.family:  # --preset auto: what was seen and applied comes first
+            lines[0] += f"\n  {self.family['summary']}"
         if not self.quantized:  # must never look like success
             why = "; ".join(sorted({n.reason or "" for n in self.skipped})[:3]) or "it has no MatMul/Gemm node"
             lines = [f"NOTHING QUANTIZED in {self.model} (the output is the input graph, unchanged): {why}"]

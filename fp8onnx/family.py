@@ -1,0 +1,93 @@
+"""Which family a model belongs to, told from its graph alone, and the preset measured best for it
+(``--preset auto``).
+
+The rules, in order:
+
+- **decoder LLM**: token ids in (an integer ``*input_ids`` input) and a vocabulary projection out
+  (a MatMul/Gemm as wide as an embedding table, or at least 16384 outputs); KV-cache inputs or a
+  causal mask (``Trilu``, GroupQueryAttention) make it certain, and are named. Preset ``llm``.
+- **encoder**: token ids in, no vocabulary projection (sentence embeddings, classifiers). Preset
+  ``encoder``.
+- **CNN / vision**: Conv nodes at least as many as MatMul/Gemm nodes. Preset ``cnn``.
+- **speech / audio**: a float input named like audio (``input_values``, ``input_features``,
+  ``audio``, ``waveform``, ``mel``, ``speech``) or 1-D convolutions: plain per-tensor amax on
+  MatMul/Gemm only, Conv layers kept in float (a vocoder's Conv stack can collapse in FP8): what is
+  safe.
+- **other**: plain per-tensor static amax (``--preset none``, the FP8 LLM paper's method).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import onnx_ir as ir
+
+from .config import PRESETS
+
+__all__ = ["Family", "detect_family"]
+
+_PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECASE)
+_AUDIO = re.compile(r"input_values|input_features|audio|waveform|wav|mel|speech|fbank", re.IGNORECASE)
+_INTEGER = (ir.DataType.INT64, ir.DataType.INT32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # "decoder LLM", "encoder", "CNN", "speech", "other"
+    preset: str | None  # the PRESETS entry applied, or None for plain per-tensor amax
+    why: str  # what in the graph said so
+
+    def describe(self) -> str:
+        recipe = f"--preset {self.preset}" if self.preset else "--preset none (plain per-tensor static amax)"
+        line = f"model family: {self.name} ({self.why}); applied {recipe}"
+        if self.name == "speech":
+            line += "; Conv layers stay in float (a vocoder's Conv stack can collapse in FP8)"
+        return line
+
+    def to_json(self) -> dict:
+        return {
+            "summary": self.describe(),
+            "family": self.name,
+            "why": self.why,
+            "preset": self.preset or "none",
+            "recipe_measured": PRESETS[self.preset]["why"] if self.preset else None,
+        }
+
+
+def detect_family(model: ir.Model) -> Family:
+    from .plan import vocabulary_projections
+
+    graph = model.graph
+    inputs = [v for v in graph.inputs if v.const_value is None]
+    nodes = list(ir.traversal.RecursiveGraphIterator(graph))
+    ops = [n.op_type for n in nodes]
+    matmuls = [n for n in nodes if n.op_type in ("MatMul", "Gemm")]
+    convs = [n for n in nodes if n.op_type in ("Conv", "ConvTranspose")]
+    tokens = [v.name for v in inputs if "input_ids" in v.name and v.dtype in _INTEGER]
+    if tokens:
+        vocab = vocabulary_projections(model, matmuls)
+        signs = []
+        past = [v.name for v in inputs if _PAST.search(v.name)]
+        if past:
+            signs.append(f"{len(past)} KV-cache inputs")
+        if "Trilu" in ops or "GroupQueryAttention" in ops:
+            signs.append("a causal mask" if "Trilu" in ops else "GroupQueryAttention")
+        logits = [v.name for v in graph.outputs if v.name == "logits"]
+        if vocab:
+            head, why = next(iter(vocab.items()))
+            signs.append(f"{head}: {why}")
+        elif signs and logits:  # a small vocabulary (bytes): the causal structure and its logits say it
+            signs.append("a 'logits' output")
+        if vocab or (signs and logits):
+            return Family("decoder LLM", "llm", f"token input {tokens[0]!r}, " + ", ".join(signs))
+        return Family("encoder", "encoder", f"token input {tokens[0]!r}, no vocabulary projection")
+    audio = [v.name for v in inputs if _AUDIO.search(v.name) and v.dtype not in _INTEGER]
+    conv1d = [n for n in convs if n.inputs[1] is not None and n.inputs[1].shape is not None]
+    conv1d = [n for n in conv1d if len(n.inputs[1].shape) == 3]
+    if audio or (conv1d and len(conv1d) * 2 >= len(convs)):
+        why = f"audio input {audio[0]!r}" if audio else f"{len(conv1d)} 1-D convolutions"
+        return Family("speech", None, why)
+    if convs and len(convs) >= len(matmuls):
+        return Family("CNN", "cnn", f"{len(convs)} Conv/ConvTranspose nodes, {len(matmuls)} MatMul/Gemm")
+    return Family("other", None, f"{len(matmuls)} MatMul/Gemm nodes, no token or image input recognised")

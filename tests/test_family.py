@@ -1,0 +1,108 @@
+"""--preset auto: the model family told from the graph, the family's preset under the user's own
+options, and calibration on the bundled text sample when a token model comes without data."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+from test_conv import cnn
+
+import fp8onnx
+from fp8onnx.cli import main
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.family import detect_family
+from fp8onnx.model_io import load_model
+
+from helpers import SAMPLE, mlp_model
+
+
+def _speech(path):
+    """input_values[b, t] -> Unsqueeze -> Conv1d(4, k3) -> Transpose -> MatMul: a wav2vec-like front."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Unsqueeze", ["input_values", "axis"], ["x3"]),
+        helper.make_node("Conv", ["x3", "w1"], ["c"], name="conv"),
+        helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["t", "w2"], ["hidden"], name="proj"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "speech",
+        [helper.make_tensor_value_info("input_values", TensorProto.FLOAT, ["b", "t"])],
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["b", "t", 8])],
+        [
+            numpy_helper.from_array(np.array([1], np.int64), "axis"),
+            numpy_helper.from_array(rng.standard_normal((4, 1, 3)).astype(np.float32), "w1"),
+            numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "w2"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _encoder(path):
+    """input_ids -> Gather(table) -> MatMul: token ids in, hidden states out, no vocabulary projection."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "input_ids"], ["e"]), helper.make_node("MatMul", ["e", "w"], ["hidden"])],
+        "enc",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["b", "s", 8])],
+        [
+            numpy_helper.from_array(rng.standard_normal((300, 8)).astype(np.float32), "emb"),
+            numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "build, family, preset, why",
+    [
+        (lambda p: SAMPLE / "decoder.onnx", "decoder LLM", "llm", "a causal mask, a 'logits' output"),
+        (_encoder, "encoder", "encoder", "no vocabulary projection"),
+        (cnn, "CNN", "cnn", "2 Conv/ConvTranspose nodes, 1 MatMul/Gemm"),
+        (_speech, "speech", None, "audio input 'input_values'"),
+        (mlp_model, "other", None, "MatMul/Gemm nodes"),
+    ],
+)
+def test_the_family_is_told_from_the_graph(tmp_path, build, family, preset, why):
+    found = detect_family(load_model(build(tmp_path / "m.onnx")))
+    assert (found.name, found.preset) == (family, preset)
+    assert why in found.why and found.describe().startswith(f"model family: {family} (")
+
+
+def test_auto_applies_the_family_preset_under_explicit_options(tmp_path):
+    out = tmp_path / "q.onnx"
+    config = QuantizeConfig.for_preset("auto", activations="static")  # the user's own choice stays
+    report = fp8onnx.quantize(SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", config=config, provider="cpu")
+    assert report.family["family"] == "decoder LLM" and report.family["preset"] == "llm"
+    assert report.config["preset"] == "llm" and report.config["activations"] == "static"
+    assert report.config["weight_rounding"] == "gptq"  # from the preset
+    assert report.summary().splitlines()[1].startswith("  model family: decoder LLM")
+    meta = json.loads(onnx.load(out).metadata_props[0].value)
+    assert meta["preset"] == "llm"
+    assert QuantizeConfig.for_preset("none") == QuantizeConfig()
+
+
+def test_a_token_model_without_data_calibrates_on_the_bundled_text_sample(tmp_path):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    _encoder(folder / "model.onnx")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "the", "a", "of", "to", "and"])}, "[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    r = CliRunner().invoke(main, ["quantize", str(folder), "-o", str(tmp_path / "q.onnx")])
+    assert r.exit_code == 0, r.output
+    assert "text sample of CPython's documentation" in r.output and "domain data calibrates better" in r.output
+    (folder / "tokenizer.json").unlink()
+    r = CliRunner().invoke(main, ["quantize", str(folder), "-o", str(tmp_path / "q2.onnx")])
+    assert r.exit_code == 2 and "has no tokenizer.json beside it" in r.output, r.output
+    r = CliRunner().invoke(main, ["quantize", str(mlp_model(tmp_path / "m.onnx")), "-o", str(tmp_path / "q3.onnx")])
+    assert r.exit_code == 2 and "need calibration" in r.output, r.output  # not a token model: what data it needs
