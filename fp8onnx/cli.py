@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from typing import ClassVar
 
 import click
 from click.core import ParameterSource
@@ -315,6 +316,55 @@ def _text_options(*names: str):
     return decorate
 
 
+class _Sectioned(click.Command):
+    """--help with the options in named sections (``sections``: title -> option names), the rest last:
+    a command with many options reads as a few decisions."""
+
+    sections: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def format_options(self, ctx, formatter):
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        shown = set()
+        for title, names in self.sections.items():
+            rows = [records[n] for n in names if records.get(n)]
+            shown.update(names)
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+        rest = [r for n, r in records.items() if r and n not in shown]
+        if rest:
+            with formatter.section("Other options"):
+                formatter.write_dl(rest)
+
+
+class _QuantizeCommand(_Sectioned):
+    sections: ClassVar[dict[str, tuple[str, ...]]] = {
+        "Model, data and output": ("output", "calib", "tokenizer", "seq_len", "preset", "report"),
+        "Accuracy": ("eval_data", "accuracy_target", "max_float_nodes", "refine", "check_data", "stats"),
+        "Recipe (what a preset sets; rarely needed by hand)": (
+            "fmt",
+            "weight_format",
+            "activation_format",
+            "scaling",
+            "margin",
+            "percentile",
+            "scale",
+            "activations",
+            "per_channel",
+            "op_types",
+            "exclude",
+            "activation_matmuls",
+            "weight_rounding",
+            "smooth",
+            "bias_correction",
+            "float_vocab",
+            "embeddings",
+        ),
+        "Deployment target": ("precision", "target", "native_gemm", "fold_at_load"),
+        "Running": ("batch_size", "batch_memory", "workers", "ray_address", "weight_memory", "provider"),
+    }
+
+
 def _csv(ctx, param, value):
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else DEFAULT_OP_TYPES
 
@@ -330,7 +380,7 @@ _per_channel_option = click.option(
 )
 
 
-@main.command()
+@main.command(cls=_QuantizeCommand)
 @click.argument("model", type=click.Path())
 @click.option(
     "-o",
@@ -451,7 +501,7 @@ _per_channel_option = click.option(
     "--accuracy-target",
     type=float,
     metavar="PCT",
-    help="Keep the fewest, most sensitive nodes in float until the headline metric on --eval is >= PCT%% of FP16's.",
+    help="Keep the fewest, most sensitive nodes in float until the headline metric on --eval is >= PCT% of FP16's.",
 )
 @click.option(
     "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
@@ -519,8 +569,13 @@ def quantize(
     quantized, calibrated by running the export on the prompts of --calib, every other file copied.
 
     \b
-    Examples:
+    What most users need:
+      fp8onnx quantize export_dir/ -o export_fp8/ --preset auto    # an export folder, no data file: the whole job
       fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --eval eval.npz --accuracy-target 99.5 -o model.fp8.onnx
+
+    \b
+    More examples:
       fp8onnx quantize export_dir/ --calib corpus.txt -o export_fp8/   # a runnable folder
       fp8onnx quantize model.onnx --stats stats.json --scaling pow2 --margin 1 -o model.fp8.onnx
       fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx
@@ -532,7 +587,6 @@ def quantize(
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx
       fp8onnx quantize llama.onnx --calib calib.npz --weight-memory 256 -o llama.fp8.onnx  # layer by layer
-      fp8onnx quantize model.onnx --calib calib.npz --eval eval.npz --accuracy-target 99.5 -o model.fp8.onnx
     """
     if (eval_data is None) != (accuracy_target is None):
         raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")

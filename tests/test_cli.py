@@ -196,3 +196,12 @@ def test_a_plot_folder_is_made_when_its_parent_exists(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(model), "--plot", str(tmp_path / "no" / "plots")])
     assert r.exit_code == 2 and "its parent" in r.output and "does not exist" in r.output, r.output
     assert not (tmp_path / "no").exists()
+
+
+def test_quantize_help_leads_with_the_common_jobs_and_groups_its_options():
+    out = CliRunner().invoke(main, ["quantize", "--help"]).output
+    sections = ["Model, data and output:", "Accuracy:", "Recipe", "Deployment target:", "Running:"]
+    positions = [out.index(s) for s in sections]
+    assert positions == sorted(positions)
+    assert out.index("What most users need:") < out.index("More examples:") < positions[0]
+    assert out.index("--calib") < out.index("Accuracy:") < out.index("--smooth")  # the common ones first
