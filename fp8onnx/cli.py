@@ -575,7 +575,7 @@ def quantize(
       fp8onnx quantize model.onnx --calib calib.npz --eval eval.npz --accuracy-target 99.5 -o model.fp8.onnx
 
     \b
-    More examples:
+    Examples of the other options:
       fp8onnx quantize export_dir/ --calib corpus.txt -o export_fp8/   # a runnable folder
       fp8onnx quantize model.onnx --stats stats.json --scaling pow2 --margin 1 -o model.fp8.onnx
       fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx

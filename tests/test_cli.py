@@ -203,5 +203,5 @@ def test_quantize_help_leads_with_the_common_jobs_and_groups_its_options():
     sections = ["Model, data and output:", "Accuracy:", "Recipe", "Deployment target:", "Running:"]
     positions = [out.index(s) for s in sections]
     assert positions == sorted(positions)
-    assert out.index("What most users need:") < out.index("More examples:") < positions[0]
+    assert out.index("What most users need:") < out.index("Examples of the other options:") < positions[0]
     assert out.index("--calib") < out.index("Accuracy:") < out.index("--smooth")  # the common ones first
