@@ -35,8 +35,8 @@ def models(
             ROOT / "models/decoder/eval.npz",
         )
     ]
-    for name in ("vit", "llama-small", "bert-dynamo"):
-        found.append((name, zoo / f"{name}.onnx", zoo / f"{name}.calib.npz", zoo / f"{name}.eval.npz"))
+    for name, file in (("vit", "model.onnx"), ("llama-small", "llama-small.onnx"), ("bert-dynamo", "model.onnx")):
+        found.append((name, zoo / name / file, zoo / name / "calib.npz", zoo / name / "eval.npz"))
     found.append(
         (
             "minilm",
