@@ -44,8 +44,10 @@ class Candidates:
         eval_data,
         run: RunOptions,
         calib=None,
+        metric: str = "auto",
     ):
         self.model, self.config, self.stats, self.eval_data, self.run = model, config, stats, eval_data, run
+        self.headline = metric  # compare's --metric: which headline the variants are scored on
         self.calib = calib  # for configs whose weights read the data (GPTQ, smoothing, bias correction)
         self.metric = ""
         self.evaluated = 0  # distinct variants quantized and evaluated
@@ -85,7 +87,16 @@ class Candidates:
                 self.write(sorted(keep), path, quiet)
                 paths.append(path)
             first = self.rounds == 0
-            result = compare(self.model, paths, self.eval_data, fp16=first, generate=0, memory=False, run=self.run)
+            result = compare(
+                self.model,
+                paths,
+                self.eval_data,
+                fp16=first,
+                generate=0,
+                memory=False,
+                metric=self.headline,
+                run=self.run,
+            )
             by_name = {r.name: r for r in result.rows}
             if first and "FP16" in by_name:
                 self._fp16 = by_name["FP16"].value

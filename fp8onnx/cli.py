@@ -30,7 +30,7 @@ from . import inspect as api_inspect
 from . import quantize as api_quantize
 from . import study as run_study
 from .api import inspect_summary
-from .compare import GENERATE_PROMPTS, GENERATE_TOKENS
+from .compare import GENERATE_PROMPTS, GENERATE_TOKENS, METRICS
 from .config import (
     ACTIVATION_MODES,
     DEFAULT_OP_TYPES,
@@ -261,6 +261,17 @@ _provider_option = click.option(
 )
 
 
+_metric_option = click.option(
+    "--metric",
+    type=click.Choice(METRICS),
+    default="auto",
+    show_default=True,
+    help="The headline compared with FP16: auto is task accuracy with labels, else top-1 agreement for class "
+    "scores (named like logits, or computed by a Softmax), else mean cosine; rel-l2 scores 1 - relative L2 "
+    "error (regression).",
+)
+
+
 def _run_options(
     batch_size: int | None = None,
     provider: str = "auto",
@@ -340,7 +351,7 @@ class _Sectioned(click.Command):
 class _QuantizeCommand(_Sectioned):
     sections: ClassVar[dict[str, tuple[str, ...]]] = {
         "Model, data and output": ("output", "calib", "tokenizer", "seq_len", "preset", "report"),
-        "Accuracy": ("eval_data", "accuracy_target", "max_float_nodes", "refine", "check_data", "stats"),
+        "Accuracy": ("eval_data", "accuracy_target", "metric", "max_float_nodes", "refine", "check_data", "stats"),
         "Recipe (what a preset sets; rarely needed by hand)": (
             "fmt",
             "weight_format",
@@ -506,6 +517,7 @@ _per_channel_option = click.option(
 @click.option(
     "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
 )
+@_metric_option
 @click.option(
     "--fold-at-load",
     is_flag=True,
@@ -559,6 +571,7 @@ def quantize(
     eval_data,
     accuracy_target,
     max_float_nodes,
+    metric,
     fold_at_load,
     refine,
 ):
@@ -663,6 +676,7 @@ def quantize(
             refine=refine,
             config=config,
             report=report,
+            metric=metric,
             run=run,
         )
         click.echo(fallback.summary())
@@ -746,6 +760,7 @@ def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_addre
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write compare.png into this folder.")
+@_metric_option
 @_run
 @_text_options("data")
 def compare(
@@ -761,6 +776,7 @@ def compare(
     provider,
     json_out,
     plot_dir,
+    metric,
 ):
     """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline; for language models
     also greedy generation against FP32's; for every model its time per batch and session memory.
@@ -778,7 +794,9 @@ def compare(
     plot = pathlib.Path(plot_dir) / "compare.png" if plot_dir else None
     check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out), ("the plot", plot)])
     run = _run_options(batch_size, provider, workers=workers, ray_address=ray_address)
-    result = api_compare(reference, candidates, data, fp16=not no_fp16, generate=generate, prompts=prompts, run=run)
+    result = api_compare(
+        reference, candidates, data, fp16=not no_fp16, generate=generate, prompts=prompts, metric=metric, run=run
+    )
     click.echo(result.table())
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
@@ -945,6 +963,7 @@ def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_addre
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every node's SQNR as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write sensitivity.png into this folder.")
+@_metric_option
 @_run
 @_text_options("calib", "data", "eval_data")
 def sensitivity(
@@ -967,6 +986,7 @@ def sensitivity(
     provider,
     json_out,
     plot_dir,
+    metric,
 ):
     """Rank the nodes `quantize` would quantize by the error each contributes alone: the SQNR of its
     output when only it is in FP8, measured for every node in one pass over the data.
@@ -1005,6 +1025,7 @@ def sensitivity(
         stats=stats,
         eval_data=eval_data,
         refine=refine,
+        metric=metric,
         run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
     )
     click.echo(result.table(top))

@@ -126,10 +126,10 @@ class _Score:
         self.nll += other.nll
 
 
-def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out) -> _Score:
+def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out, classes=frozenset()) -> _Score:
     score = _Score({o: _OutputStats() for o in out_names})
     for o, r, c in zip(out_names, ref, outs):
-        score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels))
+        score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels, classes))
     if label_out is not None:
         score.correct = int((outs[label_out].argmax(axis=-1) == labels).sum())
         score.nll = _nll(outs[label_out], labels)
@@ -137,19 +137,21 @@ def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, lab
 
 
 def reference_batch(
-    session, b: int, feed: dict, labels, out_names, cost: _Cost | None = None
+    session, b: int, feed: dict, labels, out_names, classes=frozenset(), cost: _Cost | None = None
 ) -> tuple[tuple[_Score, int | None], list]:
     """The reference on batch ``b``: ((its score against itself, the labelled output), its outputs);
     ``cost`` times the onnxruntime run alone."""
     with cost.run() if cost is not None else contextlib.nullcontext():
         ref = _run(session, _REFERENCE, feed, b)
     label_out = _label_output(ref, out_names, labels)
-    return (_score(ref, ref, out_names, labels, label_out), label_out), ref
+    return (_score(ref, ref, out_names, labels, label_out, classes), label_out), ref
 
 
-def candidate_batch(session, name: str, b: int, feed: dict, ref: list, labels, label_out, out_names) -> _Score:
+def candidate_batch(
+    session, name: str, b: int, feed: dict, ref: list, labels, label_out, out_names, classes=frozenset()
+) -> _Score:
     """Model ``name`` on batch ``b``, scored against the reference's outputs ``ref``."""
-    return _score(ref, _run(session, name, feed, b), out_names, labels, label_out)
+    return _score(ref, _run(session, name, feed, b), out_names, labels, label_out, classes)
 
 
 @dataclasses.dataclass
@@ -298,12 +300,30 @@ def _yes(v: bool | None) -> str:
     return "-" if v is None else ("pass" if v else "FAIL")
 
 
-def _looks_like_logits(name: str, shape: tuple, labels: np.ndarray | None) -> bool:
+def _looks_like_logits(name: str, shape: tuple, labels: np.ndarray | None, classes=frozenset()) -> bool:
+    """Whether top-1 agreement is measured on this output: class scores by their labels, their name, a
+    Softmax computing them, or ``--metric top1`` (``classes``)."""
     if len(shape) < 2 or shape[-1] < 2:
         return False
-    if labels is not None and tuple(labels.shape) == tuple(shape[:-1]):
+    if name in classes or (labels is not None and tuple(labels.shape) == tuple(shape[:-1])):
         return True
     return bool(_LOGITS_NAME.search(name))
+
+
+METRICS = ("auto", "accuracy", "top1", "cosine", "rel-l2")
+_PASS_THROUGH = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Transpose")
+
+
+def class_outputs(model) -> frozenset[str]:
+    """Outputs computed by a Softmax/LogSoftmax (through reshapes and casts): class scores."""
+    found = set()
+    for value in model.graph.outputs:
+        node = value.producer()
+        while node is not None and node.op_type in _PASS_THROUGH and node.inputs and node.inputs[0] is not None:
+            node = node.inputs[0].producer()
+        if node is not None and node.op_type in ("Softmax", "LogSoftmax"):
+            found.add(value.name)
+    return frozenset(found)
 
 
 def compare(
@@ -316,6 +336,7 @@ def compare(
     generate: int = GENERATE_TOKENS,
     prompts: int = GENERATE_PROMPTS,
     memory: bool = True,
+    metric: str = "auto",
     run: RunOptions | None = None,
     **run_options,
 ) -> CompareResult:
@@ -324,6 +345,9 @@ def compare(
     model (``input_ids`` in, ``logits`` out) also generates ``generate`` tokens greedily from
     ``prompts`` prompts taken from the data (``generate=0``: not), each model against FP32's tokens.
     ``memory``: measure the heap each session holds (a garbage collection per model, 0.1-0.3 s).
+    ``metric``: the headline compared with FP16 (``METRICS``): auto is task accuracy with labels, else
+    top-1 agreement for class scores (named like logits, or computed by a Softmax), else mean cosine;
+    ``rel-l2`` scores 1 - relative L2 error (regression outputs).
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
@@ -333,6 +357,9 @@ def compare(
     reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
     ref_model = load_model(reference)
     out_names = [v.name for v in ref_model.graph.outputs]
+    if metric not in METRICS:
+        raise Fp8OnnxError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}.")
+    classes = class_outputs(ref_model) | ({out_names[0]} if metric == "top1" else set())
     # name -> (path or None, builder of its session); checked up front, before the long runs
     models: dict[str, tuple[str | None, Callable[[], object]]] = {}
     if fp16:
@@ -352,11 +379,23 @@ def compare(
     notes: list[str] = []
     evaluate = _evaluate_distributed if run.distributed else _evaluate_here
     rows, samples, batches = evaluate(
-        reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes, memory
+        reference,
+        models,
+        source,
+        out_names,
+        total,
+        max_samples,
+        batch_size,
+        provider,
+        progress,
+        run,
+        notes,
+        memory,
+        frozenset(classes),
     )
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
-    _headline(rows, out_names[0], fp16)
+    _headline(rows, out_names[0], fp16, metric)
     generation = None
     if generate and _is_language_model(ref_model):
         generation = _generation(reference, models, rows, source, generate, prompts, provider, notes)
@@ -432,7 +471,19 @@ def _no_fp16(exc: Fp8OnnxError, notes: list[str]) -> None:
 
 
 def _evaluate_here(
-    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes, memory
+    reference,
+    models,
+    source,
+    out_names,
+    total,
+    max_samples,
+    batch_size,
+    provider,
+    progress,
+    run,
+    notes,
+    memory,
+    classes,
 ):
     """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
     are read back batch by batch for each other model, so memory holds one session."""
@@ -445,7 +496,9 @@ def _evaluate_here(
         label_out = None
         bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
         for batch in bar:
-            (score, label_out), ref = reference_batch(session, batches, batch.feed, batch.labels, out_names, cost)
+            (score, label_out), ref = reference_batch(
+                session, batches, batch.feed, batch.labels, out_names, classes, cost
+            )
             ref_score.merge(score)
             for o, r in zip(out_names, ref):
                 spill.save(f"out/{o}", batches, r)
@@ -476,7 +529,7 @@ def _evaluate_here(
                     ref = [spill.load(f"out/{o}", b) for o in out_names]
                     with cost.run():
                         outs = _run(session, name, feed, b)
-                    total_score.merge(_score(ref, outs, out_names, labels, label_out))
+                    total_score.merge(_score(ref, outs, out_names, labels, label_out, classes))
                 outs = None
                 cost.release()
             except Fp8OnnxError as exc:
@@ -528,7 +581,19 @@ class _Cost:
 
 
 def _evaluate_distributed(
-    reference, models, source, out_names, total, max_samples, batch_size, provider, progress, run, notes, memory
+    reference,
+    models,
+    source,
+    out_names,
+    total,
+    max_samples,
+    batch_size,
+    provider,
+    progress,
+    run,
+    notes,
+    memory,
+    classes,
 ):
     """Every model's batches shared by Ray workers (:mod:`fp8onnx.distributed`): inputs and the
     reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
@@ -549,7 +614,7 @@ def _evaluate_distributed(
             for b, batch in enumerate(source.batches(batch_size)):
                 feed = pool.put(batch.feed)
                 batches_in.append((batch, feed))
-                yield b, feed, batch.labels, out_names
+                yield b, feed, batch.labels, out_names, classes
                 samples += batch.size
                 if max_samples is not None and samples >= max_samples:
                     return
@@ -578,7 +643,7 @@ def _evaluate_distributed(
                     pool.load(ship(path), _worker_session, provider, f"Candidate model {str(path)!r}", ())
                 total_score = _Score({o: _OutputStats() for o in out_names})
                 work = (
-                    (name, b, feed, ref, None if label_out is None else batch.labels, label_out, out_names)
+                    (name, b, feed, ref, None if label_out is None else batch.labels, label_out, out_names, classes)
                     for b, ((batch, feed), ref) in enumerate(zip(batches_in, refs))
                 )
                 for score in progress_bar(
@@ -669,13 +734,23 @@ def _accuracy(correct: int, labelled: int) -> float | None:
     return correct / labelled if labelled else None
 
 
-def _headline(rows: list[RowResult], first: str, fp16: bool) -> None:
-    if rows[0].accuracy is not None:
-        key, label = (lambda r: r.accuracy), "task accuracy"
-    elif rows[0].outputs[first]["top1_agreement"] is not None:
-        key, label = (lambda r: r.outputs[first]["top1_agreement"]), "top-1 agreement with FP32"
-    else:
-        key, label = (lambda r: r.outputs[first]["cosine_mean"]), "mean cosine to FP32"
+def _headline(rows: list[RowResult], first: str, fp16: bool, metric: str = "auto") -> None:
+    accuracy = (lambda r: r.accuracy), "task accuracy"
+    top1 = (lambda r: r.outputs[first]["top1_agreement"]), "top-1 agreement with FP32"
+    cosine = (lambda r: r.outputs[first]["cosine_mean"]), "mean cosine to FP32"
+    rel = (lambda r: 1.0 - r.outputs[first]["rel_l2"]), "1 - relative L2 error to FP32"
+    if metric == "accuracy" and rows[0].accuracy is None:
+        raise Fp8OnnxError("--metric accuracy needs 'labels' in the evaluation data.")
+    if metric == "top1" and rows[0].outputs[first]["top1_agreement"] is None:
+        raise Fp8OnnxError(
+            f"--metric top1 needs an output of class scores; {first!r} has fewer than 2 along its last axis."
+        )
+    if metric == "auto":
+        if rows[0].accuracy is not None:
+            metric = "accuracy"
+        else:
+            metric = "top1" if rows[0].outputs[first]["top1_agreement"] is not None else "cosine"
+    key, label = {"accuracy": accuracy, "top1": top1, "cosine": cosine, "rel-l2": rel}[metric]
     base = next((key(r) for r in rows if r.name == "FP16"), None) if fp16 else None
     for r in rows:
         r.headline, r.value = label, key(r)

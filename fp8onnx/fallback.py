@@ -95,6 +95,9 @@ def _rounds(limit: int) -> list[list[int]]:
     return [c for c in [[0], [k for k in counts if 0 < k <= 4], [k for k in counts if k > 4]] if c]
 
 
+NEARLY_ALL = 0.9  # a target met only with this share of the nodes in float is refused unless allowed
+
+
 def search(sens: SensitivityResult, candidates: Candidates, target: float, limit: int):
     """(tried, chosen): the headline ratio to FP16 per count of nodes kept in float (in
     ``sens.order()``), and the smallest count within ``limit`` whose ratio, and that of every larger
@@ -153,6 +156,7 @@ def quantize_to_target(
     refine: int = 0,
     config: QuantizeConfig | None = None,
     report: str | os.PathLike | None = None,
+    metric: str = "auto",
     run: RunOptions | None = None,
     **options,
 ) -> FallbackResult:
@@ -160,8 +164,10 @@ def quantize_to_target(
     ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``target``% of FP16's.
 
     requires: ``calib`` data (sensitivity and scales come from it), ``eval_data`` with an FP16 baseline;
-    ensures: the output is written only when the target holds on ``eval_data``; otherwise
+    ensures: the output is written only when the target holds on ``eval_data`` with fewer than
+    ``NEARLY_ALL`` of the nodes in float (more only when ``max_float_nodes`` allows it); otherwise
     :class:`TargetNotMet` is raised and nothing is written. Deterministic for the same inputs.
+    ``metric``: the headline (``fp8onnx.compare.METRICS``; auto: compare's own choice).
     """
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
@@ -179,13 +185,14 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
+    scoring = {"config": config, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
     if config.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
-        sens = sensitivity(model, None, calib, config=config, eval_data=eval_data, refine=refine, run=run)
+        sens = sensitivity(model, None, calib, **scoring)
     else:
-        sens = sensitivity(model, calib, config=config, eval_data=eval_data, refine=refine, run=run)
+        sens = sensitivity(model, calib, **scoring)
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
-    with Candidates(model, config, sens.stats, eval_data, run, calib=calib) as candidates:
+    with Candidates(model, config, sens.stats, eval_data, run, calib=calib, metric=metric) as candidates:
         tried, chosen = search(sens, candidates, target, limit)
     evaluations = sens.evaluations + candidates.evaluated
     metric = candidates.metric
@@ -199,6 +206,15 @@ def quantize_to_target(
             f"Accuracy target {target:g}% of FP16 ({metric}) not met on {as_path(eval_data) or 'the evaluation data'} "
             f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
             "nothing written (raise --max-float-nodes or lower --accuracy-target).",
+            result,
+        )
+    nodes = sens.to_json()["nodes"]
+    if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
+        result = FallbackResult(target, metric, tried, order[:chosen], False, None, evaluations, nodes)
+        raise TargetNotMet(
+            f"Accuracy target {target:g}% of FP16 ({metric}) holds only with {chosen} of {len(order)} nodes in float: "
+            "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
+            f"with --max-float-nodes {chosen}).",
             result,
         )
     final = candidates.write(order[:chosen], output, run)

@@ -143,6 +143,7 @@ def sensitivity(
     stats: str | os.PathLike | Stats | None = None,
     eval_data=None,
     refine: int = 5,
+    metric: str = "auto",
     run: RunOptions | None = None,
     **options,
 ) -> SensitivityResult:
@@ -213,16 +214,18 @@ def sensitivity(
         row.risk = risks.get(row.name)
     result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
     if eval_data is not None and refine > 0:
-        _refine(result, model, config, eval_data, refine, run, calib if calib is not None else data)
+        _refine(result, model, config, eval_data, refine, run, calib if calib is not None else data, metric)
     return result
 
 
-def _refine(result: SensitivityResult, model, config: QuantizeConfig, eval_data, top: int, run, calib) -> None:
+def _refine(
+    result: SensitivityResult, model, config: QuantizeConfig, eval_data, top: int, run, calib, metric: str = "auto"
+) -> None:
     """Score the all-FP8 model and, per lowest-SQNR node, the model with only it in float."""
     from .candidates import Candidates
 
     nodes = result.ranked()[:top]
-    with Candidates(model, config, result.stats, eval_data, run, calib=calib) as candidates:
+    with Candidates(model, config, result.stats, eval_data, run, calib=calib, metric=metric) as candidates:
         base, *ratios = candidates.ratios([(), *((n.name,) for n in nodes)])
     result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
     for node, ratio in zip(nodes, ratios):

@@ -169,3 +169,40 @@ def test_compare_plot_is_written_into_a_new_folder(tmp_path):
     assert r.exit_code == 0, r.output
     png = tmp_path / "plots" / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _softmax_classifier(path, w):
+    """x -> MatMul -> Softmax -> 'output': class scores under a name that says nothing."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["z"], name="fc"), helper.make_node("Softmax", ["z"], ["output"])],
+        "clf",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 4])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+def test_the_headline_follows_the_output_and_can_be_chosen(tmp_path):
+    """A classifier (a Softmax computes its output) is judged by top-1 agreement, not by cosine, which
+    hides changed decisions; --metric chooses any headline; one that cannot be measured is refused."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((64, 16)).astype(np.float32))
+    ref = _softmax_classifier(tmp_path / "ref.onnx", w)
+    noisy = _softmax_classifier(tmp_path / "noisy.onnx", w + rng.standard_normal(w.shape).astype(np.float32) * 0.5)
+    auto = fp8onnx.compare(ref, [noisy], tmp_path / "d.npz", provider="cpu").rows[-1]
+    assert auto.headline == "top-1 agreement with FP32" and auto.value == auto.outputs["output"]["top1_agreement"]
+    assert auto.value < auto.outputs["output"]["cosine_mean"]  # cosine would have hidden the changed decisions
+    for metric, label in (("cosine", "mean cosine to FP32"), ("rel-l2", "1 - relative L2 error to FP32")):
+        row = fp8onnx.compare(ref, [noisy], tmp_path / "d.npz", metric=metric, provider="cpu").rows[-1]
+        assert row.headline == label
+    assert row.value == pytest.approx(1 - row.outputs["output"]["rel_l2"])
+    path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "m.npz")
+    top1 = fp8onnx.compare(path, [path], data, metric="top1", provider="cpu").rows[-1]  # 'y': 8 scores per row
+    assert top1.headline == "top-1 agreement with FP32" and top1.value == 1.0
+    with pytest.raises(Fp8OnnxError, match="--metric accuracy needs 'labels'"):
+        fp8onnx.compare(ref, [noisy], tmp_path / "d.npz", metric="accuracy", provider="cpu")
+    with pytest.raises(Fp8OnnxError, match="--metric must be one of"):
+        fp8onnx.compare(ref, [noisy], tmp_path / "d.npz", metric="f1", provider="cpu")

@@ -137,3 +137,20 @@ def test_the_search_applies_weight_techniques_to_every_candidate(tmp_path, outli
     assert result.met and result.kept_in_float == ["second"]
     assert any("GPTQ rounding of 1 weights" in p for p in result.report.prepared)
     assert result.report.config["weight_rounding"] == "gptq"
+
+
+def test_a_target_met_only_with_nearly_every_node_in_float_is_refused_unless_allowed(tmp_path, outlier_chain):
+    """2 of 2 nodes in float is not an FP8 model: nothing is written, the sentence says how to allow it."""
+    path, calib, eval_data = outlier_chain
+    out = tmp_path / "q.onnx"
+    with pytest.raises(TargetNotMet, match=r"holds only with 2 of 2 nodes in float.*--max-float-nodes 2"):
+        quantize_to_target(path, out, calib, eval_data, target=100, provider="cpu")
+    assert not out.exists()
+    allowed = quantize_to_target(path, out, calib, eval_data, target=100, max_float_nodes=2, provider="cpu")
+    assert allowed.met and sorted(allowed.kept_in_float) == ["first", "second"] and out.exists()
+
+
+def test_the_metric_can_be_chosen(tmp_path, outlier_chain):
+    path, calib, eval_data = outlier_chain
+    result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=90.0, metric="rel-l2")
+    assert result.metric == "1 - relative L2 error to FP32"
