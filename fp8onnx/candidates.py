@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 from .calibration import Stats
-from .compare import compare
+from .compare import ReferenceRun, compare
 from .config import QuantizeConfig
 from .errors import Fp8OnnxError
 from .quantize import quantize
@@ -58,9 +58,11 @@ class Candidates:
 
     def __enter__(self) -> Candidates:
         self._tmp = tempfile.TemporaryDirectory(prefix="fp8onnx-candidates-")
+        self._reference = ReferenceRun()  # FP32's outputs, run once for every round
         return self
 
     def __exit__(self, *exc) -> None:
+        self._reference.close()
         self._tmp.cleanup()
 
     def config_keeping(self, keep) -> QuantizeConfig:
@@ -95,6 +97,7 @@ class Candidates:
                 generate=0,
                 memory=False,
                 metric=self.headline,
+                reference_run=self._reference,
                 run=self.run,
             )
             by_name = {r.name: r for r in result.rows}

@@ -45,7 +45,7 @@ from .runtime import (
 )
 from .segments import Spill
 
-__all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "RowResult", "compare"]
+__all__ = ["LLM_RATIO", "PTQ_REL_LOSS", "CompareResult", "ReferenceRun", "RowResult", "compare"]
 
 logger = logging.getLogger(__name__)
 LLM_RATIO = 0.995  # FP8 within 99.5% of FP16 (FP8 LLM paper)
@@ -337,6 +337,7 @@ def compare(
     prompts: int = GENERATE_PROMPTS,
     memory: bool = True,
     metric: str = "auto",
+    reference_run: ReferenceRun | None = None,
     run: RunOptions | None = None,
     **run_options,
 ) -> CompareResult:
@@ -347,7 +348,9 @@ def compare(
     ``memory``: measure the heap each session holds (a garbage collection per model, 0.1-0.3 s).
     ``metric``: the headline compared with FP16 (``METRICS``): auto is task accuracy with labels, else
     top-1 agreement for class scores (named like logits, or computed by a Softmax), else mean cosine;
-    ``rel-l2`` scores 1 - relative L2 error (regression outputs).
+    ``rel-l2`` scores 1 - relative L2 error (regression outputs). ``reference_run``: a
+    :class:`ReferenceRun` that keeps the reference's pass for later calls on the same reference, data
+    and batching (the first call fills it; on Ray workers it is not used).
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
@@ -392,6 +395,7 @@ def compare(
         notes,
         memory,
         frozenset(classes),
+        *(() if run.distributed else (reference_run,)),
     )
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
@@ -484,40 +488,21 @@ def _evaluate_here(
     notes,
     memory,
     classes,
+    cache=None,
 ):
     """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
-    are read back batch by batch for each other model, so memory holds one session."""
-    spill = Spill()
+    are read back batch by batch for each other model, so memory holds one session. ``cache`` (a
+    :class:`ReferenceRun`): the reference's pass is kept there, or taken from there when it is."""
+    done = cache if cache is not None else ReferenceRun()
+    if not done.batches:
+        _reference_pass(
+            done, reference, source, out_names, total, max_samples, batch_size, provider, progress, memory, classes
+        )
+    spill, labelled, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
+    feed_names = done.feed_names
     try:
-        cost = _Cost(memory)
-        session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
-        ref_score = _Score({o: _OutputStats() for o in out_names})
-        labelled = samples = batches = 0
-        label_out = None
-        bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
-        for batch in bar:
-            (score, label_out), ref = reference_batch(
-                session, batches, batch.feed, batch.labels, out_names, classes, cost
-            )
-            ref_score.merge(score)
-            for o, r in zip(out_names, ref):
-                spill.save(f"out/{o}", batches, r)
-            for k, v in batch.feed.items():
-                spill.save(f"in/{k}", batches, v)
-            if label_out is not None:
-                labelled += batch.labels.size
-                spill.save("labels", batches, batch.labels)
-            samples += batch.size
-            batches += 1
-            if max_samples is not None and samples >= max_samples:
-                break
-        cost.release()
-        session = None
-        if batches == 0:
-            raise Fp8OnnxError("The evaluation data gave no batches.")
-        feed_names = list(batch.feed)
-        rows = [_row(_REFERENCE, str(reference), ref_score, labelled)]
-        rows[0].latency_ms, rows[0].session_mib = cost.result()
+        rows = [_row(_REFERENCE, str(reference), done.score, labelled)]
+        rows[0].latency_ms, rows[0].session_mib = done.cost
         for name, (path, build) in models.items():
             try:
                 cost = _Cost(memory)
@@ -542,8 +527,68 @@ def _evaluate_here(
             rows.append(_row(name, path, total_score, labelled))
             rows[-1].latency_ms, rows[-1].session_mib = cost.result()
     finally:
-        spill.close()
-    return rows, samples, batches
+        if cache is None:
+            done.close()
+    return rows, done.samples, batches
+
+
+@dataclasses.dataclass
+class ReferenceRun:
+    """The FP32 reference's pass over the data (its outputs and the inputs on disk, its own score),
+    kept for later ``compare`` calls on the same reference and data: the accuracy search's rounds run
+    it once. ``close()`` removes the spill."""
+
+    spill: Spill | None = None
+    score: _Score | None = None
+    labelled: int = 0
+    samples: int = 0
+    batches: int = 0
+    label_out: int | None = None
+    feed_names: list = dataclasses.field(default_factory=list)
+    cost: tuple = (None, None)
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
+
+def _reference_pass(
+    run: ReferenceRun, reference, source, out_names, total, max_samples, batch_size, provider, progress, memory, classes
+) -> None:
+    """The reference over the data, into ``run`` (closed again on failure)."""
+    run.spill = Spill()
+    try:
+        cost = _Cost(memory)
+        session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
+        run.score = _Score({o: _OutputStats() for o in out_names})
+        bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
+        for batch in bar:
+            b = run.batches
+            (score, run.label_out), ref = reference_batch(
+                session, b, batch.feed, batch.labels, out_names, classes, cost
+            )
+            run.score.merge(score)
+            for o, r in zip(out_names, ref):
+                run.spill.save(f"out/{o}", b, r)
+            for k, v in batch.feed.items():
+                run.spill.save(f"in/{k}", b, v)
+            if run.label_out is not None:
+                run.labelled += batch.labels.size
+                run.spill.save("labels", b, batch.labels)
+            run.samples += batch.size
+            run.batches += 1
+            run.feed_names = list(batch.feed)
+            if max_samples is not None and run.samples >= max_samples:
+                break
+        cost.release()
+        session = None
+        if run.batches == 0:
+            raise Fp8OnnxError("The evaluation data gave no batches.")
+        run.cost = cost.result()
+    except BaseException:
+        run.close()
+        raise
 
 
 class _Cost:

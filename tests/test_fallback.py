@@ -95,7 +95,10 @@ def test_the_report_says_how_the_target_was_met(tmp_path, outlier_chain):
     assert doc["sensitivity"][1]["rank"] == 1 and doc["nodes"][0]["name"] == "first"
 
 
-def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path, outlier_chain):
+def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path, outlier_chain, monkeypatch):
+    """FP16 runs in the first round only, the FP32 reference once for all rounds (its outputs kept)."""
+    import sys
+
     from fp8onnx.candidates import Candidates
     from fp8onnx.config import QuantizeConfig
     from fp8onnx.runtime import RunOptions
@@ -103,11 +106,16 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     path, calib, eval_data = outlier_chain
     stats = fp8onnx.calibrate(path, calib, provider="cpu")
     config = QuantizeConfig()
+    compare_module = sys.modules["fp8onnx.compare"]  # the package's `compare` is the function
+    built = []
+    real = compare_module.make_session
+    monkeypatch.setattr(compare_module, "make_session", lambda *a, **k: built.append(a[2]) or real(*a, **k))
     with Candidates(path, config, stats, eval_data, RunOptions(provider="cpu")) as candidates:
         (all_fp8,) = candidates.ratios([()])
         (kept,) = candidates.ratios([("second",)])  # the second round: compare without FP16
         assert candidates.ratios([(), ("second",)]) == [all_fp8, kept] and candidates.evaluated == 2
         assert candidates.rounds == 2
+    assert sum(what.startswith("Reference model") for what in built) == 1
     fp8onnx.quantize(path, tmp_path / "k.onnx", config=candidates.config_keeping(["second"]), stats=stats)
     fresh = fp8onnx.compare(path, [tmp_path / "k.onnx"], eval_data, provider="cpu").rows[-1].ratio_to_fp16
     assert kept == fresh and all_fp8 < 0.999 <= kept
