@@ -380,8 +380,7 @@ def compare(
         total = min(total, -(-max_samples // batch_size))
 
     notes: list[str] = []
-    evaluate = _evaluate_distributed if run.distributed else _evaluate_here
-    rows, samples, batches = evaluate(
+    job = _Evaluation(
         reference,
         models,
         source,
@@ -395,8 +394,8 @@ def compare(
         notes,
         memory,
         frozenset(classes),
-        *(() if run.distributed else (reference_run,)),
     )
+    rows, samples, batches = _evaluate_distributed(job) if run.distributed else _evaluate_here(job, reference_run)
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
     _headline(rows, out_names[0], fp16, metric)
@@ -474,38 +473,41 @@ def _no_fp16(exc: Fp8OnnxError, notes: list[str]) -> None:
     logger.warning("%s", notes[-1])
 
 
-def _evaluate_here(
-    reference,
-    models,
-    source,
-    out_names,
-    total,
-    max_samples,
-    batch_size,
-    provider,
-    progress,
-    run,
-    notes,
-    memory,
-    classes,
-    cache=None,
-):
+@dataclasses.dataclass
+class _Evaluation:
+    """What one compare run evaluates, and how: the executors' one argument."""
+
+    reference: pathlib.Path
+    models: dict  # name -> (path or None, builder of its session)
+    source: object  # fp8onnx.data.as_data's data source
+    out_names: list[str]
+    total: int | None  # batches expected (progress bars)
+    max_samples: int | None
+    batch_size: int
+    provider: str
+    progress: bool
+    run: RunOptions
+    notes: list[str]  # appended to: why there is no FP16 row, ...
+    memory: bool  # measure each session's heap
+    classes: frozenset = frozenset()  # outputs whose top-1 agreement is measured
+
+
+def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
     """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
-    are read back batch by batch for each other model, so memory holds one session. ``cache`` (a
-    :class:`ReferenceRun`): the reference's pass is kept there, or taken from there when it is."""
+    are read back batch by batch for each other model, so memory holds one session. ``cache``: the
+    reference's pass is kept there, or taken from there when it is."""
+    reference, out_names, classes, progress = job.reference, job.out_names, job.classes, job.progress
     done = cache if cache is not None else ReferenceRun()
     if not done.batches:
-        _reference_pass(
-            done, reference, source, out_names, total, max_samples, batch_size, provider, progress, memory, classes
-        )
+        _reference_pass(done, job)
     spill, labelled, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
     feed_names = done.feed_names
     try:
         rows = [_row(_REFERENCE, str(reference), done.score, labelled)]
         rows[0].latency_ms, rows[0].session_mib = done.cost
-        for name, (path, build) in models.items():
+        for name, (path, build) in job.models.items():
             try:
-                cost = _Cost(memory)
+                cost = _Cost(job.memory)
                 session = build()
                 total_score = _Score({o: _OutputStats() for o in out_names})
                 for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
@@ -520,7 +522,7 @@ def _evaluate_here(
             except Fp8OnnxError as exc:
                 if name != "FP16":
                     raise
-                _no_fp16(exc, notes)
+                _no_fp16(exc, job.notes)
                 continue
             finally:
                 session = None
@@ -553,20 +555,20 @@ class ReferenceRun:
             self.spill = None
 
 
-def _reference_pass(
-    run: ReferenceRun, reference, source, out_names, total, max_samples, batch_size, provider, progress, memory, classes
-) -> None:
+def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
     """The reference over the data, into ``run`` (closed again on failure)."""
+    reference, out_names = job.reference, job.out_names
     run.spill = Spill()
     try:
-        cost = _Cost(memory)
-        session = make_session(pathlib.Path(reference), provider, f"Reference model {str(reference)!r}", arena=False)
+        cost = _Cost(job.memory)
+        what = f"Reference model {str(reference)!r}"
+        session = make_session(pathlib.Path(reference), job.provider, what, arena=False)
         run.score = _Score({o: _OutputStats() for o in out_names})
-        bar = progress_bar(source.batches(batch_size), total=total, desc="FP32", unit="batch", enable=progress)
-        for batch in bar:
+        batches = job.source.batches(job.batch_size)
+        for batch in progress_bar(batches, total=job.total, desc="FP32", unit="batch", enable=job.progress):
             b = run.batches
             (score, run.label_out), ref = reference_batch(
-                session, b, batch.feed, batch.labels, out_names, classes, cost
+                session, b, batch.feed, batch.labels, out_names, job.classes, cost
             )
             run.score.merge(score)
             for o, r in zip(out_names, ref):
@@ -579,7 +581,7 @@ def _reference_pass(
             run.samples += batch.size
             run.batches += 1
             run.feed_names = list(batch.feed)
-            if max_samples is not None and run.samples >= max_samples:
+            if job.max_samples is not None and run.samples >= job.max_samples:
                 break
         cost.release()
         session = None
@@ -625,27 +627,21 @@ class _Cost:
         return latency, None if self.held is None else self.held / 2**20
 
 
-def _evaluate_distributed(
-    reference,
-    models,
-    source,
-    out_names,
-    total,
-    max_samples,
-    batch_size,
-    provider,
-    progress,
-    run,
-    notes,
-    memory,
-    classes,
-):
+def _evaluate_distributed(job: _Evaluation):
     """Every model's batches shared by Ray workers (:mod:`fp8onnx.distributed`): inputs and the
     reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
     and the per-batch sums are merged here in batch order - the single-process numbers exactly."""
     from .distributed import shared_pool
 
-    with shared_pool(run.workers, run.ray_address) as pool:
+    reference, models, out_names, classes, provider = (
+        job.reference,
+        job.models,
+        job.out_names,
+        job.classes,
+        job.provider,
+    )
+    progress, max_samples = job.progress, job.max_samples
+    with shared_pool(job.run.workers, job.run.ray_address) as pool:
 
         def ship(path):  # a path every local worker reads; the model itself (any size) to a cluster
             return str(path) if pool.local else portable_model(load_model(path), files=False)
@@ -656,7 +652,7 @@ def _evaluate_distributed(
 
         def items():
             nonlocal samples
-            for b, batch in enumerate(source.batches(batch_size)):
+            for b, batch in enumerate(job.source.batches(job.batch_size)):
                 feed = pool.put(batch.feed)
                 batches_in.append((batch, feed))
                 yield b, feed, batch.labels, out_names, classes
@@ -668,7 +664,7 @@ def _evaluate_distributed(
         label_out, refs = None, []
         results = pool.map(reference_batch, items(), keep=True)
         for (score, labelled_output), ref in progress_bar(
-            results, total=total, desc="FP32", unit="batch", enable=progress
+            results, total=job.total, desc="FP32", unit="batch", enable=progress
         ):
             ref_score.merge(score)
             refs.append(ref)
@@ -698,7 +694,7 @@ def _evaluate_distributed(
             except Fp8OnnxError as exc:
                 if name != "FP16":
                     raise
-                _no_fp16(exc, notes)
+                _no_fp16(exc, job.notes)
                 continue
             rows.append(_row(name, path, total_score, labelled))
     return rows, samples, len(refs)
