@@ -307,8 +307,6 @@ def _text_options(*names: str):
                     raise Fp8OnnxError(
                         "--tokenizer and --seq-len apply to text data (.txt, .jsonl); this command was given none."
                     )
-                if tokenizer is not None and not pathlib.Path(tokenizer).exists():
-                    raise Fp8OnnxError(f"Tokenizer file {tokenizer!r} does not exist (a Hugging Face tokenizer.json).")
                 for name in texts:
                     kwargs[name] = TextSource(kwargs[name], tokenizer, seq_len)
             return fn(*args, **kwargs)

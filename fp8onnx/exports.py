@@ -38,10 +38,11 @@ import shutil
 import tempfile
 
 import numpy as np
+import onnx
 
 from . import __version__
 from .data import InputSpec, TextSource, as_data, is_text
-from .errors import Fp8OnnxError
+from .errors import Fp8OnnxError, first_line
 from .generation import Generator, start_token
 from .guard import external_locations
 from .model_io import new_folder_mode, write_text_atomic
@@ -65,7 +66,7 @@ _OPTIMUM = {
 @dataclasses.dataclass
 class Export:
     folder: pathlib.Path
-    layout: str  # "onnxruntime-genai", "optimum decoder", "optimum encoder-decoder", "one model"
+    layout: str  # "onnxruntime-genai", "optimum decoder", "optimum encoder-decoder", "decoder", "one model"
     models: list[pathlib.Path]  # every ONNX model, each quantized
     roles: dict[str, pathlib.Path]  # generation role -> model (empty for "one model")
 
@@ -131,11 +132,14 @@ def describe_export(folder: str | os.PathLike) -> Export:
             "layout fp8onnx knows (onnxruntime-genai, Optimum decoder or encoder-decoder); quantize them one by one."
         )
     (model,) = models
-    session = make_session(model, "cpu", f"Model {str(model)!r}", optimize=False)
-    names = {i.name for i in session.get_inputs()}
-    outputs = {o.name for o in session.get_outputs()}
-    if "input_ids" in names and "logits" in outputs:
-        return Export(folder, "optimum decoder", models, {"decoder": model})
+    try:  # the graph's inputs and outputs only: external weights stay on disk
+        graph = onnx.load(str(model), load_external_data=False).graph
+    except Exception as exc:
+        raise Fp8OnnxError(f"Model file {str(model)!r} is not a readable ONNX model ({first_line(exc)}).") from None
+    weights = {t.name for t in graph.initializer}
+    inputs = {v.name for v in graph.input if v.name not in weights}
+    if "input_ids" in inputs and any(v.name == "logits" for v in graph.output):
+        return Export(folder, "decoder", models, {"decoder": model})
     return Export(folder, "one model", models, {})
 
 
@@ -227,7 +231,7 @@ def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Pat
         prompts += prompt.shape[0]
     if prompts == 0:
         raise Fp8OnnxError(f"The calibration data {str(calib)!r} gave no token ids to run the export on.")
-    logger.info("ran %s on %d prompts (%d decode steps each) for calibration", export.folder, prompts, decode_steps)
+    logger.info("ran %s on %d prompts for calibration (decode models: %d steps)", export.folder, prompts, decode_steps)
     return data
 
 
@@ -322,8 +326,8 @@ def quantize_folder(
     export = describe_export(export_dir)
     if fold_at_load and export.layout != "onnxruntime-genai":
         raise Fp8OnnxError(
-            f"--fold-at-load writes onnxruntime-genai's genai_config.json; {str(export.folder)!r} is an "
-            f"{export.layout} export: set session.disable_quant_qdq=1 in your own SessionOptions instead."
+            f"--fold-at-load writes onnxruntime-genai's genai_config.json; {str(export.folder)!r} is not an "
+            f"onnxruntime-genai export ({export.layout}): set session.disable_quant_qdq=1 in your own SessionOptions."
         )
     out = pathlib.Path(out_dir)
     _check_output(export, out)

@@ -24,10 +24,10 @@ import re
 import onnx_ir as ir
 
 from .config import PRESETS
+from .sources import PAST as _PAST
 
 __all__ = ["Family", "detect_family"]
 
-_PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECASE)
 _AUDIO = re.compile(r"input_values|input_features|audio|waveform|wav|mel|speech|fbank", re.IGNORECASE)
 _INTEGER = (ir.DataType.INT64, ir.DataType.INT32)
 

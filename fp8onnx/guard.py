@@ -187,7 +187,10 @@ def check_output_path(out: str | os.PathLike, label: str = "Output path") -> pat
 
 
 def check_paths(reads: Iterable[Entry], writes: Iterable[Entry]) -> None:
-    """Refuse, in one sentence, a write target that is a file this run reads or another output."""
+    """Refuse, in one sentence, a write target that is a file this run reads or another output. A text
+    source given with its tokenizer (:class:`fp8onnx.data.TextSource`) reads that tokenizer too."""
+    reads = list(reads)
+    reads += [(f"the tokenizer of {label}", p.tokenizer) for label, p in reads if getattr(p, "tokenizer", None)]
     reads = [(label, pathlib.Path(p)) for label, p in reads if p is not None]
     writes = [(label, pathlib.Path(p)) for label, p in writes if p is not None]
     for i, (label, out) in enumerate(writes):

@@ -64,7 +64,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _PROBE = 1 << 20  # bytes read to tell a blank-line-separated corpus from one document per line
 _CHUNK = 256  # documents tokenized per call (tokenizers encodes a batch in parallel)
-_PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECASE)
+PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +209,7 @@ def fill_inputs(
         elif name.endswith("position_ids"):
             feed[spec.name] = _typed(np.maximum(np.cumsum(mask, axis=1) - 1, 0), spec)
             why[spec.name] = "0, 1, 2, ... over the unpadded tokens"
-        elif _PAST.search(name):
+        elif PAST.search(name):
             feed[spec.name] = np.zeros(_past_shape(spec, ids.shape[0], sizes), dtype=spec.dtype)
             why[spec.name] = "empty cache for prefill (past length 0)"
         else:
@@ -565,7 +565,7 @@ def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pa
 def is_language_model(model: ir.Model, specs: list[InputSpec]) -> bool:
     """A KV-cache input, or an output as wide as the embedding table (logits): text is cut into windows
     with next-token labels for it; any other model gets one padded sentence per sample."""
-    if any(_PAST.search(s.name) for s in specs):
+    if any(PAST.search(s.name) for s in specs):
         return True
     rows = vocabulary_size(model, _ids_input(specs).name)
     return any(

@@ -359,3 +359,5 @@ def test_tokenizer_and_seq_len_on_every_command_that_takes_data(tmp_path, tokeni
     assert r.exit_code == 2 and "apply to text data" in r.output, r.output
     r = _run("quantize", model, "--calib", text, "--tokenizer", tmp_path / "no.json", "-o", tmp_path / "q4.onnx")
     assert r.exit_code == 2 and "no.json' does not exist" in r.output, r.output
+    r = _run("quantize", model, "--calib", text, *tok, "-o", tokenizer_file)  # never over a file the run reads
+    assert r.exit_code == 2 and "would overwrite the tokenizer of the calibration data" in r.output, r.output

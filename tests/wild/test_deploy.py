@@ -204,8 +204,16 @@ def available_all(names) -> bool:
     return all(importlib.util.find_spec(n.split(".")[0]) is not None for n in names) and available("genai-llama")
 
 
+LAYOUTS = {
+    "genai": "onnxruntime-genai",
+    "optimum-causal": "decoder",  # one model.onnx with past
+    "optimum-gpt2-merged": "optimum decoder",
+    "optimum-t5": "optimum encoder-decoder",
+}
+
+
 def test_the_output_folder_is_complete(exported):
-    _, folder, out = exported
+    kind, folder, out = exported
     models = sorted(p.name for p in folder.glob("*.onnx"))
     assert sorted(p.name for p in out.glob("*.onnx")) == models
     others = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.suffix != ".onnx"}
@@ -213,7 +221,7 @@ def test_the_output_folder_is_complete(exported):
     copied = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     assert others <= copied  # configs, tokenizer, generation config: nothing left behind
     manifest = json.loads((out / "fp8onnx.json").read_text())
-    assert sorted(manifest["models"]) == models
+    assert sorted(manifest["models"]) == models and manifest["layout"] == LAYOUTS[kind]
     for name in models:
         proto = onnx.load(str(out / name))
         fp8 = [i for i in _initializers(proto) if i.data_type == onnx.TensorProto.FLOAT8E4M3FN]
