@@ -178,8 +178,9 @@ def vocabulary_size(model: ir.Model, ids_input: str) -> int | None:
         node = use.node
         if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
             table = node.inputs[0].const_value
-            if table is not None and len(table.shape) >= 1:
-                return int(table.shape[0])
+            axis = node.attributes.get_int("axis", 0)  # a tied table Gathers the lm_head's [hidden, vocab] on axis 1
+            if table is not None and -len(table.shape) <= axis < len(table.shape):
+                return int(table.shape[axis])
     return None
 
 

@@ -361,3 +361,20 @@ def test_tokenizer_and_seq_len_on_every_command_that_takes_data(tmp_path, tokeni
     assert r.exit_code == 2 and "no.json' does not exist" in r.output, r.output
     r = _run("quantize", model, "--calib", text, *tok, "-o", tokenizer_file)  # never over a file the run reads
     assert r.exit_code == 2 and "would overwrite the tokenizer of the calibration data" in r.output, r.output
+
+
+def test_a_tied_embedding_table_counts_its_vocabulary_on_the_gathered_axis(tmp_path, tokenizer_file, corpus):
+    """Regression: with --preset llm the tied table is Gathered on axis 1 of lm_head's [hidden, vocab]
+    weight (TieEmbeddingsPass) before the text is tokenized; its rows are the vocabulary, not the width."""
+    model = onnx.load(_model(tmp_path / "lm.onnx", past=False))
+    emb = next(i for i in model.graph.initializer if i.name == "emb")
+    w = next(i for i in model.graph.initializer if i.name == "w")
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(emb).T.copy(), "w"))
+    onnx.save(model, tmp_path / "lm.onnx")
+    out = tmp_path / "lm.fp8.onnx"
+    args = ["quantize", tmp_path / "lm.onnx", "--calib", corpus, "--tokenizer", tokenizer_file, "--preset", "llm"]
+    r = CliRunner().invoke(main, [*map(str, args), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "tied embedding table" in r.output
+    gathers = [n for n in onnx.load(out).graph.node if n.op_type == "Gather" and "input_ids" in n.input]
+    assert [a.i for n in gathers for a in n.attribute if a.name == "axis"] == [1]
