@@ -367,6 +367,7 @@ class _QuantizeCommand(_Sectioned):
             "smooth",
             "bias_correction",
             "float_vocab",
+            "float_stem",
             "embeddings",
         ),
         "Deployment target": ("precision", "target", "native_gemm", "fold_at_load"),
@@ -461,6 +462,8 @@ _per_channel_option = click.option(
 @click.option(
     "--preset",
     type=click.Choice(["auto", "none", *PRESETS]),
+    default="auto",
+    show_default=True,
     help="The measured best settings for a model family (docs/usage.md); auto: the family told from the graph "
     "(decoder LLM, encoder, CNN, speech, other), none: plain per-tensor static amax; options given explicitly "
     "override them.",
@@ -486,6 +489,11 @@ _per_channel_option = click.option(
     "--float-vocab",
     is_flag=True,
     help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
+)
+@click.option(
+    "--float-stem",
+    is_flag=True,
+    help="Leave the stem convolutions (those that read the model's input before any other layer) in float.",
 )
 @click.option(
     "--embeddings",
@@ -557,6 +565,7 @@ def quantize(
     smooth,
     bias_correction,
     float_vocab,
+    float_stem,
     embeddings,
     batch_size,
     batch_memory,
@@ -633,6 +642,7 @@ def quantize(
         smooth=smooth,
         bias_correction=bias_correction,
         float_vocab=float_vocab,
+        float_stem=float_stem,
         embeddings=embeddings,
     )
     if preset:  # the preset's settings, except where the command line says otherwise

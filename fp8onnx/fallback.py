@@ -171,7 +171,8 @@ def quantize_to_target(
     """
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
-    config = config or QuantizeConfig(**options)
+    if config is None:  # like quantize: the family's recipe (preset auto) under the options given
+        config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
     if not 0 < target <= 100:
         raise Fp8OnnxError(f"--accuracy-target must be a percentage in (0, 100], got {target!r}.")
     if max_float_nodes is not None and max_float_nodes < 0:
@@ -185,8 +186,14 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    scoring = {"config": config, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
-    if config.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
+    ranked = config  # the search starts from the family's recipe: rank the nodes under it
+    if config.preset == "auto":
+        from .family import detect_family
+        from .prepare import prepare_model
+
+        ranked = config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
+    scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
+    if ranked.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
         sens = sensitivity(model, None, calib, **scoring)
     else:
         sens = sensitivity(model, calib, **scoring)

@@ -83,6 +83,7 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
         candidates = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type in ("MatMul", "Gemm")]
         by_name = {n.name: n for n in candidates}
         vocab_nodes = {by_name[name]: why for name, why in vocabulary_projections(model, candidates).items()}
+    stem = stem_convolutions(model) if config.float_stem else set()
     # If/Loop/Scan bodies included: their activations get dynamic scales (see in_main_graph).
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx"):
@@ -96,6 +97,8 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
         decision = _decide(node, config)
         if not decision.reason and config.float_vocab and node in vocab_nodes:
             decision = Decision(node, [], f"kept in float: {vocab_nodes[node]} (--float-vocab)")
+        if not decision.reason and node in stem:
+            decision = Decision(node, [], "kept in float: a stem convolution, it reads the input (--float-stem)")
         if decision.reason:
             skipped.append(NodeReport(node.name, node.op_type, False, decision.reason))
         else:
@@ -107,6 +110,25 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
                     NodeReport(node.name, node.op_type, False, f"inside function {function.name!r}: not quantized yet")
                 )
     return decisions, skipped
+
+
+_LINEAR = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+
+
+def stem_convolutions(model: ir.Model) -> set[ir.Node]:
+    """The Conv/ConvTranspose nodes of the main graph with no MatMul/Gemm/Conv/ConvTranspose before
+    them: those that see the model's input (pixels, features) through elementwise steps at most. Their
+    few input channels carry the whole signal and their weights are tiny: keeping them in float costs
+    almost no size (the usual practice for a CNN's first layer)."""
+    behind_linear: set[ir.Value] = set()  # values computed from some linear layer's output
+    stem = set()
+    for node in model.graph:  # topological order
+        after = any(v in behind_linear for v in node.inputs if v is not None)
+        if node.op_type in ("Conv", "ConvTranspose") and not after:
+            stem.add(node)
+        if after or node.op_type in _LINEAR:
+            behind_linear.update(node.outputs)
+    return stem
 
 
 def in_main_graph(value: ir.Value, model: ir.Model) -> bool:

@@ -10,6 +10,7 @@ code that rewrites the graph).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -79,7 +80,9 @@ def quantize(
     calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.runtime.RunOptions`: batch size,
     provider, weight budget, progress); a model with more than ``run.weight_memory`` bytes of weights
     is calibrated layer by layer (see :mod:`fp8onnx.segments`). Keyword ``options`` are RunOptions
-    fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields.
+    fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields and ``preset``
+    (default ``"auto"``: the model family's recipe, :mod:`fp8onnx.family`, under the fields given;
+    ``"none"``: plain per-tensor static amax).
 
     Without ``calib``, a recipe that needs data (static activation scales, GPTQ, smoothing, bias
     correction) on a model with token inputs and a ``tokenizer.json`` beside it calibrates on a text
@@ -95,7 +98,8 @@ def quantize(
 def _quantize(model, output, calib, config, stats, report, run, options, calib_optional=False) -> QuantizeReport:
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
-    config = config or QuantizeConfig(**options)
+    if config is None:  # like the CLI: the family's recipe (preset auto) under the options given
+        config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
     check_calibration_source(calib, stats)
     check_paths(
         model_reads("the input model", model)
@@ -107,15 +111,16 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     run = RunOptions.of(run, provider=provider)
     ir_model, from_opset, prepared = prepare_model(model, config.precision)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
-    family = None
+    family, explicit = None, config.explicit
     if config.preset == "auto":  # the family's recipe, under what the user set explicitly
         from .family import detect_family
 
-        family = detect_family(ir_model)
+        family = detect_family(ir_model, fp8_gemm=config.native_gemm)
         config = config.for_family(family.preset)
         logger.info("%s", family.describe())
     if stats is None:
-        calib = _calibration_data(model, ir_model, config, calib, calib_optional)
+        auto = explicit if family is not None else None
+        calib, config = _calibration_data(model, ir_model, config, calib, calib_optional, auto)
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
     lap("plan")
@@ -240,25 +245,50 @@ def _needs_data(config: QuantizeConfig) -> bool:
     return static or config.weights_need_data
 
 
-def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool):
-    """``calib``, or without it the bundled text sample for a token model with a tokenizer beside it;
-    a default (``optional``) is dropped where the recipe needs no data."""
+def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool, auto=None):
+    """(data, config): ``calib``, or without it the bundled text sample for a token model with a
+    tokenizer beside it; a default (``optional``) is dropped where the recipe needs no data. With no
+    data at all under ``--preset auto`` (``auto``: the fields the user set), the family preset's
+    data-driven extras (GPTQ, bias correction, smoothing) that the user did not ask for are dropped
+    where the activations need none (weight-only, dynamic): the model is still quantized, and the log
+    says what data would add. A preset named explicitly keeps all of its recipe, and so needs data."""
     needed = _needs_data(config)
     if calib is not None:
-        return calib if needed or not optional else None
-    if not needed or not any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None):
-        return None
+        return (calib if needed or not optional else None), config
+    tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
+    if not needed:
+        return None, config
     from .sources import default_text_sample
 
-    sample = default_text_sample(model)
-    if sample is None:
+    sample = default_text_sample(model) if tokens else None
+    if sample is not None:
+        logger.warning("no --calib: calibrating on %s", sample)
+        return sample, config
+    extras = {"weight_rounding": "nearest", "bias_correction": False, "smooth": None}
+    static = config.activations == "static" and config.scaling != "constant"
+    if auto is not None and not static and not set(extras) & set(auto):
+        dropped = [
+            n
+            for n, v in (
+                ("GPTQ rounding", config.weight_rounding == "gptq"),
+                ("bias correction", config.bias_correction),
+                ("smoothing", config.smooth is not None),
+            )
+            if v
+        ]
+        logger.warning(
+            "no calibration data: %s of preset %s skipped (pass --calib DATA to have it)",
+            ", ".join(dropped),
+            config.preset,
+        )
+        return None, dataclasses.replace(config, **extras)
+    if tokens:
         raise Fp8OnnxError(
             f"Model {str(model)!r} takes token ids and has no tokenizer.json beside it to calibrate on a bundled "
             "text sample: pass --calib DATA (text with --tokenizer, or an .npz), or use --activations "
             "dynamic-per-token (no data needed)."
         )
-    logger.warning("no --calib: calibrating on %s", sample)
-    return sample
+    return None, config
 
 
 def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:

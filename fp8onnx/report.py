@@ -40,6 +40,8 @@ def describe_config(cfg: dict) -> str:
         how += ", bias correction"
     if cfg.get("float_vocab"):
         how += ", vocabulary projections in float"
+    if cfg.get("float_stem"):
+        how += ", stem convolutions in float"
     if cfg.get("embeddings") == "fp8":
         how += ", fp8 embeddings"
     if cfg.get("precision") == "fp16":

@@ -392,7 +392,7 @@ def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
     fp32_model.eval()
     with torch.no_grad():
         torch.onnx.export(fp32_model, example, str(folder / "fp32.onnx"), dynamic_axes=axes, dynamo=False, **names)
-    quantize(folder / "fp32.onnx", folder / "fp32.ptq-fp8.onnx", folder / "calib.npz", provider="cpu")
+    quantize(folder / "fp32.onnx", folder / "fp32.ptq-fp8.onnx", folder / "calib.npz", preset="none", provider="cpu")
     fp8_model.eval()
     export(fp8_model, example, folder / "fp8-trained.onnx", dynamic_axes=axes, **names)
     # the FP8-trained model against its own float graph (its FP8Linear layers as plain Linear)

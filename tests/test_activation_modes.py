@@ -152,7 +152,11 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     assert (
         llm.to_json()["preset"] == "llm" and QuantizeConfig.for_preset("llm", embeddings="float").embeddings == "float"
     )
-    assert set(PRESETS) == {"llm", "encoder", "cnn"} and all(p["why"] for p in PRESETS.values())
+    assert set(PRESETS) == {"llm", "llm-weight-only", "encoder", "cnn"} and all(p["why"] for p in PRESETS.values())
+    # a preset's part that contradicts an explicit option yields to it
+    assert QuantizeConfig.for_preset("cnn", activations="dynamic").scaling.value == "amax"
+    constant = QuantizeConfig.for_preset("llm-weight-only", scaling="constant", scale=0.5)
+    assert constant.weight_rounding == "nearest" and constant.float_vocab
     with pytest.raises(Fp8OnnxError, match="Unknown --preset 'gan'"):
         QuantizeConfig.for_preset("gan")
     path = matmul(tmp_path / "m.onnx", np.random.default_rng(4).standard_normal((16, 8)).astype(np.float32))

@@ -50,7 +50,13 @@ def test_cnn_with_conv(tmp_path, per_channel):
     x = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32)
     np.savez(tmp_path / "d.npz", x=x)
     report = fp8onnx.quantize(
-        path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=per_channel, provider="cpu"
+        path,
+        tmp_path / "q.onnx",
+        tmp_path / "d.npz",
+        op_types=ALL,
+        per_channel=per_channel,
+        preset="none",
+        provider="cpu",
     )
     assert [n.name for n in report.quantized] == ["conv1", "conv2", "fc"]
     assert "quantized 3 of 3 Gemm/Conv nodes" in report.summary()
@@ -66,7 +72,9 @@ def test_cnn_with_conv(tmp_path, per_channel):
 def test_conv_weights_are_per_channel_by_default_and_matmul_weights_per_tensor(tmp_path):
     path = cnn(tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(3).standard_normal((2, 3, 8, 8)).astype(np.float32))
-    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, provider="cpu")
+    report = fp8onnx.quantize(
+        path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, preset="none", provider="cpu"
+    )
     axes = {t.name: t.axis for n in report.quantized for t in n.tensors if t.kind == "weight"}
     ops = {n.name: n.op_type for n in report.quantized}
     assert {ops[n] for n in ops} >= {"Conv", "Gemm"}
@@ -76,7 +84,7 @@ def test_conv_weights_are_per_channel_by_default_and_matmul_weights_per_tensor(t
                 assert (t.axis is not None) == (node.op_type == "Conv"), (node.name, t.name, t.axis)
     assert axes and report.config["per_channel"] == "conv" and "per-channel Conv weights" in report.summary()
     per_tensor = fp8onnx.quantize(
-        path, tmp_path / "t.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=False, provider="cpu"
+        path, tmp_path / "t.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=False, preset="none", provider="cpu"
     )
     assert all(t.axis is None for n in per_tensor.quantized for t in n.tensors)
 
@@ -84,7 +92,7 @@ def test_conv_weights_are_per_channel_by_default_and_matmul_weights_per_tensor(t
 def test_conv_is_opt_in_with_a_reason(tmp_path):
     path = cnn(tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", x=np.ones((2, 3, 8, 8), np.float32))
-    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", provider="cpu")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", preset="none", provider="cpu")
     assert [n.name for n in report.quantized] == ["fc"]
     assert {n.name: n.reason for n in report.skipped}["conv1"] == (
         "Conv is not in --op-types (opt in with --op-types MatMul,Gemm,Conv)"
@@ -97,7 +105,7 @@ def test_conv_bias_survives_ort_bias_quantization(tmp_path):
     x = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32) * 1e-4
     np.savez(tmp_path / "d.npz", x=x)
     report = fp8onnx.quantize(
-        path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=False, provider="cpu"
+        path, tmp_path / "q.onnx", tmp_path / "d.npz", op_types=ALL, per_channel=False, preset="none", provider="cpu"
     )
     ref = run_ort(onnx.load(path), {"x": x})[0]
     assert sqnr_db(ref, run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]) > sqnr_floor_db(Fp8Format.E4M3FN, 6)
@@ -144,6 +152,7 @@ def test_conv_transpose(tmp_path, per_channel, group):
         tmp_path / "d.npz",
         op_types=("ConvTranspose", "Conv"),
         per_channel=per_channel,
+        preset="none",
         provider="cpu",
     )
     assert [n.name for n in report.quantized] == ["up", "head"]
@@ -159,8 +168,36 @@ def test_conv_transpose(tmp_path, per_channel, group):
 
 def test_conv_transpose_is_opt_in_with_a_reason(tmp_path):
     path = decoder_cnn(tmp_path / "m.onnx")
-    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", provider="cpu")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", preset="none", provider="cpu")
     assert {n.name: n.reason for n in report.skipped}["up"] == (
         "ConvTranspose is not in --op-types (opt in with --op-types MatMul,Gemm,ConvTranspose)"
     )
     assert report.summary().splitlines()[0].startswith("NOTHING QUANTIZED")
+
+
+def test_the_cnn_preset_keeps_the_stem_in_float(tmp_path):
+    """requires: a CNN whose first Conv reads the input; ensures: with --preset cnn (and under auto,
+    the CNN family) that Conv stays in float with its reason, every later Conv and the Gemm are in
+    float8, and the output is as close to FP32 as with every Conv quantized, within 1 dB (on this
+    random CNN; on the digits CNN the stem in float is what keeps top-1 agreement at 1.000)."""
+    from fp8onnx.model_io import load_model
+    from fp8onnx.plan import stem_convolutions
+
+    path = cnn(tmp_path / "m.onnx")
+    x = np.random.default_rng(1).standard_normal((64, 3, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x[:32])
+    ref = run_ort(path, {"x": x[32:]})[0]
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "d.npz", provider="cpu")  # auto: CNN
+    assert report.family["family"] == "CNN" and report.config["preset"] == "cnn"
+    kept = {n.name: n.reason for n in report.nodes if not n.quantized}
+    assert list(kept) == ["conv1"] and "stem convolution" in kept["conv1"]
+    assert (
+        op_types(onnx.load(tmp_path / "q.onnx")).count("DequantizeLinear") >= 2 * 2
+    )  # conv2 and fc: weight + activation
+    every = fp8onnx.quantize(path, tmp_path / "e.onnx", tmp_path / "d.npz", preset="cnn", float_stem=False)
+    assert [n.name for n in every.nodes if not n.quantized] == []
+    stem_db = sqnr_db(ref, run_ort(tmp_path / "q.onnx", {"x": x[32:]})[0])
+    every_db = sqnr_db(ref, run_ort(tmp_path / "e.onnx", {"x": x[32:]})[0])
+    assert stem_db > every_db - 1 and stem_db > 25, (stem_db, every_db)
+    # a Conv behind elementwise steps is a stem too; one behind another Conv is not
+    assert [n.name for n in stem_convolutions(load_model(path))] == ["conv1"]

@@ -63,7 +63,7 @@ def _encoder(path):
 @pytest.mark.parametrize(
     "build, family, preset, why",
     [
-        (lambda p: SAMPLE / "decoder.onnx", "decoder LLM", "llm", "a causal mask, a 'logits' output"),
+        (lambda p: SAMPLE / "decoder.onnx", "decoder LLM", "llm-weight-only", "a causal mask, a 'logits' output"),
         (_encoder, "encoder", "encoder", "no vocabulary projection"),
         (cnn, "CNN", "cnn", "2 Conv/ConvTranspose nodes, 1 MatMul/Gemm"),
         (_speech, "speech", None, "audio input 'input_values'"),
@@ -80,12 +80,24 @@ def test_auto_applies_the_family_preset_under_explicit_options(tmp_path):
     out = tmp_path / "q.onnx"
     config = QuantizeConfig.for_preset("auto", activations="static")  # the user's own choice stays
     report = fp8onnx.quantize(SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", config=config, provider="cpu")
-    assert report.family["family"] == "decoder LLM" and report.family["preset"] == "llm"
-    assert report.config["preset"] == "llm" and report.config["activations"] == "static"
+    assert report.family["family"] == "decoder LLM" and report.family["preset"] == "llm-weight-only"
+    assert report.config["preset"] == "llm-weight-only" and report.config["activations"] == "static"
     assert report.config["weight_rounding"] == "gptq"  # from the preset
     assert report.summary().splitlines()[1].startswith("  model family: decoder LLM")
     meta = json.loads(onnx.load(out).metadata_props[0].value)
-    assert meta["preset"] == "llm"
+    assert meta["preset"] == "llm-weight-only"
+    # the default (no config): weight-only float8, activations in float, and the summary says why
+    plain = fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "d.onnx", SAMPLE / "calib.npz", provider="cpu")
+    assert plain.config["activations"] == "none" and "--preset llm gives them" in plain.summary()
+    # FP8 GEMMs (GemmFloat8) take static per-tensor scales: auto gives the plain recipe then
+    gemm = fp8onnx.quantize(
+        SAMPLE / "decoder.onnx", tmp_path / "g.onnx", SAMPLE / "calib.npz", native_gemm=True, provider="cpu"
+    )
+    assert (
+        gemm.family["preset"] == "none"
+        and gemm.config["activations"] == "static"
+        and "--native-gemm" in (gemm.family["why"])
+    )
     assert QuantizeConfig.for_preset("none") == QuantizeConfig()
 
 
@@ -102,7 +114,10 @@ def test_a_token_model_without_data_calibrates_on_the_bundled_text_sample(tmp_pa
     assert r.exit_code == 0, r.output
     assert "text sample of CPython's documentation" in r.output and "domain data calibrates better" in r.output
     (folder / "tokenizer.json").unlink()
+    # no tokenizer, no data: the preset's data-driven part (GPTQ) is skipped and said; per-token needs none
     r = CliRunner().invoke(main, ["quantize", str(folder), "-o", str(tmp_path / "q2.onnx")])
+    assert r.exit_code == 0 and "no calibration data: GPTQ rounding of preset encoder skipped" in r.output, r.output
+    r = CliRunner().invoke(main, ["quantize", str(folder), "--activations", "static", "-o", str(tmp_path / "q4.onnx")])
     assert r.exit_code == 2 and "has no tokenizer.json beside it" in r.output, r.output
     r = CliRunner().invoke(main, ["quantize", str(mlp_model(tmp_path / "m.onnx")), "-o", str(tmp_path / "q3.onnx")])
     assert r.exit_code == 2 and "need calibration" in r.output, r.output  # not a token model: what data it needs

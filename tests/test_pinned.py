@@ -63,13 +63,13 @@ def _canonical(path) -> tuple[str, dict[str, float]]:
 
 def test_dynamic_output_is_byte_identical(tmp_path):
     out = tmp_path / "q.onnx"
-    fp8onnx.quantize(SAMPLE / "decoder.onnx", out, activations="dynamic", provider="cpu")
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", out, activations="dynamic", preset="none", provider="cpu")
     assert hashlib.sha256(out.read_bytes()).hexdigest() == DYNAMIC_SHA256
 
 
 def test_static_output_is_identical_up_to_the_last_bits_of_calibrated_scales(tmp_path):
     out = tmp_path / "q.onnx"
-    fp8onnx.quantize(SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", provider="cpu")
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", preset="none", provider="cpu")
     digest, scales = _canonical(out)
     assert list(scales) == list(STATIC_ACTIVATION_SCALES)  # same activations, same order
     np.testing.assert_array_max_ulp(
@@ -83,7 +83,7 @@ def test_static_output_is_identical_up_to_the_last_bits_of_calibrated_scales(tmp
 def test_the_pin_catches_a_real_change_of_scale(tmp_path):
     """The tolerance is not so loose that another scaling passes: pow2 moves every scale by more."""
     out = tmp_path / "q.onnx"
-    fp8onnx.quantize(SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", scaling="pow2", provider="cpu")
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", scaling="pow2", preset="none", provider="cpu")
     _, scales = _canonical(out)
     with pytest.raises(AssertionError):
         np.testing.assert_array_max_ulp(

@@ -292,6 +292,15 @@ def test_feed_layout_with_empty_kv_caches_quantizes_the_genai_decoder(exported, 
         if arg.name.startswith("past_key_values"):
             arrays[arg.name] = np.zeros((6, 2, arg.shape[1], 0, 16), np.float32)  # genai: head_size 16
     np.savez(tmp_path / "feeds.npz", **arrays)
-    result = _cli("quantize", folder / "model.onnx", "--calib", tmp_path / "feeds.npz", "-o", tmp_path / "q.onnx")
+    result = _cli(
+        "quantize",
+        folder / "model.onnx",
+        "--calib",
+        tmp_path / "feeds.npz",
+        "--preset",
+        "none",
+        "-o",
+        tmp_path / "q.onnx",
+    )
     assert result.exit_code == 0, result.output
     assert "calibrated on 12 samples" in result.output, result.output
