@@ -508,13 +508,13 @@ def make_data(
             f"({', '.join(media.IMAGE_SUFFIXES[:4])}, ...) or audio ({', '.join(media.AUDIO_SUFFIXES)}), "
             "nor a folder of them."
         )
-    if kind == "text" and tokenizer is None:
-        if folder is None or not (folder / "tokenizer.json").is_file():
+    if kind == "text" and tokenizer is None:  # like quantize: the one beside the model (in its folder)
+        if not (path.parent / "tokenizer.json").is_file():
             raise Fp8OnnxError(
                 f"No tokenizer for {str(source)!r}: pass --tokenizer tokenizer.json "
-                "(or give the model's export folder)."
+                "(or keep the model's tokenizer.json beside it)."
             )
-        tokenizer = folder / "tokenizer.json"
+        tokenizer = path.parent / "tokenizer.json"
     if not out.resolve().parent.is_dir():
         raise Fp8OnnxError(f"Output folder {str(out.resolve().parent)!r} does not exist.")
     if max_samples is not None and (isinstance(max_samples, bool) or max_samples < 1):

@@ -378,3 +378,19 @@ def test_a_tied_embedding_table_counts_its_vocabulary_on_the_gathered_axis(tmp_p
     assert "tied embedding table" in r.output
     gathers = [n for n in onnx.load(out).graph.node if n.op_type == "Gather" and "input_ids" in n.input]
     assert [a.i for n in gathers for a in n.attribute if a.name == "axis"] == [1]
+
+
+def test_data_finds_the_tokenizer_beside_a_model_file(tmp_path, tokenizer_file, corpus):
+    """Like quantize: a model file with its tokenizer.json beside it needs no --tokenizer."""
+    import shutil
+
+    model = _model(tmp_path / "lm.onnx")
+    r = _cli(model, corpus, "-o", tmp_path / "a.npz")
+    assert r.exit_code == 2 and "No tokenizer for" in r.output, r.output
+    shutil.copy(tokenizer_file, tmp_path / "tokenizer.json")
+    r = _cli(model, corpus, "-o", tmp_path / "b.npz")
+    assert r.exit_code == 0, r.output
+    r2 = _cli(model, corpus, "--tokenizer", tokenizer_file, "-o", tmp_path / "c.npz")
+    assert r2.exit_code == 0 and np.array_equal(
+        np.load(tmp_path / "b.npz")["input_ids"], np.load(tmp_path / "c.npz")["input_ids"]
+    )

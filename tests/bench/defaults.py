@@ -94,6 +94,8 @@ def main() -> None:
             r = by_name[out.name]
             row[f"{preset} vs FP16"] = None if r.ratio_to_fp16 is None else round(100 * r.ratio_to_fp16, 2)
             row[f"{preset} value"] = r.value
+            if r.latency_ms and result.rows[0].latency_ms:  # onnxruntime CPU time per batch, vs FP32's
+                row[f"{preset} ms x FP32"] = round(r.latency_ms / result.rows[0].latency_ms, 2)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     (args.out / "defaults.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -108,6 +110,8 @@ def main() -> None:
         "auto seconds",
         "none MB",
         "auto MB",
+        "none ms x FP32",
+        "auto ms x FP32",
     ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
