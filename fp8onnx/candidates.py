@@ -45,10 +45,12 @@ class Candidates:
         run: RunOptions,
         calib=None,
         metric: str = "auto",
+        needs_data: bool = False,
     ):
         self.model, self.config, self.stats, self.eval_data, self.run = model, config, stats, eval_data, run
         self.headline = metric  # compare's --metric: which headline the variants are scored on
         self.calib = calib  # for configs whose weights read the data (GPTQ, smoothing, bias correction)
+        self.needs_data = needs_data  # the recipe --preset auto resolves to reads it (config alone cannot say)
         self.metric = ""
         self.evaluated = 0  # distinct variants quantized and evaluated
         self.rounds = 0  # compare runs
@@ -72,7 +74,7 @@ class Candidates:
         """Quantize the variant keeping ``keep`` in float to ``path``; its QuantizeReport. Configs
         whose weights read the calibration data re-read it (the statistics alone do not suffice)."""
         config = self.config_keeping(keep)
-        if config.weights_need_data:
+        if config.weights_need_data or self.needs_data:
             if self.calib is None:
                 raise Fp8OnnxError("GPTQ, --smooth and --bias-correction need the calibration data here, not --stats.")
             return quantize(self.model, path, self.calib, config=config, run=run)

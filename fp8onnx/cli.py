@@ -590,7 +590,7 @@ def quantize(
 
     \b
     What most users need:
-      fp8onnx quantize export_dir/ -o export_fp8/ --preset auto    # an export folder, no data file: the whole job
+      fp8onnx quantize export_dir/ -o export_fp8/                  # an export folder, no data file: the whole job
       fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
       fp8onnx quantize model.onnx --calib calib.npz --eval eval.npz --accuracy-target 99.5 -o model.fp8.onnx
 

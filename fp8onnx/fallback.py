@@ -199,7 +199,8 @@ def quantize_to_target(
         sens = sensitivity(model, calib, **scoring)
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
-    with Candidates(model, config, sens.stats, eval_data, run, calib=calib, metric=metric) as candidates:
+    needs_data = ranked.weights_need_data
+    with Candidates(model, config, sens.stats, eval_data, run, calib, metric, needs_data) as candidates:
         tried, chosen = search(sens, candidates, target, limit)
     evaluations = sens.evaluations + candidates.evaluated
     metric = candidates.metric

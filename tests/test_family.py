@@ -121,3 +121,18 @@ def test_a_token_model_without_data_calibrates_on_the_bundled_text_sample(tmp_pa
     assert r.exit_code == 2 and "has no tokenizer.json beside it" in r.output, r.output
     r = CliRunner().invoke(main, ["quantize", str(mlp_model(tmp_path / "m.onnx")), "-o", str(tmp_path / "q3.onnx")])
     assert r.exit_code == 2 and "need calibration" in r.output, r.output  # not a token model: what data it needs
+
+
+def test_the_accuracy_search_under_auto_uses_the_family_recipe_and_its_data(tmp_path):
+    """requires: a CNN (auto: the cnn preset, whose bias correction reads the calibration data) and
+    held-out data; ensures: every variant the search scores is quantized with that recipe (the data
+    is passed, the stem stays in float), and the written model carries the family line."""
+    path = cnn(tmp_path / "m.onnx")
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
+    np.savez(tmp_path / "eval.npz", x=rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
+    result = fp8onnx.quantize_to_target(
+        path, tmp_path / "q.onnx", tmp_path / "calib.npz", tmp_path / "eval.npz", target=99.0, provider="cpu"
+    )
+    assert result.met and result.report.family["preset"] == "cnn"
+    assert result.report.config["bias_correction"] and result.report.config["float_stem"]

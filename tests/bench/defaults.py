@@ -1,7 +1,7 @@
-"""Today's defaults (``--preset none``: plain per-tensor static amax) against ``--preset auto`` (the
-family's preset) on every model at hand, as issue "Accurate with no flags" asks before auto becomes
-the default: per model, the family seen, the headline metric's ratio to FP16 (``compare``), quantize
-wall time and output size, side by side in one run.
+"""The defaults before issue "Accurate with no flags" (``--preset none``: plain per-tensor static amax)
+against ``--preset auto`` (the family's preset, the default since) on every model at hand: per model,
+the family seen, the headline metric's ratio to FP16 (``compare``), quantize wall time, output size
+and onnxruntime CPU time per batch relative to FP32's, side by side in one run.
 
 Models (each skipped with a note when it is not built): the sample decoder (``models/decoder``), the
 zoo's ViT, small Llama and dynamo BERT (``models/build_zoo.py``), all-MiniLM-L6-v2
