@@ -18,12 +18,11 @@ from .api import calibrate, convert_fp16, inspect
 from .compare import compare
 from .errors import Fp8OnnxError
 from .exports import quantize_folder
-from .fallback import TargetNotMet, quantize_to_target
+from .fallback import TargetNotMet, quantize_to_target, sensitivity
 from .formats import Fp8Format
 from .quantize import QuantizeConfig, quantize
 from .runtime import RunOptions
 from .scaling import Scaling, amax_to_scale
-from .sensitivity import sensitivity
 from .study import study
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1005,7 +1005,7 @@ def sensitivity(
       fp8onnx sensitivity model.onnx --calib calib.npz --data eval.npz --json sens.json --plot plots/
       fp8onnx sensitivity model.onnx --calib calib.npz --eval eval.npz --refine 8  # end-metric gain of the top 8
     """
-    from .sensitivity import sensitivity as run_sensitivity
+    from .fallback import sensitivity as run_sensitivity
     from .sensitivity import write_json
 
     if plot_dir:

@@ -29,9 +29,9 @@ from .guard import as_path, check_paths, model_reads, model_writes
 from .model_io import write_text_atomic
 from .report import QuantizeReport
 from .runtime import RunOptions
-from .sensitivity import SensitivityResult, sensitivity
+from .sensitivity import SensitivityResult, measure_sensitivity
 
-__all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search"]
+__all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,38 @@ class TargetNotMet(Fp8OnnxError):
     def __init__(self, message: str, result: FallbackResult):
         super().__init__(message)
         self.result = result
+
+
+def sensitivity(
+    model: str | os.PathLike,
+    calib=None,
+    data=None,
+    *,
+    eval_data=None,
+    refine: int = 5,
+    metric: str = "auto",
+    needs_data: bool = False,
+    **measure,
+) -> SensitivityResult:
+    """``fp8onnx sensitivity``: the SQNR ranking (:func:`fp8onnx.sensitivity.measure_sensitivity`,
+    which takes ``config``, ``stats``, ``run`` and QuantizeConfig/RunOptions keywords) and, with
+    ``eval_data``, the ``refine`` lowest-SQNR nodes scored on the end metric: the all-FP8 model and,
+    per node, the model with only it in float (``refine`` + 1 models quantized and evaluated).
+    ``needs_data``: the variants' recipe reads ``calib`` (GPTQ, bias correction, smoothing)."""
+    result = measure_sensitivity(model, calib, data, **measure)
+    if eval_data is None or refine <= 0:
+        return result
+    config = measure.get("config") or QuantizeConfig(**RunOptions.split(dict(measure))[1])
+    run = RunOptions.of(measure.get("run"), **RunOptions.split(dict(measure))[0])
+    nodes = result.ranked()[:refine]
+    source = calib if calib is not None else data
+    with Candidates(model, config, result.stats, eval_data, run, source, metric, needs_data) as candidates:
+        base, *ratios = candidates.ratios([(), *((n.name,) for n in nodes)])
+    result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
+    for node, ratio in zip(nodes, ratios):
+        node.metric_ratio = ratio
+        node.metric_gain = None if ratio is None or base is None else ratio - base
+    return result
 
 
 def _rounds(limit: int) -> list[list[int]]:
@@ -192,14 +224,15 @@ def quantize_to_target(
         from .prepare import prepare_model
 
         ranked = config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
+    needs_data = ranked.weights_need_data
     scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
+    scoring["needs_data"] = needs_data
     if ranked.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
         sens = sensitivity(model, None, calib, **scoring)
     else:
         sens = sensitivity(model, calib, **scoring)
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
-    needs_data = ranked.weights_need_data
     with Candidates(model, config, sens.stats, eval_data, run, calib, metric, needs_data) as candidates:
         tried, chosen = search(sens, candidates, target, limit)
     evaluations = sens.evaluations + candidates.evaluated

@@ -292,7 +292,7 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
 
 
 def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:
-    """The report's ``sensitivity``: per node, as :func:`fp8onnx.sensitivity.sensitivity` measures it,
+    """The report's ``sensitivity``: per node, as :func:`fp8onnx.sensitivity.measure_sensitivity` measures it,
     with the scales just used (one more pass over the calibration data); or why it was not measured."""
     if not modified:
         why = "nothing was quantized"
@@ -303,9 +303,11 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
     elif config.weights_need_data:
         why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
-        from .sensitivity import sensitivity
+        from .sensitivity import measure_sensitivity
 
-        measured = sensitivity(model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False))
+        measured = measure_sensitivity(
+            model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False)
+        )
         return {"sensitivity": measured.to_json()["nodes"]}
     return {"sensitivity_not_measured": why}
 

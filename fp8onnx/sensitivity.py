@@ -9,10 +9,11 @@ scalars per batch; only those leave onnxruntime. The result is the SQNR of each 
 (low = sensitive), ranked.
 
 SQNR is a proxy: what a user cares about is the end metric, and a node's error can be amplified or
-absorbed downstream. With ``eval_data``, the ``refine`` lowest-SQNR nodes are checked against it:
-one ``compare`` run scores the all-FP8 model and, per node, the model with only that node left in
-float (:class:`fp8onnx.candidates.Candidates`); the gain in the headline metric (percentage points
-of FP16's) then orders those nodes first (:meth:`SensitivityResult.order`), the rest by SQNR.
+absorbed downstream. :func:`fp8onnx.fallback.sensitivity` (``fp8onnx sensitivity --eval``) checks
+the ``refine`` lowest-SQNR nodes against held-out data, a layer above this one: one ``compare`` run
+scores the all-FP8 model and, per node, the model with only that node left in float
+(:class:`fp8onnx.candidates.Candidates`); the gain in the headline metric (percentage points of
+FP16's) then orders those nodes first (:meth:`SensitivityResult.order`), the rest by SQNR.
 
 Weights of a vocabulary-sized projection (an ``lm_head``: as many output channels as an embedding
 table has rows, or at least ``VOCAB_SIZE`` of them) are flagged as high-risk: FP8 recipes for LLMs
@@ -44,7 +45,7 @@ from .prepare import prepare_model
 from .progress import progress_bar
 from .runtime import RunOptions, resolve_provider, session_for_model
 
-__all__ = ["NodeSensitivity", "SensitivityResult", "sensitivity"]
+__all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
 
 logger = logging.getLogger(__name__)
 _ERR, _ENERGY = "/fp8onnx_sensitivity_err", "/fp8onnx_sensitivity_energy"
@@ -134,23 +135,21 @@ def _floats(values: dict) -> np.ndarray:
     return np.array([float(v) for v in values.values()], np.float64)
 
 
-def sensitivity(
+def measure_sensitivity(
     model: str | os.PathLike,
     calib=None,
     data=None,
     *,
     config: QuantizeConfig | None = None,
     stats: str | os.PathLike | Stats | None = None,
-    eval_data=None,
-    refine: int = 5,
-    metric: str = "auto",
     run: RunOptions | None = None,
     **options,
 ) -> SensitivityResult:
     """Rank the nodes ``quantize`` would quantize (with ``config``, or ``options`` that build one) by
-    the SQNR of their output when only they are in FP8. Scales come from ``calib`` (or ``stats``);
-    the measurement runs on ``data`` (default: the calibration data). With ``eval_data``, the
-    ``refine`` lowest-SQNR nodes are also scored on the end metric (module docstring)."""
+    the SQNR of their output when only they are in FP8: one pass over the data. Scales come from
+    ``calib`` (or ``stats``); the measurement runs on ``data`` (default: the calibration data).
+    Scoring the lowest-SQNR nodes on an end metric is :func:`fp8onnx.fallback.sensitivity`'s (it
+    quantizes and evaluates whole models, a layer above this one)."""
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
@@ -212,25 +211,7 @@ def sensitivity(
     rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]
     for row in rows:
         row.risk = risks.get(row.name)
-    result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
-    if eval_data is not None and refine > 0:
-        _refine(result, model, config, eval_data, refine, run, calib if calib is not None else data, metric)
-    return result
-
-
-def _refine(
-    result: SensitivityResult, model, config: QuantizeConfig, eval_data, top: int, run, calib, metric: str = "auto"
-) -> None:
-    """Score the all-FP8 model and, per lowest-SQNR node, the model with only it in float."""
-    from .candidates import Candidates
-
-    nodes = result.ranked()[:top]
-    with Candidates(model, config, result.stats, eval_data, run, calib=calib, metric=metric) as candidates:
-        base, *ratios = candidates.ratios([(), *((n.name,) for n in nodes)])
-    result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
-    for node, ratio in zip(nodes, ratios):
-        node.metric_ratio = ratio
-        node.metric_gain = None if ratio is None or base is None else ratio - base
+    return SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
 
 
 def _shadow(node: ir.Node) -> ir.Node:

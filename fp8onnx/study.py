@@ -254,7 +254,7 @@ def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[
     shared between the targets)."""
     from .candidates import Candidates
     from .fallback import search
-    from .sensitivity import sensitivity
+    from .sensitivity import measure_sensitivity
 
     feeds = []
     ir_model = load_model(model)
@@ -264,7 +264,7 @@ def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[
             break
     half = feeds[: max(1, len(feeds) // 2)]
     config = QuantizeConfig()
-    sens = sensitivity(model, None, half, config=config, stats=stats, run=run)
+    sens = measure_sensitivity(model, None, half, config=config, stats=stats, run=run)
     order = [n.name for n in sens.order()]
     configs = []
     with Candidates(model, config, stats, half, run) as candidates:
