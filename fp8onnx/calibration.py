@@ -23,7 +23,8 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from .data import as_data, input_specs
+from .data import input_specs
+from .datasource import as_data
 from .errors import Fp8OnnxError, first_line
 from .histogram import NUM_BINS, LogHistogram
 from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
@@ -34,9 +35,7 @@ from .runtime import (
     DEFAULT_BATCH,
     WEIGHT_MEMORY,
     RunOptions,
-    make_session,
     session_for_model,
-    session_from_portable,
     weight_bytes,
 )
 from .segments import run_segmented, run_segmented_on
@@ -206,14 +205,6 @@ def summarize(values: dict[str, np.ndarray]) -> dict:
     return summary
 
 
-def worker_session(model, provider: str, what: str, threads: int):
-    """The calibration session of a Ray worker, built there from :func:`portable_model`'s output
-    (or from serialized bytes)."""
-    if isinstance(model, tuple):
-        return session_from_portable(model, provider, what, arena=False, instrumented=True, threads=threads)
-    return make_session(model, provider, what, arena=False, instrumented=True, threads=threads)
-
-
 def collect_amax(
     model: ir.Model,
     tensor_names: Iterable[str],
@@ -222,7 +213,7 @@ def collect_amax(
     histograms: bool = False,
     run: RunOptions | None = None,
 ) -> Stats:
-    """Run ``model`` over ``data`` (see :func:`fp8onnx.data.as_data`): running amax per tensor, and
+    """Run ``model`` over ``data`` (see :func:`fp8onnx.datasource.as_data`): running amax per tensor, and
     with ``histograms`` a fixed-bin histogram of |x| per tensor.
 
     A model with more than ``weight_memory`` bytes of weights is run layer by layer

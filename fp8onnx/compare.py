@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .data import as_data, input_specs
+from .data import input_specs
+from .datasource import as_data
 from .errors import Fp8OnnxError, first_line
 from .model_io import load_model, model_file
 from .passes import ConvertFloat16Pass
@@ -479,7 +480,7 @@ class _Evaluation:
 
     reference: pathlib.Path
     models: dict  # name -> (path or None, builder of its session)
-    source: object  # fp8onnx.data.as_data's data source
+    source: object  # fp8onnx.datasource.as_data's data source
     out_names: list[str]
     total: int | None  # batches expected (progress bars)
     max_samples: int | None

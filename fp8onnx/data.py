@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from .errors import Fp8OnnxError, printable
 
-__all__ = ["LABELS", "Batch", "FeedData", "InputSpec", "NpzData", "as_data", "input_specs"]
+__all__ = ["LABELS", "Batch", "FeedData", "InputSpec", "NpzData", "input_specs"]
 
 logger = logging.getLogger(__name__)
 LABELS = "labels"
@@ -346,7 +346,7 @@ def is_text(path: str | os.PathLike) -> bool:
 @dataclasses.dataclass(frozen=True)
 class TextSource(os.PathLike):
     """A text file with how to tokenize it (``--tokenizer``, ``--seq-len``). It is path-like, so it
-    goes wherever a data path goes (path checks, reports); :func:`as_data` reads its options.
+    goes wherever a data path goes (path checks, reports); :func:`fp8onnx.datasource.as_data` reads its options.
     ``tokenizer`` None: the ``tokenizer.json`` beside the model or the text; ``seq_len`` None: 128."""
 
     path: str | os.PathLike
@@ -359,27 +359,3 @@ class TextSource(os.PathLike):
 
     def __str__(self) -> str:
         return self.label or os.fspath(self.path)
-
-
-def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
-    """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``. A
-    ``.txt``/``.jsonl`` path (or a :class:`TextSource`) is tokenized for ``model`` (see
-    :class:`fp8onnx.sources.TextData`)."""
-    if isinstance(data, (str, os.PathLike)):
-        path = pathlib.Path(data)
-        if isinstance(data, TextSource) or is_text(path):
-            from .sources import TextData
-
-            text = data if isinstance(data, TextSource) else TextSource(data)
-            return TextData(text.path, specs, model, tokenizer=text.tokenizer, seq_len=text.seq_len)
-        if path.suffix.lower() not in (".npz", ".npy") and not (path.is_dir() and any(path.glob("*.npz"))):
-            from .media import kind_of
-            from .sources import MediaData
-
-            kind = kind_of(path)  # images or audio (a folder of them, or one file)
-            if kind is not None:
-                return MediaData(data, specs, model, kind)
-        return NpzData(data, specs)
-    if isinstance(data, (NpzData, FeedData)):
-        return data
-    return FeedData(data, specs)

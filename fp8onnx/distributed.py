@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
 from .errors import Fp8OnnxError
+from .runtime import check_ray, portable_model, worker_session
 
 __all__ = [
     "RETRIES",
     "WorkerPool",
-    "check_ray",
     "close_all",
     "fetch",
     "map_outputs",
@@ -39,12 +38,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 RETRIES = 3  # restarts of a dead worker, and reruns of the batch it held
 _IN_FLIGHT = 2  # batches queued per worker: one running, one waiting
-
-
-def check_ray(workers: int, address: str | None) -> None:
-    """A clear sentence when Ray is asked for and not installed."""
-    if (workers > 1 or address) and importlib.util.find_spec("ray") is None:
-        raise Fp8OnnxError("--workers/--ray need Ray: pip install 'fp8onnx[ray]'.")
 
 
 class _Worker:
@@ -282,9 +275,6 @@ def statistics_pool(run, model, what: str) -> WorkerPool:
     """The shared pool of ``run``'s workers, each holding a session of ``model``: an instrumented
     ``ir.Model`` (a statistics graph: priority-based order, no arena), sent as
     :func:`fp8onnx.runtime.portable_model`."""
-    from .calibration import worker_session
-    from .runtime import portable_model
-
     pool = shared_pool(run.workers, run.ray_address)
     pool.load(portable_model(model, files=pool.local), worker_session, run.provider, what)
     return pool

@@ -41,7 +41,8 @@ import numpy as np
 import onnx
 
 from . import __version__
-from .data import InputSpec, TextSource, as_data, is_text
+from .data import InputSpec, TextSource, is_text
+from .datasource import as_data
 from .errors import Fp8OnnxError, first_line
 from .generation import Generator, start_token
 from .guard import external_locations

@@ -16,7 +16,8 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from .data import as_data, input_specs
+from .data import input_specs
+from .datasource import as_data
 from .errors import Fp8OnnxError
 from .passes._common import initializer, insert_at_definition, keep_only_outputs
 from .progress import progress_bar

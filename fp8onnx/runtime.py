@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib.util
 import logging
 import os
 
@@ -25,6 +26,7 @@ __all__ = [
     "PROVIDERS",
     "WEIGHT_MEMORY",
     "RunOptions",
+    "check_ray",
     "inline_proto",
     "make_session",
     "median_latency_ms",
@@ -33,6 +35,7 @@ __all__ = [
     "session_for_model",
     "session_from_portable",
     "weight_bytes",
+    "worker_session",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,8 +85,6 @@ class RunOptions:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise Fp8OnnxError(f"--workers must be a positive integer, got {self.workers!r}.")
         if self.distributed:
-            from .distributed import check_ray
-
             check_ray(self.workers, self.ray_address)
         size = self.batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
@@ -341,3 +342,17 @@ def heap_in_use() -> int | None:
     call.restype = _MallInfo2
     info = call()
     return int(info.uordblks + info.hblkhd)
+
+
+def check_ray(workers: int, address: str | None) -> None:
+    """A clear sentence when Ray is asked for and not installed."""
+    if (workers > 1 or address) and importlib.util.find_spec("ray") is None:
+        raise Fp8OnnxError("--workers/--ray need Ray: pip install 'fp8onnx[ray]'.")
+
+
+def worker_session(model, provider: str, what: str, threads: int):
+    """The calibration session of a Ray worker, built there from :func:`portable_model`'s output
+    (or from serialized bytes)."""
+    if isinstance(model, tuple):
+        return session_from_portable(model, provider, what, arena=False, instrumented=True, threads=threads)
+    return make_session(model, provider, what, arena=False, instrumented=True, threads=threads)

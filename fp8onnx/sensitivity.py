@@ -37,7 +37,8 @@ import onnx_ir as ir
 from .assign import activation_stats, assign_scales
 from .calibration import Stats
 from .config import QuantizeConfig
-from .data import as_data, input_specs
+from .data import input_specs
+from .datasource import as_data
 from .errors import Fp8OnnxError
 from .passes import InsertQDQPass
 from .plan import activation_tensors, plan, vocabulary_projections

@@ -38,7 +38,8 @@ from . import plots
 from .api import calibrate
 from .compare import compare
 from .config import DEFAULT_OP_TYPES, PRESETS
-from .data import LABELS, as_data, input_specs
+from .data import LABELS, input_specs
+from .datasource import as_data
 from .formats import Fp8Format
 from .model_io import load_model, write_text_atomic
 from .quantize import QuantizeConfig, quantize

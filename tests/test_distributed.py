@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import fp8onnx
-from fp8onnx.calibration import summarize, worker_session
+from fp8onnx.calibration import summarize
 from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.runtime import worker_session
 
 from helpers import SAMPLE, mlp_data, mlp_model
 

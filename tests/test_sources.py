@@ -306,7 +306,8 @@ def test_text_straight_to_quantize_and_compare_of_an_export_folder(tmp_path, tok
 
 
 def test_text_for_an_encoder_is_padded_sentences(tmp_path, tokenizer_file):
-    from fp8onnx.data import as_data, input_specs
+    from fp8onnx.data import input_specs
+    from fp8onnx.datasource import as_data
     from fp8onnx.model_io import load_model
 
     model = load_model(_model(tmp_path / "enc.onnx", past=False, out="hidden", width=8))
