@@ -1,0 +1,48 @@
+"""The ``fp8onnx`` command line: a thin layer over the Python API that prints and sets exit codes.
+
+Exit codes: 0 success; 2 bad usage or bad input (one sentence naming the file, tensor or node);
+1 an internal error (a bug: run with --debug for the traceback, and report it); 128 + N when
+stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP). SIGTERM and SIGHUP unwind like Ctrl-C,
+so every temporary file and spill folder is removed and a previous output stays as it was.
+
+One module per command group: :mod:`.common` (the group, exit codes, signals, logging, shared
+options), :mod:`.quantize`, :mod:`.evaluate` (compare, study, sensitivity), :mod:`.tools`
+(calibrate, inspect, data, fp16, demo), :mod:`.experiments` (zoo, train-study).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from . import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
+from .common import main
+
+__all__ = ["entry", "main"]
+
+
+def entry() -> None:
+    """The console script: run the command, flush what it printed and logged, and leave without
+    tearing the interpreter down. Freeing the imported modules (sympy's caches, through onnx_ir, and
+    onnxscript) took 0.15 s at every exit, 3% of quantizing all-MiniLM-L6-v2. Every file a command
+    writes is closed (atomically renamed) before it returns, so nothing is left for exit handlers."""
+    try:
+        main()  # click's standalone mode ends in SystemExit, whatever happened
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    if "fp8onnx.distributed" in sys.modules:  # Ray workers and a local Ray started for them
+        sys.modules["fp8onnx.distributed"].close_all()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+            pass
+    if sys.getprofile() is not None or sys.gettrace() is not None:  # cProfile, coverage: let them write
+        sys.exit(code)
+    os._exit(code or 0)

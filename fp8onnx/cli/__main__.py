@@ -1,0 +1,5 @@
+"""``python -m fp8onnx.cli``."""
+
+from . import entry
+
+entry()

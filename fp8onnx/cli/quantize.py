@@ -1,0 +1,355 @@
+"""``fp8onnx quantize``: a model or an export folder in, FP8 out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+
+import click
+
+from .. import compare as api_compare
+from .. import quantize as api_quantize
+from ..config import (
+    ACTIVATION_MODES,
+    EMBEDDING_MODES,
+    PRESETS,
+    WEIGHT_ROUNDINGS,
+    QuantizeConfig,
+)
+from ..errors import Fp8OnnxError
+from ..guard import check_paths, model_writes
+from ..model_io import write_text_atomic
+from ..phases import process_age
+from ..phases import table as phases_table
+from ..targets import TARGETS
+from .common import (
+    _DEFAULT,
+    _FORMATS,
+    _PARAM,
+    _SCALINGS,
+    _batch_memory_option,
+    _batch_size_option,
+    _csv,
+    _metric_option,
+    _per_channel_option,
+    _precision_option,
+    _provider_option,
+    _QuantizeCommand,
+    _run,
+    _run_options,
+    _SmoothAlpha,
+    _text_options,
+    _weight_memory_option,
+    _workers_options,
+    main,
+)
+
+
+@main.command(cls=_QuantizeCommand)
+@click.argument("model", type=click.Path())
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(),
+    help="Where to write the FP8 model; for an export folder MODEL, a folder (unless it ends in .onnx).",
+)
+@click.option(
+    "--calib", type=click.Path(), help="Calibration data: an .npz file, a folder of them, or a .txt/.jsonl text file."
+)
+@click.option(
+    "--stats", type=click.Path(dir_okay=False), help="Statistics from `fp8onnx calibrate`, instead of --calib."
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(_FORMATS, case_sensitive=False),
+    default="e4m3fn",
+    show_default=True,
+    help="Float8 format of weights and activations (e3m4: emulated, for studies only, not deployable).",
+)
+@click.option(
+    "--weight-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for weights."
+)
+@click.option(
+    "--activation-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for activations."
+)
+@click.option(
+    "--scaling",
+    type=click.Choice(_SCALINGS, case_sensitive=False),
+    default="amax",
+    show_default=True,
+    help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; percentile: clip at "
+    "--percentile of |x|; mse: clip where the quantization error is least; constant: --scale for all.",
+)
+@click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")
+@click.option(
+    "--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99]."
+)
+@click.option("--scale", type=float, help="constant only: the scale used for every tensor.")
+@click.option(
+    "--activations",
+    type=click.Choice(ACTIVATION_MODES),
+    default="static",
+    show_default=True,
+    help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration); "
+    "dynamic-per-token: one in-graph scale per row, with per-channel weights; none: weight-only FP8.",
+)
+@_per_channel_option
+@_precision_option
+@click.option(
+    "--target",
+    type=click.Choice(TARGETS),
+    default="onnxruntime",
+    show_default=True,
+    help="tensorrt: only what TensorRT's FP8 takes (E4M3FN, constant scales), checked on the result.",
+)
+@click.option(
+    "--native-gemm",
+    is_flag=True,
+    help="Lower quantized MatMul/Gemm to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9).",
+)
+@click.option(
+    "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated: MatMul, Gemm, Conv."
+)
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
+@click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
+@click.option(
+    "--preset",
+    type=click.Choice(["auto", "none", *PRESETS]),
+    default="auto",
+    show_default=True,
+    help="The measured best settings for a model family (docs/usage.md); auto: the family told from the graph "
+    "(decoder LLM, encoder, CNN, speech, other), none: plain per-tensor static amax; options given explicitly "
+    "override them.",
+)
+@click.option(
+    "--weight-rounding",
+    type=click.Choice(WEIGHT_ROUNDINGS),
+    default="nearest",
+    show_default=True,
+    help="gptq: round weights on the FP8 grid compensating each layer's error with X^T X from --calib (GPTQ).",
+)
+@click.option(
+    "--smooth",
+    type=_SmoothAlpha(),
+    metavar="ALPHA|off",
+    help="SmoothQuant: move activation outliers into the weights, s = amax_x^ALPHA / amax_w^(1-ALPHA) (0.5 usual); "
+    "off: none (e.g. to turn off a preset's).",
+)
+@click.option(
+    "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
+)
+@click.option(
+    "--float-vocab",
+    is_flag=True,
+    help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
+)
+@click.option(
+    "--float-stem",
+    is_flag=True,
+    help="Leave the stem convolutions (those that read the model's input before any other layer) in float.",
+)
+@click.option(
+    "--embeddings",
+    type=click.Choice(EMBEDDING_MODES),
+    default="float",
+    show_default=True,
+    help="fp8: store embedding tables (Gather over a constant table) as float8 codes with per-row scales.",
+)
+@_batch_size_option
+@_batch_memory_option
+@_workers_options
+@_weight_memory_option
+@_provider_option
+@click.option(
+    "--report", type=click.Path(dir_okay=False), help="Write the full report (every node, scale, reason) as JSON."
+)
+@click.option(
+    "--check", "check_data", type=click.Path(), help="Evaluation data: print the compare table after quantizing."
+)
+@click.option("--eval", "eval_data", type=click.Path(), help="Held-out data for --accuracy-target.")
+@click.option(
+    "--accuracy-target",
+    type=float,
+    metavar="PCT",
+    help="Keep the fewest, most sensitive nodes in float until the headline metric on --eval is >= PCT% of FP16's.",
+)
+@click.option(
+    "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
+)
+@_metric_option
+@click.option(
+    "--fold-at-load",
+    is_flag=True,
+    help="onnxruntime-genai folder: its decoder session dequantizes the float8 weights once at load "
+    "(session.disable_quant_qdq=1 in genai_config.json): on the CPU, FP32's speed and memory, FP8's file.",
+)
+@click.option(
+    "--refine",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --accuracy-target: score the N lowest-SQNR nodes one by one on --eval first and leave them in "
+    "float in order of measured gain (N+1 more evaluations).",
+)
+@_run
+@_text_options("calib", "eval_data", "check_data")
+def quantize(
+    model,
+    output,
+    calib,
+    stats,
+    fmt,
+    weight_format,
+    activation_format,
+    scaling,
+    margin,
+    percentile,
+    scale,
+    activations,
+    per_channel,
+    precision,
+    target,
+    native_gemm,
+    op_types,
+    exclude,
+    activation_matmuls,
+    preset,
+    weight_rounding,
+    smooth,
+    bias_correction,
+    float_vocab,
+    float_stem,
+    embeddings,
+    batch_size,
+    batch_memory,
+    workers,
+    ray_address,
+    weight_memory,
+    provider,
+    report,
+    check_data,
+    eval_data,
+    accuracy_target,
+    max_float_nodes,
+    metric,
+    fold_at_load,
+    refine,
+):
+    """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
+
+    MODEL is an .onnx file or an export folder. A folder (onnxruntime-genai, Optimum decoder or
+    encoder-decoder) with -o FOLDER gives a folder that the same runtime loads: every model in it
+    quantized, calibrated by running the export on the prompts of --calib, every other file copied.
+
+    \b
+    What most users need:
+      fp8onnx quantize export_dir/ -o export_fp8/                  # an export folder, no data file: the whole job
+      fp8onnx quantize model.onnx --calib calib.npz -o model.fp8.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --eval eval.npz --accuracy-target 99.5 -o model.fp8.onnx
+
+    \b
+    Examples of the other options:
+      fp8onnx quantize export_dir/ --calib corpus.txt -o export_fp8/   # a runnable folder
+      fp8onnx quantize model.onnx --stats stats.json --scaling pow2 --margin 1 -o model.fp8.onnx
+      fp8onnx quantize model.onnx --calib data/ --exclude '*lm_head*' --report report.json -o out.onnx
+      fp8onnx quantize model.onnx --scaling constant --scale 0.05 -o model.cscale.onnx
+      fp8onnx quantize model.onnx --activations dynamic --per-channel -o model.dyn.onnx
+      fp8onnx quantize llm.onnx --activations dynamic-per-token -o llm.fp8-dynamic.onnx
+      fp8onnx quantize model.onnx --activations none -o model.w8.onnx  # weight-only
+      fp8onnx quantize model.onnx --calib calib.npz --weight-format e4m3fn --activation-format e5m2 -o mixed.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx
+      fp8onnx quantize llama.onnx --calib calib.npz --weight-memory 256 -o llama.fp8.onnx  # layer by layer
+    """
+    if (eval_data is None) != (accuracy_target is None):
+        raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
+    if (max_float_nodes is not None or refine) and accuracy_target is None:
+        raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
+    folder_mode = pathlib.Path(model).is_dir() and not str(output).endswith(".onnx")
+    if folder_mode and report:
+        for label, folder in (("the output folder", output), ("the export folder", model)):
+            if pathlib.Path(folder).resolve() in pathlib.Path(report).resolve().parents:
+                raise Fp8OnnxError(f"The report {report!r} lies inside {label} {folder!r}; write it elsewhere.")
+    # The library guards what it reads itself; --check's data is read only here.
+    check_paths(
+        [("the evaluation data", check_data), ("the evaluation data", eval_data)],
+        ([] if folder_mode else model_writes("the output model", output)) + [("the report", report)],
+    )
+    options = dict(
+        format=fmt,
+        weight_format=weight_format,
+        activation_format=activation_format,
+        scaling=scaling,
+        margin=margin,
+        percentile=percentile,
+        scale=scale,
+        activations=activations,
+        per_channel=per_channel,
+        precision=precision,
+        native_gemm=native_gemm,
+        target=target,
+        op_types=op_types,
+        exclude=exclude,
+        activation_matmuls=activation_matmuls,
+        weight_rounding=weight_rounding,
+        smooth=smooth,
+        bias_correction=bias_correction,
+        float_vocab=float_vocab,
+        float_stem=float_stem,
+        embeddings=embeddings,
+    )
+    if preset:  # the preset's settings, except where the command line says otherwise
+        ctx = click.get_current_context()
+        given = {k: v for k, v in options.items() if ctx.get_parameter_source(_PARAM.get(k, k)) != _DEFAULT}
+        config = QuantizeConfig.for_preset(preset, **given)
+    else:
+        config = QuantizeConfig(**options)
+    t0 = time.perf_counter()
+    startup = process_age()
+    run = _run_options(batch_size, provider, weight_memory, batch_memory, workers, ray_address)
+    if fold_at_load and not folder_mode:
+        raise Fp8OnnxError("--fold-at-load applies to an onnxruntime-genai folder written as a folder (-o OUT_DIR).")
+    if folder_mode:
+        from ..exports import quantize_folder
+
+        if accuracy_target is not None or stats or check_data:
+            raise Fp8OnnxError(
+                "--accuracy-target, --stats and --check take one model: give MODEL/model.onnx, or -o OUT.onnx."
+            )
+        result = quantize_folder(model, output, calib, config=config, run=run, fold_at_load=fold_at_load)
+        click.echo(result.summary())
+        if report:
+            write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")
+        click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
+        return
+    if accuracy_target is not None:
+        from ..fallback import quantize_to_target
+
+        if stats:
+            raise Fp8OnnxError("--accuracy-target measures sensitivity on --calib DATA; --stats cannot stand in.")
+        fallback = quantize_to_target(
+            model,
+            output,
+            calib,
+            eval_data,
+            target=accuracy_target,
+            max_float_nodes=max_float_nodes,
+            refine=refine,
+            config=config,
+            report=report,
+            metric=metric,
+            run=run,
+        )
+        click.echo(fallback.summary())
+    else:
+        result = api_quantize(model, output, calib, config=config, stats=stats, report=report, run=run)
+        click.echo(result.summary())
+        if logging.getLogger("fp8onnx").isEnabledFor(logging.INFO):  # -v
+            click.echo(phases_table(result.phases, startup))
+    click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
+    if check_data:
+        click.echo(api_compare(model, [output], check_data, run=_run_options(batch_size, provider)).table())
