@@ -17,9 +17,10 @@ import pathlib
 import tempfile
 
 from .calibration import Stats
-from .compare import ReferenceRun, compare
+from .compare import compare
 from .config import QuantizeConfig
 from .errors import Fp8OnnxError
+from .evaluation import ReferenceRun
 from .quantize import quantize
 from .runtime import RunOptions
 

@@ -199,7 +199,7 @@ def quantize_to_target(
     ensures: the output is written only when the target holds on ``eval_data`` with fewer than
     ``NEARLY_ALL`` of the nodes in float (more only when ``max_float_nodes`` allows it); otherwise
     :class:`TargetNotMet` is raised and nothing is written. Deterministic for the same inputs.
-    ``metric``: the headline (``fp8onnx.compare.METRICS``; auto: compare's own choice).
+    ``metric``: the headline (``fp8onnx.metrics.METRICS``; auto: compare's own choice).
     """
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)

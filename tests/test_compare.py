@@ -6,8 +6,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.compare import _OutputStats
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.metrics import _OutputStats
 
 from helpers import mlp_data, mlp_model
 
@@ -96,7 +96,7 @@ def test_a_baseline_that_cannot_run_leaves_fp32_only(tmp_path, monkeypatch, wher
             def __call__(self, model):
                 raise RuntimeError("converter cannot handle this graph")
 
-        monkeypatch.setattr(compare_module, "ConvertFloat16Pass", Broken)
+        monkeypatch.setattr(sys.modules["fp8onnx.evaluation"], "ConvertFloat16Pass", Broken)
     else:
 
         def broken(*args):

@@ -187,8 +187,8 @@ def test_a_model_that_does_not_load_on_the_workers_is_one_clear_sentence(tmp_pat
     bad.write_bytes(b"not a model")
     good = mlp_model(tmp_path / "m.onnx")
     data = mlp_data(tmp_path / "d.npz")
-    from fp8onnx.compare import _worker_session
     from fp8onnx.distributed import shared_pool
+    from fp8onnx.evaluation import _worker_session
 
     with pytest.raises(Fp8OnnxError, match=r"Candidate model .*bad.onnx.* does not load in onnxruntime"):
         shared_pool(2, None).load(str(bad), _worker_session, "cpu", f"Candidate model {str(bad)!r}", ())

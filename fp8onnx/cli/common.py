@@ -13,7 +13,6 @@ import click
 from click.core import ParameterSource
 
 from .. import __version__
-from ..compare import METRICS
 from ..config import (
     DEFAULT_OP_TYPES,
     PRECISIONS,
@@ -21,6 +20,7 @@ from ..config import (
 from ..data import TextSource, is_text
 from ..errors import Fp8OnnxError, printable
 from ..formats import Fp8Format
+from ..metrics import METRICS
 from ..progress import close_all
 from ..runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
 from ..scaling import Scaling

@@ -1,0 +1,172 @@
+"""What ``compare`` measures, batch by batch: per-output statistics (cosine, relative L2, maximum
+absolute error, top-1 agreement), task accuracy and perplexity from labels, and which outputs are
+class scores. The criteria: the FP8 LLM paper's >= 99.5% of FP16 (``LLM_RATIO``) and the PTQ
+paper's 1% relative loss (``PTQ_REL_LOSS``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import numpy as np
+
+from .errors import Fp8OnnxError
+
+logger = logging.getLogger(__name__)
+
+LLM_RATIO = 0.995  # FP8 within 99.5% of FP16 (FP8 LLM paper)
+
+
+PTQ_REL_LOSS = 0.01  # within 1% relative loss (PTQ paper)
+
+
+_LOGITS_NAME = re.compile(r"logit|score|prob|class", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class _OutputStats:
+    rows: int = 0
+    cos_sum: float = 0.0
+    cos_min: float = 1.0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    max_abs: float = 0.0
+    top1_hits: int = 0
+    top1_rows: int = 0
+
+    def update(self, ref: np.ndarray, out: np.ndarray, logits: bool) -> None:
+        if ref.shape != out.shape:
+            raise Fp8OnnxError(f"Output shapes differ: reference {ref.shape}, candidate {out.shape}.")
+        r = ref.astype(np.float64).reshape(-1, ref.shape[-1] if ref.ndim else 1)
+        c = out.astype(np.float64).reshape(r.shape)
+        nr, nc = np.linalg.norm(r, axis=1), np.linalg.norm(c, axis=1)
+        dot = (r * c).sum(axis=1)
+        both_zero = (nr == 0) & (nc == 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cos = np.where(both_zero, 1.0, dot / (nr * nc))
+        cos = np.nan_to_num(cos, nan=0.0)
+        self.rows += len(cos)
+        self.cos_sum += float(cos.sum())
+        self.cos_min = min(self.cos_min, float(cos.min())) if len(cos) else self.cos_min
+        diff = c - r
+        self.err_sq += float(np.nansum(diff * diff))
+        self.ref_sq += float((r * r).sum())
+        self.max_abs = max(self.max_abs, float(np.nanmax(np.abs(diff))) if diff.size else 0.0)
+        if logits:
+            self.top1_hits += int((r.argmax(axis=1) == c.argmax(axis=1)).sum())
+            self.top1_rows += r.shape[0]
+
+    def merge(self, other: _OutputStats) -> None:
+        """Add another batch's sums (in batch order: the same floats as one running update)."""
+        self.rows += other.rows
+        self.cos_sum += other.cos_sum
+        self.cos_min = min(self.cos_min, other.cos_min)
+        self.err_sq += other.err_sq
+        self.ref_sq += other.ref_sq
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.top1_hits += other.top1_hits
+        self.top1_rows += other.top1_rows
+
+    def to_json(self) -> dict:
+        return {
+            "cosine_mean": self.cos_sum / self.rows if self.rows else None,
+            "cosine_min": self.cos_min if self.rows else None,
+            "rel_l2": float(np.sqrt(self.err_sq / self.ref_sq)) if self.ref_sq else None,
+            "max_abs_err": self.max_abs,
+            "top1_agreement": self.top1_hits / self.top1_rows if self.top1_rows else None,
+        }
+
+
+@dataclasses.dataclass
+class _Score:
+    """One model's sums over its batches, or one batch's: per-output statistics, and with labels the
+    correct predictions and the summed cross-entropy."""
+
+    outputs: dict[str, _OutputStats]
+    correct: int = 0
+    nll: float = 0.0
+
+    def merge(self, other: _Score) -> None:
+        for o, stats in self.outputs.items():
+            stats.merge(other.outputs[o])
+        self.correct += other.correct
+        self.nll += other.nll
+
+
+def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out, classes=frozenset()) -> _Score:
+    score = _Score({o: _OutputStats() for o in out_names})
+    for o, r, c in zip(out_names, ref, outs):
+        score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels, classes))
+    if label_out is not None:
+        score.correct = int((outs[label_out].argmax(axis=-1) == labels).sum())
+        score.nll = _nll(outs[label_out], labels)
+    return score
+
+
+def _looks_like_logits(name: str, shape: tuple, labels: np.ndarray | None, classes=frozenset()) -> bool:
+    """Whether top-1 agreement is measured on this output: class scores by their labels, their name, a
+    Softmax computing them, or ``--metric top1`` (``classes``)."""
+    if len(shape) < 2 or shape[-1] < 2:
+        return False
+    if name in classes or (labels is not None and tuple(labels.shape) == tuple(shape[:-1])):
+        return True
+    return bool(_LOGITS_NAME.search(name))
+
+
+METRICS = ("auto", "accuracy", "top1", "cosine", "rel-l2")
+
+
+_PASS_THROUGH = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Transpose")
+
+
+def class_outputs(model) -> frozenset[str]:
+    """Outputs computed by a Softmax/LogSoftmax (through reshapes and casts): class scores."""
+    found = set()
+    for value in model.graph.outputs:
+        node = value.producer()
+        while node is not None and node.op_type in _PASS_THROUGH and node.inputs and node.inputs[0] is not None:
+            node = node.inputs[0].producer()
+        if node is not None and node.op_type in ("Softmax", "LogSoftmax"):
+            found.add(value.name)
+    return frozenset(found)
+
+
+def _label_output(ref: list[np.ndarray], out_names: list[str], labels: np.ndarray | None) -> int | None:
+    """Index of the output the labels score (its leading shape is theirs), or None without labels."""
+    if labels is None:
+        return None
+    found = next((i for i, r in enumerate(ref) if r.ndim >= 2 and r.shape[:-1] == labels.shape), None)
+    if found is None:
+        raise Fp8OnnxError(
+            f"Data 'labels' of shape {labels.shape} match no output's leading shape "
+            f"({', '.join(f'{n} {r.shape}' for n, r in zip(out_names, ref))})."
+        )
+    return found
+
+
+def _to_json(stats: dict) -> dict:
+    return {o: s.to_json() for o, s in stats.items()}
+
+
+def _nll(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Sum over the labelled positions of -log softmax(logits)[label] (one batch, float64 sums)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    y = labels.reshape(-1).astype(np.int64)
+    if y.size and (y.min() < 0 or y.max() >= x.shape[-1]):
+        return float("nan")  # labels that are not class indices of this output
+    total = 0.0
+    for s in range(0, len(x), 1024):  # a bounded float32 copy at a time (LLM vocabularies are large)
+        part = x[s : s + 1024].astype(np.float32)
+        peak = part.max(axis=-1, keepdims=True)
+        logz = np.log(np.exp(part - peak).sum(axis=-1, dtype=np.float64)) + peak[:, 0]
+        total += float((logz - part[np.arange(len(part)), y[s : s + 1024]]).sum())
+    return total
+
+
+def _perplexity(nll: float, labelled: int) -> float | None:
+    return float(np.exp(nll / labelled)) if labelled and np.isfinite(nll) else None
+
+
+def _accuracy(correct: int, labelled: int) -> float | None:
+    return correct / labelled if labelled else None
