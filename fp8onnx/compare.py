@@ -148,7 +148,7 @@ def _generation(reference, models, rows, source, tokens: int, prompts: int, prov
     """Greedy generation of every model (fp8onnx.generation) from the first ``prompts`` rows of the
     data's input_ids (their first PROMPT_TOKENS tokens), each row's agreement with FP32's tokens."""
     from .generation import Generator, agreement
-    from .sources import cache_sizes
+    from .text import cache_sizes
 
     rows_ids = []
     for batch in source.batches(prompts):

@@ -48,7 +48,7 @@ from .generation import Generator, start_token
 from .guard import external_locations
 from .model_io import new_folder_mode, write_text_atomic
 from .runtime import RunOptions, make_session
-from .sources import python_text_sample
+from .text_sample import python_text_sample
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 
@@ -202,7 +202,7 @@ class _Recorder:
 
 def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Path, decode_steps: int) -> dict:
     """role-in-plan -> folder of feeds, for every model of the export."""
-    from .sources import cache_sizes
+    from .text import cache_sizes
 
     plans = export.plans()
     data: dict[pathlib.Path, pathlib.Path] = {}

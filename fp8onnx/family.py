@@ -28,7 +28,7 @@ import re
 import onnx_ir as ir
 
 from .config import PRESETS
-from .sources import PAST as _PAST
+from .text import PAST as _PAST
 
 __all__ = ["Family", "detect_family"]
 

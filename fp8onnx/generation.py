@@ -70,7 +70,7 @@ class Generator:
     """Steps of greedy decoding over ``sessions`` (role -> onnxruntime session). ``record(role, feed)``,
     when given, sees every feed each model is run with (calibration data). ``cache_sizes``: sizes of
     the KV cache's named axes that the models leave open (``kv_heads``, ``head_size``; from the
-    folder's config, see :func:`fp8onnx.sources.cache_sizes`)."""
+    folder's config, see :func:`fp8onnx.text.cache_sizes`)."""
 
     def __init__(
         self,
@@ -113,7 +113,7 @@ class Generator:
         return dict(zip(self.outputs[role], values))
 
     def _empty_past(self, spec: InputSpec, batch: int) -> np.ndarray:
-        from .sources import _past_shape
+        from .text import _past_shape
 
         return np.zeros(_past_shape(spec, batch, self.sizes), spec.dtype)
 

@@ -86,7 +86,7 @@ def quantize(
 
     Without ``calib``, a recipe that needs data (static activation scales, GPTQ, smoothing, bias
     correction) on a model with token inputs and a ``tokenizer.json`` beside it calibrates on a text
-    sample of CPython's documentation (:func:`fp8onnx.sources.python_text_sample`). ``calib_optional``:
+    sample of CPython's documentation (:func:`fp8onnx.text_sample.python_text_sample`). ``calib_optional``:
     ``calib`` is such a default, dropped where the recipe needs no data.
     """
     with recording() as phases:
@@ -258,7 +258,7 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
     if not needed:
         return None, config
-    from .sources import default_text_sample
+    from .text_sample import default_text_sample
 
     sample = default_text_sample(model) if tokens else None
     if sample is not None:

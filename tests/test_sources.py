@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from fp8onnx import sources  # noqa: E402
+from fp8onnx import text  # noqa: E402
 from fp8onnx.cli import main  # noqa: E402
 from fp8onnx.errors import Fp8OnnxError  # noqa: E402
 
@@ -182,7 +182,7 @@ def test_sampling_is_seeded_and_bounded(tmp_path, tokenizer_file, corpus):
 def test_reservoir_keeps_each_item_with_equal_chance():
     counts = np.zeros(20)
     for seed in range(400):
-        for item in sources._first_or_sampled(iter(range(20)), 5, seed):
+        for item in text._first_or_sampled(iter(range(20)), 5, seed):
             counts[item] += 1
     assert counts.sum() == 2000 and counts.min() > 60 and counts.max() < 140  # 100 expected each
 
@@ -244,7 +244,7 @@ def test_cache_axes_from_their_names_and_the_export_config(tmp_path):
     ids_spec = InputSpec("input_ids", np.dtype(np.int64), (None, None))
     unnamed = InputSpec("past.0", np.dtype(np.float32), (None, None, None, 8))
     with pytest.raises(Fp8OnnxError, match="cannot tell the size of axis 1"):
-        sources.fill_inputs([ids_spec, unnamed], ids, ids, ids * 0)
+        text.fill_inputs([ids_spec, unnamed], ids, ids, ids * 0)
     # onnxruntime-genai declares [batch_size, 2, past_sequence_length, kv_cache_dim]
     genai = InputSpec(
         "past_key_values.0.key",
@@ -253,17 +253,17 @@ def test_cache_axes_from_their_names_and_the_export_config(tmp_path):
         ("batch_size", None, "past_sequence_length", "kv_cache_dim"),
     )
     with pytest.raises(Fp8OnnxError, match=r"axis 3 \(kv_cache_dim\)"):
-        sources.fill_inputs([ids_spec, genai], ids, ids, ids * 0)
+        text.fill_inputs([ids_spec, genai], ids, ids, ids * 0)
     (tmp_path / "genai_config.json").write_text(
         json.dumps({"model": {"decoder": {"head_size": 16, "num_key_value_heads": 2}}})
     )
-    feed, _ = sources.fill_inputs([ids_spec, genai], ids, ids, ids * 0, sources.cache_sizes(tmp_path))
+    feed, _ = text.fill_inputs([ids_spec, genai], ids, ids, ids * 0, text.cache_sizes(tmp_path))
     assert feed["past_key_values.0.key"].shape == (2, 2, 0, 16)
     (tmp_path / "genai_config.json").unlink()
     (tmp_path / "config.json").write_text(
         json.dumps({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2})
     )
-    assert sources.cache_sizes(tmp_path) == {"kv_heads": 2, "head_size": 16}
+    assert text.cache_sizes(tmp_path) == {"kv_heads": 2, "head_size": 16}
 
 
 def test_minilm_from_its_own_tokenizer_matches_the_npz_path(tmp_path):

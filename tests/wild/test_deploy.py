@@ -175,7 +175,7 @@ def engine_generate(folder: pathlib.Path) -> np.ndarray:
     from fp8onnx.exports import describe_export
     from fp8onnx.generation import Generator, start_token
     from fp8onnx.runtime import make_session
-    from fp8onnx.sources import cache_sizes
+    from fp8onnx.text import cache_sizes
 
     export = describe_export(folder)
     plan = export.plans()[-1]  # the merged decoder where there is one, as Optimum loads it
