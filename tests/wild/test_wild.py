@@ -18,6 +18,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 
 import numpy as np
 import onnx
@@ -44,8 +45,9 @@ def _counts(path: pathlib.Path) -> dict[str, int]:
     return counts
 
 
-def check_case(name: str, folder: pathlib.Path) -> dict:
-    """Build, quantize with defaults through the CLI, run both on ORT; one row of the corpus table."""
+def check_case(name: str, folder: pathlib.Path, preset: str | None = None) -> dict:
+    """Build, quantize with defaults (or ``--preset preset``) through the CLI, run both on ORT; one row
+    of the corpus table."""
     from click.testing import CliRunner
 
     from fp8onnx.cli import main
@@ -55,9 +57,10 @@ def check_case(name: str, folder: pathlib.Path) -> dict:
     calib = folder / f"{name}.npz"
     np.savez(calib, **data)
     out, report = folder / f"{name}.fp8.onnx", folder / f"{name}.json"
-    result = CliRunner().invoke(
-        main, ["quantize", str(model), "--calib", str(calib), "-o", str(out), "--report", str(report)]
-    )
+    args = ["quantize", str(model), "--calib", str(calib), "-o", str(out), "--report", str(report)]
+    t0 = time.perf_counter()
+    result = CliRunner().invoke(main, args + (["--preset", preset] if preset else []))
+    seconds = time.perf_counter() - t0
     assert result.exit_code == 0, f"{name}: {result.output}"
     rep = json.loads(report.read_text())
     quantized = [n for n in rep["nodes"] if n["quantized"]]
@@ -86,6 +89,10 @@ def check_case(name: str, folder: pathlib.Path) -> dict:
         "bound": bound,
         "ratio": worst / bound,
         "prepared": rep["prepared"],
+        "family": (rep.get("family") or {}).get("family"),
+        "preset": rep["config"].get("preset", "none"),
+        "output_bytes": rep["output_bytes"],
+        "seconds": seconds,
     }
 
 
