@@ -29,6 +29,7 @@ import onnx_ir as ir
 
 from .config import PRESETS
 from .text import PAST as _PAST
+from .text import vocabulary_size
 
 __all__ = ["Family", "detect_family"]
 
@@ -85,12 +86,17 @@ def detect_family(model: ir.Model, fp8_gemm: bool = False) -> Family:
         if "Trilu" in ops or "GroupQueryAttention" in ops:
             signs.append("a causal mask" if "Trilu" in ops else "GroupQueryAttention")
         logits = [v.name for v in graph.outputs if v.name == "logits"]
+        rows = vocabulary_size(model, tokens[0])  # scores over the vocabulary at every position: an LM head
+        per_token = [v.name for v in graph.outputs if v.shape is not None and len(v.shape) == 3 and rows is not None]
+        per_token = [n for n in per_token if next(v for v in graph.outputs if v.name == n).shape[-1] == rows]
         if vocab:
             head, why = next(iter(vocab.items()))
             signs.append(f"{head}: {why}")
+        elif per_token:  # a small vocabulary: its scores at every position say it
+            signs.append(f"{per_token[0]!r}: scores over the {rows}-token vocabulary at every position")
         elif signs and logits:  # a small vocabulary (bytes): the causal structure and its logits say it
             signs.append("a 'logits' output")
-        if vocab or (signs and logits):
+        if vocab or per_token or (signs and logits):
             why = f"token input {tokens[0]!r}, " + ", ".join(signs)
             return Family("decoder LLM", None if fp8_gemm else "llm-weight-only", why + _gemm(fp8_gemm))
         why = f"token input {tokens[0]!r}, no vocabulary projection"

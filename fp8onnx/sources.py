@@ -21,15 +21,16 @@ from .data import LABELS, TEXT_SUFFIXES, Batch, InputSpec, input_specs
 from .errors import Fp8OnnxError
 from .media import AudioOptions, ImageOptions
 from .text import (
+    PAST,
     TextOptions,
     _first_or_sampled,
+    _ids_input,
     _model_folder,
     cache_sizes,
     check_tokenizer,
-    find_tokenizer,
-    is_language_model,
     load_tokenizer,
     text_samples,
+    vocabulary_size,
 )
 
 __all__ = ["DataSummary", "MediaData", "TextData", "make_data", "write_text_data"]
@@ -292,3 +293,35 @@ def _stacked(samples) -> Batch:
     feed = {k: np.concatenate([f[k] for f, _ in samples]) for k in samples[0][0]}
     labels = None if samples[0][1] is None else np.concatenate([lab for _, lab in samples])
     return Batch(feed, labels)
+
+
+def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pathlib.Path:
+    """The ``tokenizer.json`` for a text source given straight to --calib/--data: the one beside the
+    model file (an export folder), else the one beside the text."""
+    from .model_io import SOURCE_META
+
+    if not pathlib.Path(text).is_file():
+        raise Fp8OnnxError(f"Text file {str(text)!r} does not exist.")
+    places = []
+    if model is not None and model.meta.get(SOURCE_META):
+        places.append(pathlib.Path(model.meta[SOURCE_META]).parent)
+    places.append(pathlib.Path(text).parent)
+    for folder in places:
+        if (folder / "tokenizer.json").is_file():
+            return folder / "tokenizer.json"
+    raise Fp8OnnxError(
+        f"Text data {str(text)!r} needs a tokenizer.json beside the model or the text; or make an .npz with "
+        "`fp8onnx data MODEL TEXT --tokenizer tokenizer.json -o data.npz`."
+    )
+
+
+def is_language_model(model: ir.Model, specs: list[InputSpec]) -> bool:
+    """A KV-cache input, or an output as wide as the embedding table (logits): text is cut into windows
+    with next-token labels for it; any other model gets one padded sentence per sample."""
+    if any(PAST.search(s.name) for s in specs):
+        return True
+    rows = vocabulary_size(model, _ids_input(specs).name)
+    return any(
+        v.name == "logits" or (rows and v.shape is not None and len(v.shape) and v.shape[-1] == rows)
+        for v in model.graph.outputs
+    )

@@ -24,9 +24,7 @@ Every model input is then filled in from its declared name, type and shape:
   anything else                     refused with one sentence naming the input
 
 With ``max_samples`` and a ``seed`` the samples are a uniform random choice of the whole stream
-(reservoir sampling: memory holds ``max_samples`` samples, not the corpus); without a seed they are
-the first ``max_samples``. Samples are written to the ``.npz`` as they come (one temporary raw file
-per array), so memory stays flat in the corpus size.
+(reservoir sampling), without a seed the first ``max_samples``; :mod:`fp8onnx.sources` writes them.
 """
 
 from __future__ import annotations
@@ -53,8 +51,6 @@ __all__ = [
     "check_tokenizer",
     "documents",
     "fill_inputs",
-    "find_tokenizer",
-    "is_language_model",
     "load_tokenizer",
     "text_samples",
     "vocabulary_size",
@@ -154,15 +150,23 @@ def _json_lines(fh, path: pathlib.Path, field: str) -> Iterator[str]:
 
 
 def vocabulary_size(model: ir.Model, ids_input: str) -> int | None:
-    """Rows of the embedding table the token ids index (a Gather's initializer), when there is one."""
+    """Rows of the embedding table (a Gather's initializer, on its axis) the token ids index, through
+    Reshape/Flatten/Squeeze/Unsqueeze/Cast (GPT-2 flattens its ids); None without one."""
     value = next((v for v in model.graph.inputs if v.name == ids_input), None)
-    for use in value.uses() if value is not None else ():
-        node = use.node
-        if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
-            table = node.inputs[0].const_value
-            axis = node.attributes.get_int("axis", 0)  # a tied table Gathers the lm_head's [hidden, vocab] on axis 1
-            if table is not None and -len(table.shape) <= axis < len(table.shape):
-                return int(table.shape[axis])
+    frontier = [value] if value is not None else []
+    for _ in range(4):  # a few reshaping steps at most between the ids and their Gather
+        following = []
+        for v in frontier:
+            for use in v.uses():
+                node = use.node
+                if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
+                    table = node.inputs[0].const_value
+                    axis = node.attributes.get_int("axis", 0)  # a tied table Gathers lm_head's [hidden, vocab]
+                    if table is not None and -len(table.shape) <= axis < len(table.shape):
+                        return int(table.shape[axis])
+                elif node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast") and use.idx == 0:
+                    following.extend(node.outputs)
+        frontier = following
     return None
 
 
@@ -366,35 +370,3 @@ def check_tokenizer(model: ir.Model, tokenizer, path) -> None:
             f"Tokenizer {str(path)!r} has {tokenizer.get_vocab_size()} tokens but the model's embedding "
             f"table has {rows} rows: it is not this model's tokenizer."
         )
-
-
-def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pathlib.Path:
-    """The ``tokenizer.json`` for a text source given straight to --calib/--data: the one beside the
-    model file (an export folder), else the one beside the text."""
-    from .model_io import SOURCE_META
-
-    if not pathlib.Path(text).is_file():
-        raise Fp8OnnxError(f"Text file {str(text)!r} does not exist.")
-    places = []
-    if model is not None and model.meta.get(SOURCE_META):
-        places.append(pathlib.Path(model.meta[SOURCE_META]).parent)
-    places.append(pathlib.Path(text).parent)
-    for folder in places:
-        if (folder / "tokenizer.json").is_file():
-            return folder / "tokenizer.json"
-    raise Fp8OnnxError(
-        f"Text data {str(text)!r} needs a tokenizer.json beside the model or the text; or make an .npz with "
-        "`fp8onnx data MODEL TEXT --tokenizer tokenizer.json -o data.npz`."
-    )
-
-
-def is_language_model(model: ir.Model, specs: list[InputSpec]) -> bool:
-    """A KV-cache input, or an output as wide as the embedding table (logits): text is cut into windows
-    with next-token labels for it; any other model gets one padded sentence per sample."""
-    if any(PAST.search(s.name) for s in specs):
-        return True
-    rows = vocabulary_size(model, _ids_input(specs).name)
-    return any(
-        v.name == "logits" or (rows and v.shape is not None and len(v.shape) and v.shape[-1] == rows)
-        for v in model.graph.outputs
-    )

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 from test_conv import cnn
+from test_sources import _model as _lm
 
 import fp8onnx
 from fp8onnx.cli import main
@@ -63,7 +64,9 @@ def _encoder(path):
 @pytest.mark.parametrize(
     "build, family, preset, why",
     [
-        (lambda p: SAMPLE / "decoder.onnx", "decoder LLM", "llm-weight-only", "a causal mask, a 'logits' output"),
+        (lambda p: SAMPLE / "decoder.onnx", "decoder LLM", "llm-weight-only", "a causal mask, 'logits': scores over"),
+        # no KV cache, no causal mask a graph shows, a 400-token vocabulary: its per-position scores say it
+        (lambda p: _lm(p, past=False), "decoder LLM", "llm-weight-only", "the 400-token vocabulary at every position"),
         (_encoder, "encoder", "encoder", "no vocabulary projection"),
         (cnn, "CNN", "cnn", "2 Conv/ConvTranspose nodes, 1 MatMul/Gemm"),
         (_speech, "speech", None, "audio input 'input_values'"),
