@@ -4,8 +4,9 @@
 The rules, in order:
 
 - **decoder LLM**: token ids in (an integer ``*input_ids`` input) and a vocabulary projection out
-  (a MatMul/Gemm as wide as an embedding table, or at least 16384 outputs); KV-cache inputs or a
-  causal mask (``Trilu``, GroupQueryAttention) make it certain, and are named. Preset
+  (a MatMul/Gemm as wide as an embedding table, or at least 16384 outputs), or an output of scores
+  over the whole vocabulary at every position; KV-cache inputs or a causal mask (``Trilu``,
+  GroupQueryAttention) make it certain, and are named. Preset
   ``llm-weight-only`` (float8 weights, activations in float): on SmolLM2-135M every recipe with FP8
   activations lost ~1% of FP16's next-token accuracy, below the FP8 LLM paper's 99.5%; the summary
   says so and names ``--preset llm``. With ``--native-gemm`` (FP8 GEMMs need FP8 activations with
