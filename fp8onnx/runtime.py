@@ -58,7 +58,7 @@ _NUMPY_DTYPES = {
 # Models with more weights than this are calibrated layer by layer (see fp8onnx.segments).
 WEIGHT_MEMORY = 512 << 20
 # Samples per run when the user chose none; calibration runs fewer when one sample's statistics run
-# needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.calibration.auto_batch_size).
+# needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.batching.auto_batch_size).
 DEFAULT_BATCH = 16
 BATCH_MEMORY = 1 << 30
 _RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress", "batch_memory", "workers", "ray_address")

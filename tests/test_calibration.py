@@ -76,7 +76,7 @@ def test_batches_are_sized_to_the_memory_budget_with_the_same_statistics(tmp_pat
 
 
 def test_auto_batch_size_takes_the_larger_of_fetched_and_resident_memory():
-    from fp8onnx.calibration import auto_batch_size
+    from fp8onnx.batching import auto_batch_size
     from fp8onnx.data import Batch
 
     class Source:

@@ -52,8 +52,9 @@ def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_addre
     Example:
       fp8onnx zoo models/zoo/ -o zoo-results/ --workers 2 --plot zoo-results/pass_rates.png
     """
-    from ..zoo import find_models, write_outputs, write_plot, zoo_configs
+    from ..zoo import find_models, zoo_configs
     from ..zoo import zoo as run_zoo
+    from ..zoo_results import write_outputs, write_plot
 
     every = zoo_configs()
     if list_configs:
