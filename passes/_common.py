@@ -93,6 +93,18 @@ def proto_graphs(root):
                 stack.extend(attr.graphs)
 
 
+def check_initializers(model: ir.Model) -> None:
+    """Postcondition shared by passes that remove or replace initializers: every constant a node of
+    the main graph reads is still an initializer of it (or a graph input)."""
+    graph = model.graph
+    for node in graph:
+        for value in node.inputs:
+            if value is None or value.producer() is not None or value.is_graph_input():
+                continue
+            if value.const_value is not None and graph.initializers.get(value.name) is not value:
+                raise ir.passes.PostconditionError(f"node {node.name!r} reads {value.name!r}, no longer an initializer")
+
+
 def keep_only_outputs(model: ir.Model, names) -> None:
     """Make ``names`` the model's only outputs and drop every node that none of them needs: an
     instrumented copy for statistics then computes no more than those (e.g. not a language model's

@@ -51,7 +51,9 @@ def _has_float32_compute(model: ir.Model) -> bool:
 
 
 class ConvertFloat16Pass(ir.passes.FunctionalPass):
-    """ensures: graph inputs and outputs keep their names and types (a drop-in for the float32 model)."""
+    """requires: nothing (a model without float32 compute is returned as it is; ``requires`` records
+    the graph's inputs and outputs); ensures: graph inputs and outputs keep their names and types (a
+    drop-in for the float32 model)."""
 
     def __init__(self):
         super().__init__()

@@ -21,6 +21,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from ._common import check_initializers
+
 __all__ = ["FoldWeightTransformsPass"]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,16 @@ def _folded_shape(node: ir.Node, shape: ir.Shape) -> ir.Shape:
 
 
 class FoldWeightTransformsPass(ir.passes.InPlacePass):
+    """requires: nothing (any model); ensures: no Identity, Cast or Transpose of a float initializer
+    that feeds a MatMul/Gemm is left in the main graph, and every constant a node reads is still an
+    initializer."""
+
+    def ensures(self, model: ir.Model) -> None:
+        left = next((n for n in model.graph if _foldable(n)), None)
+        if left is not None:
+            raise ir.passes.PostconditionError(f"{left.op_type} {left.name!r} on a weight is still there")
+        check_initializers(model)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         folded = 0

@@ -73,8 +73,21 @@ class LoweringResult(ir.passes.PassResult):
 
 
 class LowerGemmFloat8Pass(ir.passes.InPlacePass):
-    """ensures: no MatMul/Gemm that this run lowered is left; results are returned per call
-    (:class:`LoweringResult`), never kept on the instance, so a reused instance reports each run."""
+    """requires: float8 Q/DQ (opset >= 19); ensures: no MatMul/Gemm that could be lowered is left
+    (each remaining one has a reason), and GemmFloat8 nodes come with the com.microsoft opset.
+    Results are returned per call (:class:`LoweringResult`), never kept on the instance, so a
+    reused instance reports each run."""
+
+    def requires(self, model: ir.Model) -> None:
+        if model.opset_imports.get("", 0) < 19:
+            raise ir.passes.PreconditionError("float8 Q/DQ needs opset >= 19; upgrade the model first")
+
+    def ensures(self, model: ir.Model) -> None:
+        for node in model.graph:
+            if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx") and _reason(node) is None:
+                raise ir.passes.PostconditionError(f"{node.name!r} could be lowered and was not")
+            if node.op_type == "GemmFloat8" and MS_DOMAIN not in model.opset_imports:
+                raise ir.passes.PostconditionError(f"{node.name!r} is GemmFloat8 without the {MS_DOMAIN} opset")
 
     def call(self, model: ir.Model) -> LoweringResult:
         graph = model.graph

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from ..formats import Fp8Format, quantize
 from ..scaling import amax_to_scale
-from ._common import derived_tensor, initializer
+from ._common import check_initializers, derived_tensor, initializer
 
 __all__ = ["EmbeddingsResult", "QuantizeEmbeddingsPass"]
 
@@ -79,7 +79,15 @@ def _tables(model: ir.Model, min_rows: int, dequantized: dict[str, ir.Value]):
 
 class QuantizeEmbeddingsPass(ir.passes.InPlacePass):
     """requires: opset >= 13 (Gather, Unsqueeze with axes input); ensures: every table it reports
-    as quantized is read only through its uint8 codes (the float initializer is gone)."""
+    as quantized is read only through its uint8 codes (the float initializer is gone), so every
+    constant a node reads is still an initializer."""
+
+    def requires(self, model: ir.Model) -> None:
+        if model.opset_imports.get("", 0) < 13:
+            raise ir.passes.PreconditionError("embedding tables need opset >= 13 (Unsqueeze with an axes input)")
+
+    def ensures(self, model: ir.Model) -> None:
+        check_initializers(model)
 
     def __init__(
         self, fmt: Fp8Format = Fp8Format.E4M3FN, min_rows: int = 256, dequantized: dict[str, ir.Value] | None = None

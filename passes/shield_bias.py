@@ -50,7 +50,8 @@ def bias_of(node: ir.Node) -> tuple[ir.Node, int] | None:
 
 
 class ShieldBiasPass(ir.passes.InPlacePass):
-    """ensures: no target keeps a 1-D constant bias (each one now reads a [1, N] copy)."""
+    """requires: nothing (targets without a bias are left alone); ensures: no target keeps a 1-D
+    constant bias (each one now reads a [1, N] copy)."""
 
     def __init__(self, nodes: Iterable[ir.Node | str]):
         """``nodes``: the MatMul/Gemm nodes (or their names) whose bias to reshape, in any graph."""

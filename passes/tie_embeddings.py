@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from ._common import release
+from ._common import check_initializers, release
 
 __all__ = ["TieEmbeddingsPass"]
 
@@ -67,7 +67,12 @@ def _equal(a: ir.Value, b: ir.Value, transposed: bool) -> bool:
 
 class TieEmbeddingsPass(ir.passes.InPlacePass):
     """requires: nothing; ensures: no MatMul/Gemm weight equals a Gather table it could share (the
-    model computes exactly what it computed; only the duplicate initializer is gone)."""
+    model computes exactly what it computed; only the duplicate initializer is gone). Checked after
+    each run: every constant a node reads is still an initializer (comparing the tables again would
+    read every weight twice)."""
+
+    def ensures(self, model: ir.Model) -> None:
+        check_initializers(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

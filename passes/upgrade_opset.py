@@ -450,7 +450,8 @@ class UpgradeResult(ir.passes.PassResult):
 
 
 class UpgradeOpsetPass(ir.passes.InPlacePass):
-    """ensures: the default opset is the target, and every default-domain node fits its schema there.
+    """requires: nothing (any opset; a model already at the target is left alone); ensures: the
+    default opset is the target, and every default-domain node fits its schema there.
     Results are returned per call (:class:`UpgradeResult`), not kept on the instance."""
 
     def __init__(self, target: int = TARGET_OPSET):
