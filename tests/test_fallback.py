@@ -106,10 +106,10 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     path, calib, eval_data = outlier_chain
     stats = fp8onnx.calibrate(path, calib, provider="cpu")
     config = QuantizeConfig()
-    compare_module = sys.modules["fp8onnx.compare"]  # the package's `compare` is the function
+    evaluation = sys.modules["fp8onnx.evaluation"]  # where compare builds the sessions it evaluates
     built = []
-    real = compare_module.make_session
-    monkeypatch.setattr(compare_module, "make_session", lambda *a, **k: built.append(a[2]) or real(*a, **k))
+    real = evaluation.make_session
+    monkeypatch.setattr(evaluation, "make_session", lambda *a, **k: built.append(a[2]) or real(*a, **k))
     with Candidates(path, config, stats, eval_data, RunOptions(provider="cpu")) as candidates:
         (all_fp8,) = candidates.ratios([()])
         (kept,) = candidates.ratios([("second",)])  # the second round: compare without FP16
