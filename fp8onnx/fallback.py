@@ -246,7 +246,12 @@ def quantize_to_target(
         raise TargetNotMet(
             f"Accuracy target {target:g}% of FP16 ({metric}) not met on {as_path(eval_data) or 'the evaluation data'} "
             f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
-            "nothing written (raise --max-float-nodes or lower --accuracy-target).",
+            + (
+                "nothing written (raise --max-float-nodes or lower --accuracy-target)."
+                if limit < len(order)
+                else "nothing written: every node was allowed in float (what is not a node, such as float8 "
+                "embedding tables, stays as the recipe has it; lower --accuracy-target or try --preset none)."
+            ),
             result,
         )
     nodes = sens.to_json()["nodes"]

@@ -11,6 +11,8 @@ from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.fallback import TargetNotMet, quantize_to_target
 
+from helpers import SAMPLE
+
 
 @pytest.fixture
 def outlier_chain(tmp_path):
@@ -162,3 +164,15 @@ def test_the_metric_can_be_chosen(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=90.0, metric="rel-l2")
     assert result.metric == "1 - relative L2 error to FP32"
+
+
+def test_a_target_missed_with_every_node_allowed_says_what_is_left(tmp_path):
+    """The sample decoder under auto keeps float8 embeddings, which no node count puts back in float:
+    100% of FP16 is out of reach, and the sentence says so instead of asking for more float nodes."""
+    out = tmp_path / "q.onnx"
+    args = ["quantize", str(SAMPLE / "decoder.onnx"), "--calib", str(SAMPLE / "calib.npz")]
+    args += ["--eval", str(SAMPLE / "eval.npz"), "--accuracy-target", "100", "-o", str(out)]
+    r = CliRunner().invoke(main, args)
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 2 and "with up to 29 of 29 nodes in float" in last, r.output
+    assert "every node was allowed in float" in last and "--max-float-nodes" not in last and not out.exists()
