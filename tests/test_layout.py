@@ -75,3 +75,15 @@ def test_no_module_over_400_lines():
     """Modules stay small, one noun each: a module that outgrows 400 lines is split by what its parts do."""
     sizes = {name: len(p.read_text().splitlines()) for name, p in _modules().items()}
     assert {name: n for name, n in sizes.items() if n > 400} == {}
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """pyproject lists its packages one by one: a subpackage missing there works in an editable
+    install (CI's) and is absent from a wheel."""
+    import tomllib
+
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    found = {"fp8onnx." + ".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.rglob("__init__.py")}
+    found = {name.rstrip(".") for name in found}
+    assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
