@@ -8,12 +8,12 @@ import logging
 
 import onnx_ir as ir
 
-from .data import input_specs
-from .errors import Fp8OnnxError, first_line
-from .runtime import (
+from fp8onnx.data import input_specs
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.runtime import (
     DEFAULT_BATCH,
 )
-from .segments import run_segmented
+from fp8onnx.segments import run_segmented
 
 logger = logging.getLogger(__name__)
 

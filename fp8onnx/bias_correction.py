@@ -16,12 +16,12 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError
-from .formats import dequantize, quantize
-from .graph_stats import F32, sum_in_graph
-from .passes import TensorQuant, bias_of
-from .plan import Decision, in_main_graph
-from .runtime import RunOptions
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import dequantize, quantize
+from fp8onnx.graph_stats import F32, sum_in_graph
+from fp8onnx.passes import TensorQuant, bias_of
+from fp8onnx.plan import Decision, in_main_graph
+from fp8onnx.runtime import RunOptions
 
 __all__ = ["correct_biases"]
 

@@ -23,22 +23,22 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from .batching import _batched_inputs, _run_peak, _samples, _segmented_values, auto_batch_size
-from .data import input_specs
-from .datasource import as_data
-from .errors import Fp8OnnxError, first_line
-from .histogram import NUM_BINS, LogHistogram
-from .passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
-from .passes._common import keep_only_outputs
-from .phases import phase
-from .progress import progress_bar
-from .runtime import (
+from fp8onnx.batching import _batched_inputs, _run_peak, _samples, _segmented_values, auto_batch_size
+from fp8onnx.data import input_specs
+from fp8onnx.datasource import as_data
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.histogram import NUM_BINS, LogHistogram
+from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
+from fp8onnx.passes._common import keep_only_outputs
+from fp8onnx.phases import phase
+from fp8onnx.progress import progress_bar
+from fp8onnx.runtime import (
     WEIGHT_MEMORY,
     RunOptions,
     session_for_model,
     weight_bytes,
 )
-from .segments import run_segmented, run_segmented_on
+from fp8onnx.segments import run_segmented, run_segmented_on
 
 __all__ = ["WEIGHT_MEMORY", "Stats", "collect_amax", "weight_amax"]
 
@@ -70,7 +70,7 @@ class Stats:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        from .model_io import write_text_atomic
+        from fp8onnx.model_io import write_text_atomic
 
         write_text_atomic(path, json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
@@ -257,7 +257,7 @@ def collect_amax(
         show = lambda it, n, desc: bar(it, total=n, desc=desc)  # noqa: E731
         feeds = (b.feed for b in batches)
         if run.distributed:  # each segment's batches shared by Ray workers
-            from .distributed import shared_pool
+            from fp8onnx.distributed import shared_pool
 
             pool = shared_pool(run.workers, run.ray_address)
             merge = lambda _, summary: running.add_summary(summary)  # noqa: E731
@@ -277,7 +277,7 @@ def collect_amax(
             merge = lambda _, values: running.add_summary(summarize(values))  # noqa: E731
             run_segmented(instrumented, outputs, feeds, merge, budget=weight_memory, provider=provider, progress=show)
     elif run.distributed:
-        from .distributed import fetch, statistics_pool
+        from fp8onnx.distributed import fetch, statistics_pool
 
         with phase("Ray workers"):
             pool = statistics_pool(run, instrumented, "The calibration model")

@@ -16,13 +16,13 @@ import os
 import pathlib
 import tempfile
 
-from .calibration import Stats
-from .compare import compare
-from .config import QuantizeConfig
-from .errors import Fp8OnnxError
-from .evaluation import ReferenceRun
-from .quantize import quantize
-from .runtime import RunOptions
+from fp8onnx.calibration import Stats
+from fp8onnx.compare import compare
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.evaluation import ReferenceRun
+from fp8onnx.quantize import quantize
+from fp8onnx.runtime import RunOptions
 
 __all__ = ["Candidates"]
 

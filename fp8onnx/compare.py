@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .compare_results import _REFERENCE, CompareResult, _headline
-from .data import input_specs
-from .datasource import as_data
-from .errors import Fp8OnnxError
-from .evaluation import ReferenceRun, _evaluate_distributed, _evaluate_here, _Evaluation, _fp16_session, _session
-from .metrics import METRICS, class_outputs
-from .model_io import load_model, model_file
-from .runtime import (
+from fp8onnx.compare_results import _REFERENCE, CompareResult, _headline
+from fp8onnx.data import input_specs
+from fp8onnx.datasource import as_data
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.evaluation import ReferenceRun, _evaluate_distributed, _evaluate_here, _Evaluation, _fp16_session, _session
+from fp8onnx.metrics import METRICS, class_outputs
+from fp8onnx.model_io import load_model, model_file
+from fp8onnx.runtime import (
     RunOptions,
     make_session,
     resolve_provider,
@@ -147,8 +147,8 @@ def _is_language_model(model) -> bool:
 def _generation(reference, models, rows, source, tokens: int, prompts: int, provider: str, notes) -> dict | None:
     """Greedy generation of every model (fp8onnx.generation) from the first ``prompts`` rows of the
     data's input_ids (their first PROMPT_TOKENS tokens), each row's agreement with FP32's tokens."""
-    from .generation import Generator, agreement
-    from .text import cache_sizes
+    from fp8onnx.generation import Generator, agreement
+    from fp8onnx.text import cache_sizes
 
     rows_ids = []
     for batch in source.batches(prompts):

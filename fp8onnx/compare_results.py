@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .errors import Fp8OnnxError
-from .metrics import LLM_RATIO, PTQ_REL_LOSS, _accuracy, _perplexity, _Score, _to_json
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.metrics import LLM_RATIO, PTQ_REL_LOSS, _accuracy, _perplexity, _Score, _to_json
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import dataclasses
 import enum
 import logging
 
-from .errors import Fp8OnnxError
-from .formats import Fp8Format, parse_format
-from .scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
-from .targets import TARGETS
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format, parse_format
+from fp8onnx.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
+from fp8onnx.targets import TARGETS
 
 __all__ = [
     "ACTIVATION_MODES",

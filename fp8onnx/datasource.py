@@ -11,9 +11,9 @@ import pathlib
 
 import onnx_ir as ir
 
-from .data import FeedData, InputSpec, NpzData, TextSource, is_text
-from .media import kind_of
-from .sources import MediaData, TextData
+from fp8onnx.data import FeedData, InputSpec, NpzData, TextSource, is_text
+from fp8onnx.media import kind_of
+from fp8onnx.sources import MediaData, TextData
 
 __all__ = ["as_data"]
 

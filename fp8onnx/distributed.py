@@ -21,8 +21,8 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
-from .errors import Fp8OnnxError
-from .runtime import check_ray, portable_model, worker_session
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.runtime import check_ray, portable_model, worker_session
 
 __all__ = [
     "RETRIES",
@@ -79,7 +79,7 @@ def _init_ray(workers: int, address: str | None) -> bool:
     try:
         ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     except Exception as exc:  # no cluster there, or a local one that cannot start
-        from .errors import first_line
+        from fp8onnx.errors import first_line
 
         where = f"the Ray cluster at {address!r}" if address else "a local Ray"
         raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}") from None
@@ -265,7 +265,7 @@ def fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what
     try:
         values = session.run(outputs, feed)
     except Exception as exc:
-        from .errors import first_line
+        from fp8onnx.errors import first_line
 
         raise Fp8OnnxError(f"{what} failed in onnxruntime: {first_line(exc)}") from None
     return values if reduce is None else reduce(dict(zip(outputs, values)))

@@ -13,13 +13,13 @@ import time
 
 import numpy as np
 
-from .compare_results import _REFERENCE, _row
-from .errors import Fp8OnnxError, first_line
-from .metrics import _label_output, _OutputStats, _Score, _score
-from .model_io import load_model
-from .passes import ConvertFloat16Pass
-from .progress import progress_bar
-from .runtime import (
+from fp8onnx.compare_results import _REFERENCE, _row
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.metrics import _label_output, _OutputStats, _Score, _score
+from fp8onnx.model_io import load_model
+from fp8onnx.passes import ConvertFloat16Pass
+from fp8onnx.progress import progress_bar
+from fp8onnx.runtime import (
     RunOptions,
     heap_in_use,
     make_session,
@@ -27,7 +27,7 @@ from .runtime import (
     session_for_model,
     session_from_portable,
 )
-from .segments import Spill
+from fp8onnx.segments import Spill
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def _evaluate_distributed(job: _Evaluation):
     """Every model's batches shared by Ray workers (:mod:`fp8onnx.distributed`): inputs and the
     reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
     and the per-batch sums are merged here in batch order - the single-process numbers exactly."""
-    from .distributed import shared_pool
+    from fp8onnx.distributed import shared_pool
 
     reference, models, out_names, classes, provider = (
         job.reference,

@@ -40,15 +40,15 @@ import tempfile
 import numpy as np
 import onnx
 
-from . import __version__
-from .data import InputSpec, TextSource, is_text
-from .datasource import as_data
-from .errors import Fp8OnnxError, first_line
-from .generation import Generator, start_token
-from .guard import external_locations
-from .model_io import new_folder_mode, write_text_atomic
-from .runtime import RunOptions, make_session
-from .text_sample import python_text_sample
+from fp8onnx import __version__
+from fp8onnx.data import InputSpec, TextSource, is_text
+from fp8onnx.datasource import as_data
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.generation import Generator, start_token
+from fp8onnx.guard import external_locations
+from fp8onnx.model_io import new_folder_mode, write_text_atomic
+from fp8onnx.runtime import RunOptions, make_session
+from fp8onnx.text_sample import python_text_sample
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 
@@ -202,7 +202,7 @@ class _Recorder:
 
 def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Path, decode_steps: int) -> dict:
     """role-in-plan -> folder of feeds, for every model of the export."""
-    from .text import cache_sizes
+    from fp8onnx.text import cache_sizes
 
     plans = export.plans()
     data: dict[pathlib.Path, pathlib.Path] = {}
@@ -318,8 +318,8 @@ def quantize_folder(
     :func:`fp8onnx.quantize`. ``fold_at_load`` (onnxruntime-genai folders): the decoder's session
     options get ``session.disable_quant_qdq = "1"``, so onnxruntime dequantizes the float8 weights
     once at load instead of at every token (CPU: the speed and memory of FP32, the file of FP8)."""
-    from .config import QuantizeConfig
-    from .quantize import quantize
+    from fp8onnx.config import QuantizeConfig
+    from fp8onnx.quantize import quantize
 
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)

@@ -22,14 +22,14 @@ import json
 import logging
 import os
 
-from .candidates import Candidates
-from .config import QuantizeConfig
-from .errors import Fp8OnnxError
-from .guard import as_path, check_paths, model_reads, model_writes
-from .model_io import write_text_atomic
-from .report import QuantizeReport
-from .runtime import RunOptions
-from .sensitivity import SensitivityResult, measure_sensitivity
+from fp8onnx.candidates import Candidates
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.guard import as_path, check_paths, model_reads, model_writes
+from fp8onnx.model_io import write_text_atomic
+from fp8onnx.report import QuantizeReport
+from fp8onnx.runtime import RunOptions
+from fp8onnx.sensitivity import SensitivityResult, measure_sensitivity
 
 __all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
 
@@ -220,8 +220,8 @@ def quantize_to_target(
     )
     ranked = config  # the search starts from the family's recipe: rank the nodes under it
     if config.preset == "auto":
-        from .family import detect_family
-        from .prepare import prepare_model
+        from fp8onnx.family import detect_family
+        from fp8onnx.prepare import prepare_model
 
         ranked = config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
     needs_data = ranked.weights_need_data

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError
+from fp8onnx.errors import Fp8OnnxError
 
 __all__ = ["EMULATED_NOTE", "Fp8Format", "dequantize", "parse_format", "quantize"]
 

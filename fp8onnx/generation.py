@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .data import InputSpec
-from .errors import Fp8OnnxError
+from fp8onnx.data import InputSpec
+from fp8onnx.errors import Fp8OnnxError
 
 __all__ = ["ROLES", "Generator", "agreement"]
 
@@ -113,7 +113,7 @@ class Generator:
         return dict(zip(self.outputs[role], values))
 
     def _empty_past(self, spec: InputSpec, batch: int) -> np.ndarray:
-        from .text import _past_shape
+        from fp8onnx.text import _past_shape
 
         return np.zeros(_past_shape(spec, batch, self.sizes), spec.dtype)
 

@@ -26,13 +26,13 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError
-from .formats import Fp8Format, dequantize, quantize
-from .graph_stats import F32, sum_in_graph
-from .passes import TensorQuant
-from .passes._common import derived_tensor
-from .plan import Decision, in_main_graph
-from .runtime import RunOptions
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format, dequantize, quantize
+from fp8onnx.graph_stats import F32, sum_in_graph
+from fp8onnx.passes import TensorQuant
+from fp8onnx.passes._common import derived_tensor
+from fp8onnx.plan import Decision, in_main_graph
+from fp8onnx.runtime import RunOptions
 
 __all__ = ["apply_gptq", "collect_hessians", "gptq_round"]
 

@@ -16,13 +16,13 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from .data import input_specs
-from .datasource import as_data
-from .errors import Fp8OnnxError
-from .passes._common import initializer, insert_at_definition, keep_only_outputs
-from .progress import progress_bar
-from .runtime import RunOptions, session_for_model, weight_bytes
-from .segments import run_segmented, run_segmented_on
+from fp8onnx.data import input_specs
+from fp8onnx.datasource import as_data
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.passes._common import initializer, insert_at_definition, keep_only_outputs
+from fp8onnx.progress import progress_bar
+from fp8onnx.runtime import RunOptions, session_for_model, weight_bytes
+from fp8onnx.segments import run_segmented, run_segmented_on
 
 __all__ = ["F32", "sum_in_graph"]
 
@@ -84,7 +84,7 @@ def sum_in_graph(
     show = lambda it, n, d: bar(it, total=n, desc=d)  # noqa: E731
     segmented = weight_bytes(model) > run.weight_memory
     if segmented and run.distributed:  # each segment's batches on Ray workers (fp8onnx.distributed)
-        from .distributed import shared_pool
+        from fp8onnx.distributed import shared_pool
 
         with shared_pool(run.workers, run.ray_address) as pool:
             budget = run.weight_memory
@@ -96,7 +96,7 @@ def sum_in_graph(
         budget, merge = run.weight_memory, lambda _, got: accumulate(got)
         run_segmented(instrumented, outputs, feeds, merge, budget=budget, provider=run.provider, progress=show)
     elif run.distributed:  # per-batch values summed here in batch order: the single-process sums
-        from .distributed import map_outputs
+        from fp8onnx.distributed import map_outputs
 
         for values in bar(map_outputs(run, instrumented, outputs, feeds, f"The {desc} model"), total=total, desc=desc):
             accumulate(dict(zip(outputs, values)))

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import onnx
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError, first_line
-from .guard import side_file
-from .passes._common import proto_graphs
-from .phases import phase
-from .runtime import inline_proto, make_session, weight_bytes
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.guard import side_file
+from fp8onnx.passes._common import proto_graphs
+from fp8onnx.phases import phase
+from fp8onnx.runtime import inline_proto, make_session, weight_bytes
 
 __all__ = [
     "EXTERNAL_META",

@@ -11,11 +11,11 @@ from collections.abc import Iterable
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from .config import SUPPORTED_OP_TYPES, QuantizeConfig
-from .passes import (
+from fp8onnx.config import SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.passes import (
     is_quantized,
 )
-from .report import NodeReport
+from fp8onnx.report import NodeReport
 
 __all__ = [
     "VOCAB_SIZE",

@@ -9,10 +9,10 @@ import os
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from .config import SUPPORTED_OP_TYPES, check_precision
-from .errors import Fp8OnnxError
-from .model_io import EXTERNAL_META, load_model
-from .passes import (
+from fp8onnx.config import SUPPORTED_OP_TYPES, check_precision
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.model_io import EXTERNAL_META, load_model
+from fp8onnx.passes import (
     ConvertFloat16Pass,
     FoldWeightTransformsPass,
     TieEmbeddingsPass,

@@ -16,8 +16,8 @@ import logging
 import os
 import pathlib
 
-from . import __version__
-from .assign import (
+from fp8onnx import __version__
+from fp8onnx.assign import (
     activation_stats,
     assign_scales,
     bias_overflows,
@@ -26,24 +26,24 @@ from .assign import (
     keep_conv_bias_in_int32_range,
     tensor_report,
 )
-from .calibration import Stats
-from .config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
-from .errors import Fp8OnnxError
-from .formats import EMULATED_NOTE
-from .guard import as_path, check_paths, external_locations, model_reads, model_writes
-from .model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
-from .passes import (
+from fp8onnx.calibration import Stats
+from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import EMULATED_NOTE
+from fp8onnx.guard import as_path, check_paths, external_locations, model_reads, model_writes
+from fp8onnx.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
+from fp8onnx.passes import (
     InsertQDQPass,
     LowerGemmFloat8Pass,
     QuantizeEmbeddingsPass,
     ShieldBiasPass,
 )
-from .phases import current_phases, lap, recording
-from .plan import activation_tensors, candidate_activations, in_main_graph, plan
-from .prepare import prepare_model
-from .report import NodeReport, QuantizeReport
-from .runtime import RunOptions, resolve_provider, weight_bytes
-from .targets import check_tensorrt
+from fp8onnx.phases import current_phases, lap, recording
+from fp8onnx.plan import activation_tensors, candidate_activations, in_main_graph, plan
+from fp8onnx.prepare import prepare_model
+from fp8onnx.report import NodeReport, QuantizeReport
+from fp8onnx.runtime import RunOptions, resolve_provider, weight_bytes
+from fp8onnx.targets import check_tensorrt
 
 __all__ = [
     "DEFAULT_OP_TYPES",
@@ -113,7 +113,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
     family, explicit = None, config.explicit
     if config.preset == "auto":  # the family's recipe, under what the user set explicitly
-        from .family import detect_family
+        from fp8onnx.family import detect_family
 
         family = detect_family(ir_model, fp8_gemm=config.native_gemm)
         config = config.for_family(family.preset)
@@ -125,7 +125,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     decisions, skipped = plan(ir_model, config)
     lap("plan")
     if config.smooth is not None:  # before calibration: the activations it measures change
-        from .smoothing import smooth
+        from fp8onnx.smoothing import smooth
 
         quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
 
@@ -148,13 +148,13 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     keep_conv_bias_in_int32_range(decisions, quant)
     lap("scales")
     if config.weight_rounding == "gptq":
-        from .gptq import apply_gptq
+        from fp8onnx.gptq import apply_gptq
 
         rounded = apply_gptq(ir_model, decisions, quant, calib, run)
         prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
         lap("gptq X^T X (the rounding runs when the weights are written)")
     if config.bias_correction:
-        from .bias_correction import correct_biases
+        from fp8onnx.bias_correction import correct_biases
 
         corrected = correct_biases(ir_model, decisions, quant, calib, run)
         prepared.append(f"bias correction of {len(corrected)} layers (mean input from the calibration data)")
@@ -258,7 +258,7 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
     if not needed:
         return None, config
-    from .text_sample import default_text_sample
+    from fp8onnx.text_sample import default_text_sample
 
     sample = default_text_sample(model) if tokens else None
     if sample is not None:
@@ -303,7 +303,7 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
     elif config.weights_need_data:
         why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
-        from .sensitivity import measure_sensitivity
+        from fp8onnx.sensitivity import measure_sensitivity
 
         measured = measure_sensitivity(
             model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False)

@@ -18,7 +18,7 @@ import onnx_ir as ir
 import onnx_ir.external_data
 import onnxruntime as ort
 
-from .errors import Fp8OnnxError, first_line
+from fp8onnx.errors import Fp8OnnxError, first_line
 
 __all__ = [
     "BATCH_MEMORY",

@@ -27,9 +27,9 @@ import math
 
 import numpy as np
 
-from .errors import Fp8OnnxError
-from .formats import Fp8Format, quantize
-from .histogram import LogHistogram
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format, quantize
+from fp8onnx.histogram import LogHistogram
 
 __all__ = [
     "DEFAULT_PERCENTILE",

@@ -28,10 +28,10 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from .errors import Fp8OnnxError, first_line
-from .passes import release
-from .phases import phase
-from .runtime import make_session
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.passes import release
+from fp8onnx.phases import phase
+from fp8onnx.runtime import make_session
 
 __all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
 
@@ -273,7 +273,7 @@ class _SegmentSession:
     """A Ray worker's session of one segment, with its large weights memory-mapped (or as arrays)."""
 
     def __init__(self, portable, provider: str, what: str, threads: int):
-        from .runtime import open_weights, session_from_portable
+        from fp8onnx.runtime import open_weights, session_from_portable
 
         graph, where = portable
         self.weights = open_weights(where)  # the segment's large weights are inputs, fed at every run
@@ -313,7 +313,7 @@ def run_segmented_on(
     order. Returns the number of batches."""
     wanted = list(dict.fromkeys(wanted))
     segments = split(model.graph, budget, wanted)
-    from .runtime import weight_location
+    from fp8onnx.runtime import weight_location
 
     logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
     graph_inputs = {v.name for v in model.graph.inputs}

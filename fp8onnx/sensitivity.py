@@ -34,17 +34,17 @@ import os
 import numpy as np
 import onnx_ir as ir
 
-from .assign import activation_stats, assign_scales
-from .calibration import Stats
-from .config import QuantizeConfig
-from .data import input_specs
-from .datasource import as_data
-from .errors import Fp8OnnxError
-from .passes import InsertQDQPass
-from .plan import activation_tensors, plan, vocabulary_projections
-from .prepare import prepare_model
-from .progress import progress_bar
-from .runtime import RunOptions, resolve_provider, session_for_model
+from fp8onnx.assign import activation_stats, assign_scales
+from fp8onnx.calibration import Stats
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.data import input_specs
+from fp8onnx.datasource import as_data
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.passes import InsertQDQPass
+from fp8onnx.plan import activation_tensors, plan, vocabulary_projections
+from fp8onnx.prepare import prepare_model
+from fp8onnx.progress import progress_bar
+from fp8onnx.runtime import RunOptions, resolve_provider, session_for_model
 
 __all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
 
@@ -192,7 +192,7 @@ def measure_sensitivity(
     if not outputs:
         per_batch = iter(())
     elif run.distributed:  # Ray workers (fp8onnx.distributed): per-batch sums, added here in batch order
-        from .distributed import map_outputs
+        from fp8onnx.distributed import map_outputs
 
         per_batch = map_outputs(run, ir_model, outputs, counted(), "The sensitivity model", _floats)
     else:
@@ -258,6 +258,6 @@ def _error_outputs(graph: ir.Graph, node: ir.Node, shadow: ir.Node) -> list[str]
 
 
 def write_json(result: SensitivityResult, path) -> None:
-    from .model_io import write_text_atomic
+    from fp8onnx.model_io import write_text_atomic
 
     write_text_atomic(path, json.dumps(result.to_json(), indent=1) + "\n")

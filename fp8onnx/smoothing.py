@@ -23,11 +23,11 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from .errors import Fp8OnnxError
-from .graph_stats import F32, sum_in_graph
-from .passes._common import initializer, insert_at_definition
-from .plan import Decision, in_main_graph
-from .runtime import RunOptions
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph_stats import F32, sum_in_graph
+from fp8onnx.passes._common import initializer, insert_at_definition
+from fp8onnx.plan import Decision, in_main_graph
+from fp8onnx.runtime import RunOptions
 
 __all__ = ["smooth"]
 

@@ -16,11 +16,11 @@ import zipfile
 import numpy as np
 import onnx_ir as ir
 
-from . import media
-from .data import LABELS, TEXT_SUFFIXES, Batch, InputSpec, input_specs
-from .errors import Fp8OnnxError
-from .media import AudioOptions, ImageOptions
-from .text import (
+from fp8onnx import media
+from fp8onnx.data import LABELS, TEXT_SUFFIXES, Batch, InputSpec, input_specs
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.media import AudioOptions, ImageOptions
+from fp8onnx.text import (
     PAST,
     TextOptions,
     _first_or_sampled,
@@ -160,9 +160,9 @@ def make_data(
     """``fp8onnx data``: feeds for ``model`` (a file, or an export folder: its ``tokenizer.json`` and
     ``preprocessor_config.json`` give the defaults) from ``source``: a text file, images or audio
     (see :mod:`fp8onnx.media`), written to ``output``."""
-    from .guard import check_paths, model_reads
-    from .model_io import load_model, model_file
-    from .progress import progress_bar
+    from fp8onnx.guard import check_paths, model_reads
+    from fp8onnx.model_io import load_model, model_file
+    from fp8onnx.progress import progress_bar
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
     path = model_file(model)
@@ -298,7 +298,7 @@ def _stacked(samples) -> Batch:
 def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pathlib.Path:
     """The ``tokenizer.json`` for a text source given straight to --calib/--data: the one beside the
     model file (an export folder), else the one beside the text."""
-    from .model_io import SOURCE_META
+    from fp8onnx.model_io import SOURCE_META
 
     if not pathlib.Path(text).is_file():
         raise Fp8OnnxError(f"Text file {str(text)!r} does not exist.")

@@ -34,17 +34,17 @@ import tempfile
 
 import numpy as np
 
-from . import plots
-from .api import calibrate
-from .compare import compare
-from .config import DEFAULT_OP_TYPES, PRESETS
-from .data import LABELS, input_specs
-from .datasource import as_data
-from .formats import Fp8Format
-from .model_io import load_model, write_text_atomic
-from .quantize import QuantizeConfig, quantize
-from .report import QuantizeReport, describe_config
-from .runtime import RunOptions
+from fp8onnx import plots
+from fp8onnx.api import calibrate
+from fp8onnx.compare import compare
+from fp8onnx.config import DEFAULT_OP_TYPES, PRESETS
+from fp8onnx.data import LABELS, input_specs
+from fp8onnx.datasource import as_data
+from fp8onnx.formats import Fp8Format
+from fp8onnx.model_io import load_model, write_text_atomic
+from fp8onnx.quantize import QuantizeConfig, quantize
+from fp8onnx.report import QuantizeReport, describe_config
+from fp8onnx.runtime import RunOptions
 
 __all__ = ["StudyResult", "study", "study_configs", "technique_configs"]
 
@@ -253,9 +253,9 @@ def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[
     """The default configuration with the fewest most sensitive nodes in float such that each of
     ``FALLBACK_TARGETS`` holds on the first half of ``data`` (one sensitivity pass on it, candidates
     shared between the targets)."""
-    from .candidates import Candidates
-    from .fallback import search
-    from .sensitivity import measure_sensitivity
+    from fp8onnx.candidates import Candidates
+    from fp8onnx.fallback import search
+    from fp8onnx.sensitivity import measure_sensitivity
 
     feeds = []
     ir_model = load_model(model)

@@ -40,8 +40,8 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
-from .data import TEXT_SUFFIXES, InputSpec, input_specs
-from .errors import Fp8OnnxError, printable
+from fp8onnx.data import TEXT_SUFFIXES, InputSpec, input_specs
+from fp8onnx.errors import Fp8OnnxError, printable
 
 __all__ = [
     "PAST",
@@ -222,7 +222,7 @@ def _typed(array: np.ndarray, spec: InputSpec) -> np.ndarray:
 
 
 def _model_folder(model: ir.Model | None) -> pathlib.Path | None:
-    from .model_io import SOURCE_META
+    from fp8onnx.model_io import SOURCE_META
 
     source = model.meta.get(SOURCE_META) if model is not None else None
     return pathlib.Path(source).parent if source else None

@@ -39,9 +39,9 @@ import time
 import numpy as np
 import torch
 
-from .errors import Fp8OnnxError
-from .train_tasks import TASKS
-from .training import FP8Linear, Recipe, swap_linear
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.train_tasks import TASKS
+from fp8onnx.training import FP8Linear, Recipe, swap_linear
 
 __all__ = ["TrainRun", "TrainStudy", "train_study"]
 
@@ -254,9 +254,9 @@ def train_study(
 def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
     import pathlib
 
-    from .compare import compare
-    from .quantize import quantize
-    from .training import export
+    from fp8onnx.compare import compare
+    from fp8onnx.quantize import quantize
+    from fp8onnx.training import export
 
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -300,7 +300,7 @@ def write_plots(result: TrainStudy, folder) -> list:
     last step; inputs, weights, gradients) of the first FP8-AMAX run."""
     import pathlib
 
-    from .plots import _pyplot, save_png
+    from fp8onnx.plots import _pyplot, save_png
 
     plt = _pyplot()
     folder = pathlib.Path(folder)

@@ -16,7 +16,7 @@ BATCH, SEQ = 16, 64  # training batch and sequence length of both tasks
 
 
 def _decoder_task():
-    from .models.build_decoder import VOCAB, Decoder, corpus, windows
+    from fp8onnx.models.build_decoder import VOCAB, Decoder, corpus, windows
 
     train, valid = corpus()
     n = len(valid) // (SEQ + 1)

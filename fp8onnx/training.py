@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import Fp8OnnxError
-from .formats import Fp8Format
-from .scaling import Scaling, amax_to_scale
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.formats import Fp8Format
+from fp8onnx.scaling import Scaling, amax_to_scale
 
 __all__ = ["FP8Linear", "Recipe", "deployed_scales", "export", "fake_cast", "swap_linear"]
 
@@ -224,12 +224,12 @@ def export(
 
     import numpy as np
 
-    from .assign import bias_overflows
-    from .config import QuantizeConfig
-    from .model_io import save_model
-    from .passes import InsertQDQPass, ShieldBiasPass, TensorQuant
-    from .plan import plan
-    from .prepare import prepare_model
+    from fp8onnx.assign import bias_overflows
+    from fp8onnx.config import QuantizeConfig
+    from fp8onnx.model_io import save_model
+    from fp8onnx.passes import InsertQDQPass, ShieldBiasPass, TensorQuant
+    from fp8onnx.plan import plan
+    from fp8onnx.prepare import prepare_model
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
     if not layers:

@@ -10,7 +10,7 @@ import logging
 import os
 import pathlib
 
-from .model_io import write_text_atomic
+from fp8onnx.model_io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def write_outputs(result: ZooResult, out: str | os.PathLike) -> list[pathlib.Pat
 
 
 def write_plot(result: ZooResult, path: str | os.PathLike) -> pathlib.Path:
-    from . import plots
+    from fp8onnx import plots
 
     return plots.pass_rates(
         [c["label"] for c in result.configs],

@@ -16,8 +16,8 @@ import logging
 import os
 import sys
 
-from . import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
-from .common import main
+from fp8onnx.cli import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
+from fp8onnx.cli.common import main
 
 __all__ = ["entry", "main"]
 

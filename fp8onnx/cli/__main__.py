@@ -1,5 +1,5 @@
 """``python -m fp8onnx.cli``."""
 
-from . import entry
+from fp8onnx.cli import entry
 
 entry()

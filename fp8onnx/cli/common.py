@@ -12,18 +12,18 @@ from typing import ClassVar
 import click
 from click.core import ParameterSource
 
-from .. import __version__
-from ..config import (
+from fp8onnx import __version__
+from fp8onnx.config import (
     DEFAULT_OP_TYPES,
     PRECISIONS,
 )
-from ..data import TextSource, is_text
-from ..errors import Fp8OnnxError, printable
-from ..formats import Fp8Format
-from ..metrics import METRICS
-from ..progress import close_all
-from ..runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
-from ..scaling import Scaling
+from fp8onnx.data import TextSource, is_text
+from fp8onnx.errors import Fp8OnnxError, printable
+from fp8onnx.formats import Fp8Format
+from fp8onnx.metrics import METRICS
+from fp8onnx.progress import close_all
+from fp8onnx.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
+from fp8onnx.scaling import Scaling
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]

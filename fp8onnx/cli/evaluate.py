@@ -8,16 +8,9 @@ import time
 
 import click
 
-from .. import compare as api_compare
-from .. import study as run_study
-from ..compare import GENERATE_PROMPTS, GENERATE_TOKENS
-from ..config import (
-    ACTIVATION_MODES,
-    QuantizeConfig,
-)
-from ..guard import check_paths, model_reads, output_folder
-from ..model_io import write_text_atomic
-from .common import (
+from fp8onnx import compare as api_compare
+from fp8onnx import study as run_study
+from fp8onnx.cli.common import (
     _FORMATS,
     _SCALINGS,
     _batch_size_option,
@@ -31,6 +24,13 @@ from .common import (
     _workers_options,
     main,
 )
+from fp8onnx.compare import GENERATE_PROMPTS, GENERATE_TOKENS
+from fp8onnx.config import (
+    ACTIVATION_MODES,
+    QuantizeConfig,
+)
+from fp8onnx.guard import check_paths, model_reads, output_folder
+from fp8onnx.model_io import write_text_atomic
 
 
 @main.command()
@@ -105,7 +105,7 @@ def compare(
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
     if plot:
-        from ..plots import compare_rows
+        from fp8onnx.plots import compare_rows
 
         click.echo(f"wrote {compare_rows(result.rows, result.generation, plot)}")
 
@@ -143,7 +143,7 @@ def study(
     Example:
       fp8onnx study model.onnx --calib calib.npz --data eval.npz --json study.json --csv study.csv --plot plots/
     """
-    from ..study import PLOT_FILES, write_outputs, write_plots
+    from fp8onnx.study import PLOT_FILES, write_outputs, write_plots
 
     if plot_dir:
         output_folder(plot_dir, "Plot folder")
@@ -233,8 +233,8 @@ def sensitivity(
       fp8onnx sensitivity model.onnx --calib calib.npz --data eval.npz --json sens.json --plot plots/
       fp8onnx sensitivity model.onnx --calib calib.npz --eval eval.npz --refine 8  # end-metric gain of the top 8
     """
-    from ..fallback import sensitivity as run_sensitivity
-    from ..sensitivity import write_json
+    from fp8onnx.fallback import sensitivity as run_sensitivity
+    from fp8onnx.sensitivity import write_json
 
     if plot_dir:
         output_folder(plot_dir, "Plot folder")
@@ -268,7 +268,7 @@ def sensitivity(
     if json_out:
         write_json(result, json_out)
     if plot:
-        from .. import plots
+        from fp8onnx import plots
 
         measured = [n for n in result.nodes if n.sqnr_db is not None]
         plots.sensitivity_bars([n.name for n in measured], [n.sqnr_db for n in measured], plot)

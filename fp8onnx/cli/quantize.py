@@ -9,22 +9,9 @@ import time
 
 import click
 
-from .. import compare as api_compare
-from .. import quantize as api_quantize
-from ..config import (
-    ACTIVATION_MODES,
-    EMBEDDING_MODES,
-    PRESETS,
-    WEIGHT_ROUNDINGS,
-    QuantizeConfig,
-)
-from ..errors import Fp8OnnxError
-from ..guard import check_paths, model_writes
-from ..model_io import write_text_atomic
-from ..phases import process_age
-from ..phases import table as phases_table
-from ..targets import TARGETS
-from .common import (
+from fp8onnx import compare as api_compare
+from fp8onnx import quantize as api_quantize
+from fp8onnx.cli.common import (
     _DEFAULT,
     _FORMATS,
     _PARAM,
@@ -45,6 +32,19 @@ from .common import (
     _workers_options,
     main,
 )
+from fp8onnx.config import (
+    ACTIVATION_MODES,
+    EMBEDDING_MODES,
+    PRESETS,
+    WEIGHT_ROUNDINGS,
+    QuantizeConfig,
+)
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.guard import check_paths, model_writes
+from fp8onnx.model_io import write_text_atomic
+from fp8onnx.phases import process_age
+from fp8onnx.phases import table as phases_table
+from fp8onnx.targets import TARGETS
 
 
 @main.command(cls=_QuantizeCommand)
@@ -314,7 +314,7 @@ def quantize(
     if fold_at_load and not folder_mode:
         raise Fp8OnnxError("--fold-at-load applies to an onnxruntime-genai folder written as a folder (-o OUT_DIR).")
     if folder_mode:
-        from ..exports import quantize_folder
+        from fp8onnx.exports import quantize_folder
 
         if accuracy_target is not None or stats or check_data:
             raise Fp8OnnxError(
@@ -327,7 +327,7 @@ def quantize(
         click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
         return
     if accuracy_target is not None:
-        from ..fallback import quantize_to_target
+        from fp8onnx.fallback import quantize_to_target
 
         if stats:
             raise Fp8OnnxError("--accuracy-target measures sensitivity on --calib DATA; --stats cannot stand in.")

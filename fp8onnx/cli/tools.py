@@ -11,15 +11,13 @@ import time
 
 import click
 
-from .. import calibrate as api_calibrate
-from .. import compare as api_compare
-from .. import convert_fp16
-from .. import inspect as api_inspect
-from .. import quantize as api_quantize
-from ..api import inspect_summary
-from ..errors import Fp8OnnxError
-from ..guard import check_paths, model_reads, output_folder
-from .common import (
+from fp8onnx import calibrate as api_calibrate
+from fp8onnx import compare as api_compare
+from fp8onnx import convert_fp16
+from fp8onnx import inspect as api_inspect
+from fp8onnx import quantize as api_quantize
+from fp8onnx.api import inspect_summary
+from fp8onnx.cli.common import (
     _FLOATS,
     _batch_memory_option,
     _batch_size_option,
@@ -32,6 +30,8 @@ from .common import (
     _workers_options,
     main,
 )
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.guard import check_paths, model_reads, output_folder
 
 
 @main.command()
@@ -97,7 +97,7 @@ def inspect(model, as_json, plot_dir):
     info = api_inspect(model)
     click.echo(json.dumps(info, indent=1) if as_json else inspect_summary(info))
     if plot_dir:
-        from .. import plots
+        from fp8onnx import plots
 
         exponents = {"weights": [], "activations": []}
         for t in info["float8_tensors"]:
@@ -145,8 +145,8 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
       fp8onnx data resnet.onnx images/ --size 256 --crop 224 --mean 0.485,0.456,0.406 -o calib.npz
       fp8onnx data wav2vec.onnx clips/ --sample-rate 16000 --chunk 16000 -o calib.npz
     """
-    from ..media import AudioOptions, ImageOptions
-    from ..sources import make_data
+    from fp8onnx.media import AudioOptions, ImageOptions
+    from fp8onnx.sources import make_data
 
     image = ImageOptions(media["size"], media["crop"], media["mean"], media["std"], media["layout"], media["channels"])
     audio = AudioOptions(media["sample_rate"], media["chunk"])
