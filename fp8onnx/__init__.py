@@ -14,16 +14,16 @@ import logging
 
 __version__ = "0.1.0"
 
+from fp8onnx.accuracy.compare import compare
+from fp8onnx.accuracy.fallback import TargetNotMet, quantize_to_target, sensitivity
 from fp8onnx.api import calibrate, convert_fp16, inspect
-from fp8onnx.compare import compare
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.experiments.study import study
 from fp8onnx.exports import quantize_folder
-from fp8onnx.fallback import TargetNotMet, quantize_to_target, sensitivity
-from fp8onnx.formats import Fp8Format
+from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.numerics.scaling import Scaling, amax_to_scale
 from fp8onnx.quantize import QuantizeConfig, quantize
 from fp8onnx.runtime import RunOptions
-from fp8onnx.scaling import Scaling, amax_to_scale
-from fp8onnx.study import study
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

@@ -11,12 +11,12 @@ import pathlib
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.calibration import Stats, collect_amax
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.formats import EMULATED_NOTE, format_of
-from fp8onnx.guard import as_path, check_paths, model_reads, model_writes
-from fp8onnx.model_io import EXTERNAL_META, load_model, save_model
+from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
+from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
+from fp8onnx.numerics.formats import EMULATED_NOTE, format_of
 from fp8onnx.passes import ConvertFloat16Pass
+from fp8onnx.pipeline.calibration import Stats, collect_amax
 from fp8onnx.quantize import candidate_activations, prepare_model
 from fp8onnx.report import describe_config
 from fp8onnx.runtime import RunOptions, resolve_provider
@@ -111,7 +111,7 @@ def inspect(model: str | os.PathLike) -> dict:
         if v.const_value is not None:
             by_type[str(v.const_value.dtype)] += v.const_value.nbytes
     meta = m.metadata_props.get("fp8onnx")
-    from fp8onnx.plan import vocabulary_projections
+    from fp8onnx.graph.plan import vocabulary_projections
 
     return {
         "model": str(model),

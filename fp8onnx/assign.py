@@ -9,19 +9,19 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from fp8onnx.calibration import Stats, collect_amax, weight_amax
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.guard import as_path
+from fp8onnx.graph.guard import as_path
+from fp8onnx.graph.plan import Decision, in_main_graph
+from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
 from fp8onnx.passes import (
     TensorQuant,
     bias_of,
     output_channel_axis,
 )
-from fp8onnx.plan import Decision, in_main_graph
+from fp8onnx.pipeline.calibration import Stats, collect_amax, weight_amax
 from fp8onnx.report import TensorReport
 from fp8onnx.runtime import RunOptions
-from fp8onnx.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
 
 __all__ = [
     "activation_quant",

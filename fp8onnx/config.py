@@ -8,8 +8,8 @@ import enum
 import logging
 
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.formats import Fp8Format, parse_format
-from fp8onnx.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
+from fp8onnx.numerics.formats import Fp8Format, parse_format
+from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
 from fp8onnx.targets import TARGETS
 
 __all__ = [
@@ -159,11 +159,15 @@ class QuantizeConfig:
     per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
-    keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.fallback)
+    keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.accuracy.fallback)
     activation_matmuls: bool = False
-    weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (fp8onnx.gptq)
-    smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (fp8onnx.smoothing)
-    bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (fp8onnx.bias_correction)
+    weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (fp8onnx.techniques.gptq)
+    smooth: float | None = (
+        None  # SmoothQuant's alpha: migrate activation outliers into weights (fp8onnx.techniques.smoothing)
+    )
+    bias_correction: bool = (
+        False  # shift biases by E[x] (W - Wq), from calibration (fp8onnx.techniques.bias_correction)
+    )
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     float_stem: bool = False  # leave the convolutions that read the model's input (the stem) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)

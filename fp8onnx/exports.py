@@ -14,7 +14,7 @@ The layouts it knows (:func:`describe_export`):
 - any folder with one model (a classifier, an encoder): quantized with the data as given.
 
 For the generative layouts, the calibration data of every model comes from running the export as
-it runs in deployment (:class:`fp8onnx.generation.Generator`, FP32, greedy): the token ids of the
+it runs in deployment (:class:`fp8onnx.accuracy.generation.Generator`, FP32, greedy): the token ids of the
 given data are the prompts; a decode model (a decoder with past, a merged decoder's cache branch)
 sees ``decode_steps`` greedy steps on the KV caches its own prefill wrote (for the first
 ``DECODE_PROMPTS`` prompts); the decoder of an encoder-decoder sees the encoder's real outputs
@@ -41,14 +41,14 @@ import numpy as np
 import onnx
 
 from fp8onnx import __version__
-from fp8onnx.data import InputSpec, TextSource, is_text
-from fp8onnx.datasource import as_data
+from fp8onnx.accuracy.generation import Generator, start_token
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import InputSpec, TextSource, is_text
+from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.errors import Fp8OnnxError, first_line
-from fp8onnx.generation import Generator, start_token
-from fp8onnx.guard import external_locations
-from fp8onnx.model_io import new_folder_mode, write_text_atomic
+from fp8onnx.graph.guard import external_locations
+from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
 from fp8onnx.runtime import RunOptions, make_session
-from fp8onnx.text_sample import python_text_sample
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 
@@ -202,7 +202,7 @@ class _Recorder:
 
 def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Path, decode_steps: int) -> dict:
     """role-in-plan -> folder of feeds, for every model of the export."""
-    from fp8onnx.text import cache_sizes
+    from fp8onnx.data.text import cache_sizes
 
     plans = export.plans()
     data: dict[pathlib.Path, pathlib.Path] = {}
@@ -312,7 +312,7 @@ def quantize_folder(
     **options,
 ) -> FolderReport:
     """Quantize every model of the export folder ``export_dir`` into ``out_dir`` (see the module
-    docstring). ``calib``: text (a .txt/.jsonl path or :class:`~fp8onnx.data.TextSource`; the
+    docstring). ``calib``: text (a .txt/.jsonl path or :class:`~fp8onnx.data.feeds.TextSource`; the
     folder's tokenizer.json by default), an .npz with ``input_ids``, or feed dicts; for a one-model
     folder anything ``quantize`` takes. ``config``/``options`` and ``run`` as for
     :func:`fp8onnx.quantize`. ``fold_at_load`` (onnxruntime-genai folders): the decoder's session

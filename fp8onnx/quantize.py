@@ -2,8 +2,8 @@
 check and write the model. ``quantize()`` is what ``fp8onnx quantize`` calls.
 
 Each step lives in its own module, so that changing one rule means opening one small file:
-:mod:`~fp8onnx.config` (the recipe and which options go together), :mod:`~fp8onnx.prepare` (graph
-preparation), :mod:`~fp8onnx.plan` (per node: the inputs to quantize, or why not),
+:mod:`~fp8onnx.config` (the recipe and which options go together), :mod:`~fp8onnx.graph.prepare` (graph
+preparation), :mod:`~fp8onnx.graph.plan` (per node: the inputs to quantize, or why not),
 :mod:`~fp8onnx.assign` (scales, and onnxruntime's bias workarounds), :mod:`fp8onnx.passes` (the only
 code that rewrites the graph).
 """
@@ -26,12 +26,13 @@ from fp8onnx.assign import (
     keep_conv_bias_in_int32_range,
     tensor_report,
 )
-from fp8onnx.calibration import Stats
 from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.formats import EMULATED_NOTE
-from fp8onnx.guard import as_path, check_paths, external_locations, model_reads, model_writes
-from fp8onnx.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
+from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
+from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
+from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, plan
+from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
     InsertQDQPass,
     LowerGemmFloat8Pass,
@@ -39,8 +40,7 @@ from fp8onnx.passes import (
     ShieldBiasPass,
 )
 from fp8onnx.phases import current_phases, lap, recording
-from fp8onnx.plan import activation_tensors, candidate_activations, in_main_graph, plan
-from fp8onnx.prepare import prepare_model
+from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.report import NodeReport, QuantizeReport
 from fp8onnx.runtime import RunOptions, resolve_provider, weight_bytes
 from fp8onnx.targets import check_tensorrt
@@ -79,7 +79,7 @@ def quantize(
     statistics file from :func:`fp8onnx.calibrate` (or a :class:`Stats`) used instead of running
     calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.runtime.RunOptions`: batch size,
     provider, weight budget, progress); a model with more than ``run.weight_memory`` bytes of weights
-    is calibrated layer by layer (see :mod:`fp8onnx.segments`). Keyword ``options`` are RunOptions
+    is calibrated layer by layer (see :mod:`fp8onnx.pipeline.segments`). Keyword ``options`` are RunOptions
     fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields and ``preset``
     (default ``"auto"``: the model family's recipe, :mod:`fp8onnx.family`, under the fields given;
     ``"none"``: plain per-tensor static amax).
@@ -125,7 +125,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     decisions, skipped = plan(ir_model, config)
     lap("plan")
     if config.smooth is not None:  # before calibration: the activations it measures change
-        from fp8onnx.smoothing import smooth
+        from fp8onnx.techniques.smoothing import smooth
 
         quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
 
@@ -148,13 +148,13 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     keep_conv_bias_in_int32_range(decisions, quant)
     lap("scales")
     if config.weight_rounding == "gptq":
-        from fp8onnx.gptq import apply_gptq
+        from fp8onnx.techniques.gptq import apply_gptq
 
         rounded = apply_gptq(ir_model, decisions, quant, calib, run)
         prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
         lap("gptq X^T X (the rounding runs when the weights are written)")
     if config.bias_correction:
-        from fp8onnx.bias_correction import correct_biases
+        from fp8onnx.techniques.bias_correction import correct_biases
 
         corrected = correct_biases(ir_model, decisions, quant, calib, run)
         prepared.append(f"bias correction of {len(corrected)} layers (mean input from the calibration data)")
@@ -258,7 +258,7 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
     if not needed:
         return None, config
-    from fp8onnx.text_sample import default_text_sample
+    from fp8onnx.data.text_sample import default_text_sample
 
     sample = default_text_sample(model) if tokens else None
     if sample is not None:
@@ -292,7 +292,7 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
 
 
 def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:
-    """The report's ``sensitivity``: per node, as :func:`fp8onnx.sensitivity.measure_sensitivity` measures it,
+    """The report's ``sensitivity``: per node, as :func:`fp8onnx.accuracy.sensitivity.measure_sensitivity` measures it,
     with the scales just used (one more pass over the calibration data); or why it was not measured."""
     if not modified:
         why = "nothing was quantized"
@@ -303,7 +303,7 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
     elif config.weights_need_data:
         why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
-        from fp8onnx.sensitivity import measure_sensitivity
+        from fp8onnx.accuracy.sensitivity import measure_sensitivity
 
         measured = measure_sensitivity(
             model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp8onnx.formats import EMULATED_NOTE
+from fp8onnx.numerics.formats import EMULATED_NOTE
 
 __all__ = ["NodeReport", "QuantizeReport", "TensorReport", "describe_config"]
 

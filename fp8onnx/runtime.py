@@ -55,10 +55,10 @@ _NUMPY_DTYPES = {
     ir.DataType.INT64,
     ir.DataType.BOOL,
 }
-# Models with more weights than this are calibrated layer by layer (see fp8onnx.segments).
+# Models with more weights than this are calibrated layer by layer (see fp8onnx.pipeline.segments).
 WEIGHT_MEMORY = 512 << 20
 # Samples per run when the user chose none; calibration runs fewer when one sample's statistics run
-# needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.batching.auto_batch_size).
+# needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.pipeline.batching.auto_batch_size).
 DEFAULT_BATCH = 16
 BATCH_MEMORY = 1 << 30
 _RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress", "batch_memory", "workers", "ray_address")
@@ -78,7 +78,7 @@ class RunOptions:
     weight_memory: int = WEIGHT_MEMORY
     progress: bool = False
     batch_memory: int = BATCH_MEMORY
-    workers: int = 1  # Ray actors for the statistics runs (fp8onnx.distributed); 1: this process
+    workers: int = 1  # Ray actors for the statistics runs (fp8onnx.pipeline.distributed); 1: this process
     ray_address: str | None = None  # a running Ray cluster; None: a local one when workers > 1
 
     def __post_init__(self):

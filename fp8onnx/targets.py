@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.formats import Fp8Format, format_of
+from fp8onnx.numerics.formats import Fp8Format, format_of
 from fp8onnx.passes import output_channel_axis
 
 __all__ = ["TARGETS", "check_tensorrt"]

@@ -36,8 +36,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from ..formats import Fp8Format, dequantize, quantize
-from ..scaling import SAFE_AMAX, amax_to_scale
+from ..numerics.formats import Fp8Format, dequantize, quantize
+from ..numerics.scaling import SAFE_AMAX, amax_to_scale
 from ._common import derived_tensor, initializer, insert_at_definition
 
 __all__ = [

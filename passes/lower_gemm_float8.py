@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from ..formats import Fp8Format
+from ..numerics.formats import Fp8Format
 from ._common import initializer
 
 __all__ = ["MS_DOMAIN", "LowerGemmFloat8Pass"]

@@ -25,8 +25,8 @@ import ml_dtypes  # noqa: F401  (registers the float8 NumPy dtypes)
 import numpy as np
 import onnx_ir as ir
 
-from ..formats import Fp8Format, quantize
-from ..scaling import amax_to_scale
+from ..numerics.formats import Fp8Format, quantize
+from ..numerics.scaling import amax_to_scale
 from ._common import check_initializers, derived_tensor, initializer
 
 __all__ = ["EmbeddingsResult", "QuantizeEmbeddingsPass"]

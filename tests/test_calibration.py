@@ -5,8 +5,8 @@ import onnx_ir as ir
 import pytest
 
 import fp8onnx
-from fp8onnx.calibration import Stats, collect_amax
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.pipeline.calibration import Stats, collect_amax
 from fp8onnx.runtime import RunOptions
 
 from helpers import mlp_data, mlp_model
@@ -76,8 +76,8 @@ def test_batches_are_sized_to_the_memory_budget_with_the_same_statistics(tmp_pat
 
 
 def test_auto_batch_size_takes_the_larger_of_fetched_and_resident_memory():
-    from fp8onnx.batching import auto_batch_size
-    from fp8onnx.data import Batch
+    from fp8onnx.data.feeds import Batch
+    from fp8onnx.pipeline.batching import auto_batch_size
 
     class Source:
         def batches(self, n):

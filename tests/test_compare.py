@@ -6,8 +6,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
+from fp8onnx.accuracy.metrics import _OutputStats
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.metrics import _OutputStats
 
 from helpers import mlp_data, mlp_model
 
@@ -89,14 +89,14 @@ def test_labels_that_match_no_output(tmp_path):
 
 @pytest.mark.parametrize("where", ["conversion", "session"])
 def test_a_baseline_that_cannot_run_leaves_fp32_only(tmp_path, monkeypatch, where):
-    compare_module = sys.modules["fp8onnx.compare"]
+    compare_module = sys.modules["fp8onnx.accuracy.compare"]
     if where == "conversion":
 
         class Broken:
             def __call__(self, model):
                 raise RuntimeError("converter cannot handle this graph")
 
-        monkeypatch.setattr(sys.modules["fp8onnx.evaluation"], "ConvertFloat16Pass", Broken)
+        monkeypatch.setattr(sys.modules["fp8onnx.accuracy.evaluation"], "ConvertFloat16Pass", Broken)
     else:
 
         def broken(*args):

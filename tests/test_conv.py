@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.formats import Fp8Format
+from fp8onnx.numerics.formats import Fp8Format
 
 from helpers import op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
@@ -180,8 +180,8 @@ def test_the_cnn_preset_keeps_the_stem_in_float(tmp_path):
     the CNN family) that Conv stays in float with its reason, every later Conv and the Gemm are in
     float8, and the output is as close to FP32 as with every Conv quantized, within 1 dB (on this
     random CNN; on the digits CNN the stem in float is what keeps top-1 agreement at 1.000)."""
-    from fp8onnx.model_io import load_model
-    from fp8onnx.plan import stem_convolutions
+    from fp8onnx.graph.model_io import load_model
+    from fp8onnx.graph.plan import stem_convolutions
 
     path = cnn(tmp_path / "m.onnx")
     x = np.random.default_rng(1).standard_normal((64, 3, 8, 8)).astype(np.float32)

@@ -2,7 +2,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from fp8onnx.data import FeedData, InputSpec, NpzData, input_specs
+from fp8onnx.data.feeds import FeedData, InputSpec, NpzData, input_specs
 from fp8onnx.errors import Fp8OnnxError
 
 from helpers import mlp_model

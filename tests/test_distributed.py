@@ -1,4 +1,4 @@
-"""Statistics batches on Ray workers (fp8onnx.distributed): the same bytes as one process.
+"""Statistics batches on Ray workers (fp8onnx.pipeline.distributed): the same bytes as one process.
 
 Ray runs locally here (``ray.init(num_cpus=2)``, once for the module)."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import fp8onnx
-from fp8onnx.calibration import summarize
 from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.pipeline.calibration import summarize
 from fp8onnx.runtime import worker_session
 
 from helpers import SAMPLE, mlp_data, mlp_model
@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
-    from fp8onnx.distributed import close_all
+    from fp8onnx.pipeline.distributed import close_all
 
     close_all()
     ray.shutdown()
@@ -75,10 +75,10 @@ def test_compare_and_study_on_two_workers_give_the_single_process_numbers(tmp_pa
 
 
 def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
-    from fp8onnx.distributed import WorkerPool, close_all, fetch
-    from fp8onnx.model_io import load_model
+    from fp8onnx.graph.model_io import load_model
     from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
     from fp8onnx.passes._common import keep_only_outputs
+    from fp8onnx.pipeline.distributed import WorkerPool, close_all, fetch
     from fp8onnx.runtime import inline_proto, make_session
 
     model = load_model(mlp_model(tmp_path / "m.onnx"))
@@ -143,8 +143,8 @@ def test_zoo_tasks_on_ray_give_the_same_cells_and_a_dead_task_is_rerun(tmp_path)
 
     from test_zoo import CONFIGS, small_zoo
 
-    from fp8onnx.distributed import close_all, remote_tasks
-    from fp8onnx.zoo import zoo
+    from fp8onnx.experiments.zoo import zoo
+    from fp8onnx.pipeline.distributed import close_all, remote_tasks
 
     close_all()  # the tasks need the CPUs the shared pool holds
     folder = small_zoo(tmp_path / "zoo")
@@ -161,7 +161,7 @@ def test_zoo_tasks_on_ray_give_the_same_cells_and_a_dead_task_is_rerun(tmp_path)
 def test_a_model_with_external_data_goes_to_workers_as_file_references(tmp_path):
     """A Llama-style model whose weights live in a .data file: workers memory-map the weights from
     it (only the graph is serialized), and the statistics are the single-process ones."""
-    from fp8onnx.model_io import load_model
+    from fp8onnx.graph.model_io import load_model
     from fp8onnx.models.build_llama import build, write_data
     from fp8onnx.runtime import portable_model
 
@@ -187,8 +187,8 @@ def test_a_model_that_does_not_load_on_the_workers_is_one_clear_sentence(tmp_pat
     bad.write_bytes(b"not a model")
     good = mlp_model(tmp_path / "m.onnx")
     data = mlp_data(tmp_path / "d.npz")
-    from fp8onnx.distributed import shared_pool
-    from fp8onnx.evaluation import _worker_session
+    from fp8onnx.accuracy.evaluation import _worker_session
+    from fp8onnx.pipeline.distributed import shared_pool
 
     with pytest.raises(Fp8OnnxError, match=r"Candidate model .*bad.onnx.* does not load in onnxruntime"):
         shared_pool(2, None).load(str(bad), _worker_session, "cpu", f"Candidate model {str(bad)!r}", ())
@@ -215,7 +215,7 @@ def test_no_ray_cluster_at_the_address_is_one_sentence_with_exit_2(tmp_path):
     """``--ray auto`` with no cluster running (this process's local Ray is shut down first)."""
     from click.testing import CliRunner
 
-    from fp8onnx.distributed import close_all
+    from fp8onnx.pipeline.distributed import close_all
 
     close_all()
     ray.shutdown()
@@ -233,8 +233,8 @@ def test_no_ray_cluster_at_the_address_is_one_sentence_with_exit_2(tmp_path):
 def test_models_travel_by_value_where_workers_share_no_files(tmp_path):
     """As on a cluster (the pool marked not local): models, the FP16 baseline and an external-data
     model's weights go through the object store, not as paths; the numbers do not change."""
-    from fp8onnx.distributed import close_all, shared_pool
     from fp8onnx.models.build_llama import build, write_data
+    from fp8onnx.pipeline.distributed import close_all, shared_pool
 
     close_all()
     shared_pool(2, None).local = False

@@ -7,9 +7,9 @@ from click.testing import CliRunner
 from test_sensitivity import chain
 
 import fp8onnx
+from fp8onnx.accuracy.fallback import TargetNotMet, quantize_to_target
 from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.fallback import TargetNotMet, quantize_to_target
 
 from helpers import SAMPLE
 
@@ -101,14 +101,14 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     """FP16 runs in the first round only, the FP32 reference once for all rounds (its outputs kept)."""
     import sys
 
-    from fp8onnx.candidates import Candidates
+    from fp8onnx.accuracy.candidates import Candidates
     from fp8onnx.config import QuantizeConfig
     from fp8onnx.runtime import RunOptions
 
     path, calib, eval_data = outlier_chain
     stats = fp8onnx.calibrate(path, calib, provider="cpu")
     config = QuantizeConfig()
-    evaluation = sys.modules["fp8onnx.evaluation"]  # where compare builds the sessions it evaluates
+    evaluation = sys.modules["fp8onnx.accuracy.evaluation"]  # where compare builds the sessions it evaluates
     built = []
     real = evaluation.make_session
     monkeypatch.setattr(evaluation, "make_session", lambda *a, **k: built.append(a[2]) or real(*a, **k))
@@ -128,7 +128,7 @@ def test_a_count_that_passes_only_by_noise_is_not_chosen():
     goes on to 8, narrows down to 5-7, and keeps the smallest count from which every larger one passes."""
     from types import SimpleNamespace
 
-    from fp8onnx.fallback import search
+    from fp8onnx.accuracy.fallback import search
 
     ratios = {0: 0.90, 1: 0.999, 2: 0.98, 4: 0.99, 5: 0.992, 6: 0.996, 7: 0.997, 8: 1.0}
     sens = SimpleNamespace(

@@ -15,7 +15,7 @@ import fp8onnx
 from fp8onnx.cli import main
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.family import detect_family
-from fp8onnx.model_io import load_model
+from fp8onnx.graph.model_io import load_model
 
 from helpers import SAMPLE, mlp_model
 

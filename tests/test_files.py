@@ -11,7 +11,7 @@ import pytest
 
 import fp8onnx
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.model_io import load_model
+from fp8onnx.graph.model_io import load_model
 
 from helpers import mlp_data, mlp_model, run_ort
 
@@ -98,7 +98,7 @@ def test_an_invalid_result_is_never_written(tmp_path, monkeypatch):
 
 
 def test_a_model_only_onnxruntime_refuses_is_never_written(tmp_path):
-    from fp8onnx.model_io import write_bytes_atomic
+    from fp8onnx.graph.model_io import write_bytes_atomic
 
     out = tmp_path / "q.onnx"
     out.write_bytes(b"previous output")
@@ -146,7 +146,7 @@ def test_unwritable_output_folder_is_refused_before_any_work(tmp_path, monkeypat
 
 def test_large_model_paths_write_external_data(tmp_path, monkeypatch):
     # The >2 GB code path, exercised on a small model by lowering its threshold.
-    import fp8onnx.model_io as model_io
+    import fp8onnx.graph.model_io as model_io
 
     monkeypatch.setattr(model_io, "EXTERNAL_DATA_THRESHOLD", 0)
     path = external_model(tmp_path)
@@ -184,7 +184,7 @@ def test_sizes_count_every_external_data_file_of_an_export_folder(tmp_path):
 def test_outputs_get_the_permissions_of_any_new_file(tmp_path, monkeypatch, external):
     """A model written through a temporary file keeps umask permissions, not mkstemp's 0600: a
     service account that runs the model must be able to read it."""
-    import fp8onnx.model_io as model_io
+    import fp8onnx.graph.model_io as model_io
 
     if external:
         monkeypatch.setattr(model_io, "EXTERNAL_DATA_THRESHOLD", 0)

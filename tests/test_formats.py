@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.formats import Fp8Format, dequantize, parse_format, quantize
+from fp8onnx.numerics.formats import Fp8Format, dequantize, parse_format, quantize
 
 from helpers import run_ort, run_reference
 

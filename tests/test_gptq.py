@@ -7,8 +7,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.formats import Fp8Format, dequantize, quantize
-from fp8onnx.gptq import gptq_round
+from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
+from fp8onnx.techniques.gptq import gptq_round
 
 from helpers import run_ort, run_reference, sqnr_db
 

@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fp8onnx.guard import external_locations, model_reads
+from fp8onnx.graph.guard import external_locations, model_reads
 from fp8onnx.passes._common import proto_graphs
 
 

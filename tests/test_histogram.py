@@ -3,9 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8onnx.formats import Fp8Format
-from fp8onnx.histogram import LogHistogram
-from fp8onnx.scaling import Scaling, clipping_amax, mse_amax
+from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.numerics.histogram import LogHistogram
+from fp8onnx.numerics.scaling import Scaling, clipping_amax, mse_amax
 
 
 def test_bins_are_exact_and_percentiles_close():
@@ -46,7 +46,7 @@ def test_every_finite_float32_lands_in_a_bin_that_contains_it(values):
 
 @pytest.mark.parametrize("fmt", [Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4], ids=lambda f: f.value)
 def test_mse_threshold_is_near_optimal_on_the_real_values(fmt):
-    from fp8onnx.formats import dequantize, quantize
+    from fp8onnx.numerics.formats import dequantize, quantize
 
     x = np.random.default_rng(1).laplace(size=50_000).astype(np.float32) ** 3  # heavy tail
     amax = float(np.abs(x).max())

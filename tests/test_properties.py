@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
 from fp8onnx.cli import main
-from fp8onnx.formats import Fp8Format
+from fp8onnx.numerics.formats import Fp8Format
 
 from helpers import run_ort, sqnr_db, sqnr_floor_db
 

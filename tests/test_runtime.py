@@ -117,7 +117,7 @@ def test_instrumented_sessions_run_each_statistic_right_after_its_tensor():
 
 @pytest.mark.parametrize("weight_memory", [1 << 30, 64])  # one session, and layer by layer
 def test_every_statistics_session_is_instrumented(tmp_path, monkeypatch, weight_memory):
-    from fp8onnx import calibration, graph_stats, segments
+    from fp8onnx.pipeline import calibration, graph_stats, segments
 
     seen = []
     real = runtime.make_session

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.formats import Fp8Format, dequantize, quantize
-from fp8onnx.scaling import SAFE_AMAX, Scaling, amax_to_scale, parse_scaling
+from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
+from fp8onnx.numerics.scaling import SAFE_AMAX, Scaling, amax_to_scale, parse_scaling
 
 FORMATS = list(Fp8Format)
 amaxes = st.floats(min_value=1e-30, max_value=1e30, allow_nan=False, allow_infinity=False)

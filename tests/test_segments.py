@@ -1,4 +1,4 @@
-"""Layer-by-layer calibration (fp8onnx.segments): same statistics as the whole graph, bounded weights."""
+"""Layer-by-layer calibration (fp8onnx.pipeline.segments): same statistics as the whole graph, bounded weights."""
 
 import hashlib
 import pathlib
@@ -10,11 +10,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.calibration import collect_amax
 from fp8onnx.models.build_llama import build, write_data
+from fp8onnx.pipeline.calibration import collect_amax
+from fp8onnx.pipeline.segments import split
 from fp8onnx.quantize import QuantizeConfig, activation_tensors, plan, prepare_model
 from fp8onnx.runtime import RunOptions
-from fp8onnx.segments import split
 
 from helpers import run_ort, sqnr_db
 
@@ -129,7 +129,7 @@ def test_external_data_model_layer_by_layer(tmp_path, monkeypatch):
 def test_weights_are_unmapped_after_reading(tmp_path):
     path = build(tmp_path / "tiny", layers=1, dim=64, heads=4, ffn=160, vocab=300)
     model = ir.load(path)
-    from fp8onnx.calibration import weight_amax
+    from fp8onnx.pipeline.calibration import weight_amax
 
     value = model.graph.initializers["layers.0.mlp.up_proj.weight"]
     assert weight_amax(value) > 0

@@ -35,7 +35,7 @@ PHASES = {
     "compare": (SIGNAL_AFTER_A_RUN, ["compare", "{src}", "--data", "{data}", "--json", "{out}"]),
     "layer-by-layer spill": (
         """
-        from fp8onnx import segments
+        from fp8onnx.pipeline import segments
         real = segments.Spill.save
         def save(self, *a, **k):
             real(self, *a, **k)
@@ -56,7 +56,7 @@ PHASES = {
     ),
     "write with external data": (
         """
-        from fp8onnx import model_io
+        from fp8onnx.graph import model_io
         real = model_io.make_session
         def make_session(*a, **k):
             out = real(*a, **k)

@@ -14,8 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from fp8onnx import text  # noqa: E402
 from fp8onnx.cli import main  # noqa: E402
+from fp8onnx.data import text  # noqa: E402
 from fp8onnx.errors import Fp8OnnxError  # noqa: E402
 
 VOCAB = 400
@@ -238,7 +238,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, tokenizer_file, case, me
 
 
 def test_cache_axes_from_their_names_and_the_export_config(tmp_path):
-    from fp8onnx.data import InputSpec
+    from fp8onnx.data.feeds import InputSpec
 
     ids = np.ones((2, 4), np.int64)
     ids_spec = InputSpec("input_ids", np.dtype(np.int64), (None, None))
@@ -306,9 +306,9 @@ def test_text_straight_to_quantize_and_compare_of_an_export_folder(tmp_path, tok
 
 
 def test_text_for_an_encoder_is_padded_sentences(tmp_path, tokenizer_file):
-    from fp8onnx.data import input_specs
-    from fp8onnx.datasource import as_data
-    from fp8onnx.model_io import load_model
+    from fp8onnx.data.datasource import as_data
+    from fp8onnx.data.feeds import input_specs
+    from fp8onnx.graph.model_io import load_model
 
     model = load_model(_model(tmp_path / "enc.onnx", past=False, out="hidden", width=8))
     (tmp_path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())

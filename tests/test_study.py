@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from fp8onnx.cli import main
-from fp8onnx.study import constant_sweep, study, study_configs, technique_configs, write_plots
+from fp8onnx.experiments.study import constant_sweep, study, study_configs, technique_configs, write_plots
 
 from helpers import mlp_data, mlp_model
 
@@ -105,7 +105,7 @@ def test_study_cli_writes_json_and_csv(tmp_path):
 def test_byte_identical_configurations_are_evaluated_once(tmp_path, monkeypatch):
     import sys
 
-    study_module = sys.modules["fp8onnx.study"]
+    study_module = sys.modules["fp8onnx.experiments.study"]
 
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
     evaluated = []

@@ -1,5 +1,5 @@
 """FP8 training (emulated): the casts agree with fp8onnx's ONNX numerics bit for bit, scales follow
-the recipes through fp8onnx.scaling, gradients stay within the formats' bounds of a float reference,
+the recipes through fp8onnx.numerics.scaling, gradients stay within the formats' bounds of a float reference,
 the swap touches only nn.Linear, and a small model still learns."""
 
 import math
@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fp8onnx.errors import Fp8OnnxError  # noqa: E402
-from fp8onnx.formats import Fp8Format, dequantize, quantize  # noqa: E402
-from fp8onnx.scaling import Scaling, amax_to_scale  # noqa: E402
-from fp8onnx.training import FP8Linear, Recipe, fake_cast, swap_linear  # noqa: E402
+from fp8onnx.experiments.training import FP8Linear, Recipe, fake_cast, swap_linear  # noqa: E402
+from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize  # noqa: E402
+from fp8onnx.numerics.scaling import Scaling, amax_to_scale  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", [Fp8Format.E4M3FN, Fp8Format.E5M2])
@@ -160,7 +160,7 @@ def test_trained_scales_deploy_to_onnx_and_match_the_torch_forward(tmp_path, rec
     import onnx
     import onnxruntime as ort
 
-    from fp8onnx.training import export
+    from fp8onnx.experiments.training import export
 
     torch.manual_seed(0)
     model = _Block()

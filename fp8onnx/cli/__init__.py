@@ -35,8 +35,8 @@ def entry() -> None:
     if code is not None and not isinstance(code, int):  # sys.exit("message")
         print(code, file=sys.stderr)
         code = 1
-    if "fp8onnx.distributed" in sys.modules:  # Ray workers and a local Ray started for them
-        sys.modules["fp8onnx.distributed"].close_all()
+    if "fp8onnx.pipeline.distributed" in sys.modules:  # Ray workers and a local Ray started for them
+        sys.modules["fp8onnx.pipeline.distributed"].close_all()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -13,17 +13,17 @@ import click
 from click.core import ParameterSource
 
 from fp8onnx import __version__
+from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.config import (
     DEFAULT_OP_TYPES,
     PRECISIONS,
 )
-from fp8onnx.data import TextSource, is_text
+from fp8onnx.data.feeds import TextSource, is_text
 from fp8onnx.errors import Fp8OnnxError, printable
-from fp8onnx.formats import Fp8Format
-from fp8onnx.metrics import METRICS
+from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.numerics.scaling import Scaling
 from fp8onnx.progress import close_all
 from fp8onnx.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
-from fp8onnx.scaling import Scaling
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]
@@ -269,7 +269,7 @@ def _run_options(
 
 def _text_options(*names: str):
     """--tokenizer / --seq-len for a command's data options ``names``: each of them that names a text
-    file (.txt, .jsonl) reaches the library as a :class:`~fp8onnx.data.TextSource` with these settings."""
+    file (.txt, .jsonl) reaches the library as a :class:`~fp8onnx.data.feeds.TextSource` with these settings."""
 
     def decorate(fn):
         @functools.wraps(fn)

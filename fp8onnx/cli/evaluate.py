@@ -10,6 +10,7 @@ import click
 
 from fp8onnx import compare as api_compare
 from fp8onnx import study as run_study
+from fp8onnx.accuracy.compare import GENERATE_PROMPTS, GENERATE_TOKENS
 from fp8onnx.cli.common import (
     _FORMATS,
     _SCALINGS,
@@ -24,13 +25,12 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.compare import GENERATE_PROMPTS, GENERATE_TOKENS
 from fp8onnx.config import (
     ACTIVATION_MODES,
     QuantizeConfig,
 )
-from fp8onnx.guard import check_paths, model_reads, output_folder
-from fp8onnx.model_io import write_text_atomic
+from fp8onnx.graph.guard import check_paths, model_reads, output_folder
+from fp8onnx.graph.model_io import write_text_atomic
 
 
 @main.command()
@@ -143,7 +143,7 @@ def study(
     Example:
       fp8onnx study model.onnx --calib calib.npz --data eval.npz --json study.json --csv study.csv --plot plots/
     """
-    from fp8onnx.study import PLOT_FILES, write_outputs, write_plots
+    from fp8onnx.experiments.study import PLOT_FILES, write_outputs, write_plots
 
     if plot_dir:
         output_folder(plot_dir, "Plot folder")
@@ -233,8 +233,8 @@ def sensitivity(
       fp8onnx sensitivity model.onnx --calib calib.npz --data eval.npz --json sens.json --plot plots/
       fp8onnx sensitivity model.onnx --calib calib.npz --eval eval.npz --refine 8  # end-metric gain of the top 8
     """
-    from fp8onnx.fallback import sensitivity as run_sensitivity
-    from fp8onnx.sensitivity import write_json
+    from fp8onnx.accuracy.fallback import sensitivity as run_sensitivity
+    from fp8onnx.accuracy.sensitivity import write_json
 
     if plot_dir:
         output_folder(plot_dir, "Plot folder")

@@ -40,8 +40,8 @@ from fp8onnx.config import (
     QuantizeConfig,
 )
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.guard import check_paths, model_writes
-from fp8onnx.model_io import write_text_atomic
+from fp8onnx.graph.guard import check_paths, model_writes
+from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.phases import process_age
 from fp8onnx.phases import table as phases_table
 from fp8onnx.targets import TARGETS
@@ -327,7 +327,7 @@ def quantize(
         click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
         return
     if accuracy_target is not None:
-        from fp8onnx.fallback import quantize_to_target
+        from fp8onnx.accuracy.fallback import quantize_to_target
 
         if stats:
             raise Fp8OnnxError("--accuracy-target measures sensitivity on --calib DATA; --stats cannot stand in.")

@@ -31,7 +31,7 @@ from fp8onnx.cli.common import (
     main,
 )
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.guard import check_paths, model_reads, output_folder
+from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 
 
 @main.command()
@@ -145,8 +145,8 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
       fp8onnx data resnet.onnx images/ --size 256 --crop 224 --mean 0.485,0.456,0.406 -o calib.npz
       fp8onnx data wav2vec.onnx clips/ --sample-rate 16000 --chunk 16000 -o calib.npz
     """
-    from fp8onnx.media import AudioOptions, ImageOptions
-    from fp8onnx.sources import make_data
+    from fp8onnx.data.media import AudioOptions, ImageOptions
+    from fp8onnx.data.sources import make_data
 
     image = ImageOptions(media["size"], media["crop"], media["mean"], media["std"], media["layout"], media["channels"])
     audio = AudioOptions(media["sample_rate"], media["chunk"])

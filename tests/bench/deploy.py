@@ -106,7 +106,7 @@ def og_generate(folder: pathlib.Path, prompts: list[list[int]]) -> tuple[np.ndar
 
 
 def measure(out: pathlib.Path, calib_n: int) -> dict:
-    from fp8onnx.generation import agreement
+    from fp8onnx.accuracy.generation import agreement
 
     results = {}
     for name in ("torch", "genai"):

@@ -79,8 +79,8 @@ def size(path: pathlib.Path) -> int:
 
 def bench(name, model, calib, eval_data, techniques, exclude_vocab, tmp) -> list[dict]:
     import fp8onnx
-    from fp8onnx.prepare import prepare_model
-    from fp8onnx.sensitivity import vocabulary_projections
+    from fp8onnx.accuracy.sensitivity import vocabulary_projections
+    from fp8onnx.graph.prepare import prepare_model
 
     exclude = []
     if exclude_vocab:

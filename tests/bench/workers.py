@@ -38,7 +38,7 @@ def _no_session(model, threads):
 
 
 def scheduling_cost(workers: int, items: int = 400) -> dict:
-    from fp8onnx.distributed import WorkerPool
+    from fp8onnx.pipeline.distributed import WorkerPool
 
     feeds = [{"x": np.zeros((16, 64), np.float32)} for _ in range(items)]
     t0 = time.perf_counter()

@@ -4,9 +4,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import pytest
 
-from fp8onnx.formats import Fp8Format
+from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.numerics.scaling import amax_to_scale
 from fp8onnx.passes import InsertQDQPass, TensorQuant, UpgradeOpsetPass
-from fp8onnx.scaling import amax_to_scale
 
 from helpers import mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
@@ -151,7 +151,7 @@ def test_per_channel_weights(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 def test_emulated_e3m4_has_no_qdq_and_matches_numpy(tmp_path):
-    from fp8onnx.formats import dequantize, quantize
+    from fp8onnx.numerics.formats import dequantize, quantize
 
     fmt = Fp8Format.E3M4
     _path, model, x, _ref, quant, targets = _setup(tmp_path, fmt)

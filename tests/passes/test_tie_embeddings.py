@@ -7,8 +7,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
+from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.passes import TieEmbeddingsPass
-from fp8onnx.prepare import prepare_model
 
 from helpers import run_ort, run_reference, sqnr_db
 

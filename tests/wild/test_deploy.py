@@ -172,10 +172,10 @@ def runtime_generate(kind: str, folder: pathlib.Path) -> np.ndarray:
 
 
 def engine_generate(folder: pathlib.Path) -> np.ndarray:
+    from fp8onnx.accuracy.generation import Generator, start_token
+    from fp8onnx.data.text import cache_sizes
     from fp8onnx.exports import describe_export
-    from fp8onnx.generation import Generator, start_token
     from fp8onnx.runtime import make_session
-    from fp8onnx.text import cache_sizes
 
     export = describe_export(folder)
     plan = export.plans()[-1]  # the merged decoder where there is one, as Optimum loads it
@@ -237,7 +237,7 @@ def _initializers(proto):
 
 
 def _locations(model: pathlib.Path) -> set[str]:
-    from fp8onnx.guard import external_locations
+    from fp8onnx.graph.guard import external_locations
 
     return set(external_locations(model))
 
@@ -251,7 +251,7 @@ def test_the_runtime_loads_and_generates_like_the_engine(exported):
     assert fp8.shape == (PROMPTS, NEW) and ((fp8 >= 0) & (fp8 < VOCAB)).all()
     # The same FP8 graphs in plain onnxruntime: the engine and the runtime agree on them too (a
     # near-tie may flip one token under another optimisation level, so not bit for bit).
-    from fp8onnx.generation import agreement
+    from fp8onnx.accuracy.generation import agreement
 
     assert agreement(engine_generate(out), fp8)["token_agreement"] >= 0.9
     print(kind, "FP8 vs FP32 generation:", agreement(reference, fp8))
@@ -272,7 +272,7 @@ def test_fold_at_load_sets_the_genai_session_option(exported, tmp_path):
     config = json.loads((folded / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["session.disable_quant_qdq"] == "1"
     assert (folded / "model.onnx.data").read_bytes() == (out / "model.onnx.data").read_bytes()
-    from fp8onnx.generation import agreement
+    from fp8onnx.accuracy.generation import agreement
 
     assert agreement(runtime_generate(kind, out), runtime_generate(kind, folded))["token_agreement"] >= 0.9
 

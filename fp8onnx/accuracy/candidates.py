@@ -1,0 +1,120 @@
+"""Variants of one quantized model that differ only in which nodes stay in float, scored together.
+
+The sensitivity refinement and the accuracy-target search both ask the same question many times:
+what is the headline metric (relative to FP16's) when these nodes are left in float? Every variant
+is quantized with the same statistics (no new calibration) into a private temporary folder, and a
+round of variants is evaluated in one ``compare`` run, so the FP32 reference runs once per round,
+not once per variant, and the FP16 baseline only in the first round (its headline value is kept).
+Results are cached: a variant is never quantized or evaluated twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import tempfile
+
+from fp8onnx.accuracy.compare import compare
+from fp8onnx.accuracy.evaluation import ReferenceRun
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.pipeline.calibration import Stats
+from fp8onnx.quantize import quantize
+from fp8onnx.runtime import RunOptions
+
+__all__ = ["Candidates"]
+
+logger = logging.getLogger(__name__)
+
+
+class Candidates:
+    """``with Candidates(model, config, stats, eval_data, run) as c: c.ratios([(), ("lm_head",)])``
+
+    requires: ``stats`` are the statistics ``config`` needs (None for dynamic activations);
+    ensures: ``ratios`` returns, per variant, its headline metric / FP16's (None where there is no
+    FP16 baseline) and counts each distinct variant once in ``evaluated``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        config: QuantizeConfig,
+        stats: Stats | None,
+        eval_data,
+        run: RunOptions,
+        calib=None,
+        metric: str = "auto",
+        needs_data: bool = False,
+    ):
+        self.model, self.config, self.stats, self.eval_data, self.run = model, config, stats, eval_data, run
+        self.headline = metric  # compare's --metric: which headline the variants are scored on
+        self.calib = calib  # for configs whose weights read the data (GPTQ, smoothing, bias correction)
+        self.needs_data = needs_data  # the recipe --preset auto resolves to reads it (config alone cannot say)
+        self.metric = ""
+        self.evaluated = 0  # distinct variants quantized and evaluated
+        self.rounds = 0  # compare runs
+        self._cache: dict[frozenset[str], float | None] = {}
+        self._fp16: float | None = None  # FP16's headline value, from the first round
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> Candidates:
+        self._tmp = tempfile.TemporaryDirectory(prefix="fp8onnx-candidates-")
+        self._reference = ReferenceRun()  # FP32's outputs, run once for every round
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._reference.close()
+        self._tmp.cleanup()
+
+    def config_keeping(self, keep) -> QuantizeConfig:
+        return dataclasses.replace(self.config, keep_float=tuple(keep))
+
+    def write(self, keep, path, run: RunOptions):
+        """Quantize the variant keeping ``keep`` in float to ``path``; its QuantizeReport. Configs
+        whose weights read the calibration data re-read it (the statistics alone do not suffice)."""
+        config = self.config_keeping(keep)
+        if config.weights_need_data or self.needs_data:
+            if self.calib is None:
+                raise Fp8OnnxError("GPTQ, --smooth and --bias-correction need the calibration data here, not --stats.")
+            return quantize(self.model, path, self.calib, config=config, run=run)
+        return quantize(self.model, path, config=config, stats=self.stats, run=run)
+
+    def ratios(self, keeps: list[tuple[str, ...]]) -> list[float | None]:
+        """Headline metric relative to FP16's for each variant (nodes kept in float)."""
+        todo = list(dict.fromkeys(frozenset(k) for k in keeps if frozenset(k) not in self._cache))
+        if todo:
+            quiet = RunOptions.of(self.run, progress=False)
+            paths = []
+            for keep in todo:
+                path = pathlib.Path(self._tmp.name) / f"variant{self.evaluated + len(paths)}.onnx"
+                self.write(sorted(keep), path, quiet)
+                paths.append(path)
+            first = self.rounds == 0
+            result = compare(
+                self.model,
+                paths,
+                self.eval_data,
+                fp16=first,
+                generate=0,
+                memory=False,
+                metric=self.headline,
+                reference_run=self._reference,
+                run=self.run,
+            )
+            by_name = {r.name: r for r in result.rows}
+            if first and "FP16" in by_name:
+                self._fp16 = by_name["FP16"].value
+            for keep, path in zip(todo, paths):
+                row = by_name[path.name]
+                ok = self._fp16 and row.value is not None
+                self._cache[keep] = row.ratio_to_fp16 if first else (row.value / self._fp16 if ok else None)
+                self.metric = row.headline
+                path.unlink()
+            self.evaluated += len(todo)
+            self.rounds += 1
+            logger.info("evaluated %d variants (%d so far, %d rounds)", len(todo), self.evaluated, self.rounds)
+            if all(self._cache[k] is None for k in todo):
+                raise Fp8OnnxError(f"No FP16 baseline to measure against: {'; '.join(result.notes)}")
+        return [self._cache[frozenset(k)] for k in keeps]

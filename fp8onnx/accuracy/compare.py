@@ -1,0 +1,185 @@
+"""Accuracy of candidate models against a reference (FP32) and its FP16 baseline, on the same data.
+
+Per output, streamed batch by batch, one model at a time (running sums are kept; the reference's
+outputs wait on disk):
+  cosine similarity of each row (vectors along the last axis): mean and min;
+  relative L2 error ||c - r|| / ||r||; maximum absolute error;
+  top-1 agreement (argmax over the last axis) when the output looks like logits;
+  task accuracy when the data has ``labels`` (argmax of the output whose leading shape they match),
+  and perplexity: exp of the mean cross-entropy of that output's softmax at the labels (for a
+  language model's next-token labels, its perplexity).
+
+Each candidate's headline metric (task accuracy, else top-1 agreement, else mean cosine) is put
+against the FP16 model's: the FP8 LLM paper's criterion is >= 99.5% of FP16, the PTQ paper's a
+relative loss within 1%.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from fp8onnx.accuracy.compare_results import _REFERENCE, CompareResult, _headline
+from fp8onnx.accuracy.evaluation import (
+    ReferenceRun,
+    _evaluate_distributed,
+    _evaluate_here,
+    _Evaluation,
+    _fp16_session,
+    _session,
+)
+from fp8onnx.accuracy.metrics import METRICS, class_outputs
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import input_specs
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.model_io import load_model, model_file
+from fp8onnx.runtime import (
+    RunOptions,
+    make_session,
+    resolve_provider,
+)
+
+__all__ = ["GENERATE_PROMPTS", "GENERATE_TOKENS", "PROMPT_TOKENS", "compare"]
+
+logger = logging.getLogger(__name__)
+
+GENERATE_TOKENS = 32  # greedy tokens each model generates in the generation check
+
+
+GENERATE_PROMPTS = 5
+
+
+PROMPT_TOKENS = 32  # each prompt: the first tokens of a row of the data
+
+
+def compare(
+    reference: str | os.PathLike,
+    candidates: Sequence[str | os.PathLike],
+    data,
+    *,
+    fp16: bool = True,
+    max_samples: int | None = None,
+    generate: int = GENERATE_TOKENS,
+    prompts: int = GENERATE_PROMPTS,
+    memory: bool = True,
+    metric: str = "auto",
+    reference_run: ReferenceRun | None = None,
+    run: RunOptions | None = None,
+    **run_options,
+) -> CompareResult:
+    """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``
+    (at most about ``max_samples`` samples: whole batches until that many are seen). A language
+    model (``input_ids`` in, ``logits`` out) also generates ``generate`` tokens greedily from
+    ``prompts`` prompts taken from the data (``generate=0``: not), each model against FP32's tokens.
+    ``memory``: measure the heap each session holds (a garbage collection per model, 0.1-0.3 s).
+    ``metric``: the headline compared with FP16 (``METRICS``): auto is task accuracy with labels, else
+    top-1 agreement for class scores (named like logits, or computed by a Softmax), else mean cosine;
+    ``rel-l2`` scores 1 - relative L2 error (regression outputs). ``reference_run``: a
+    :class:`ReferenceRun` that keeps the reference's pass for later calls on the same reference, data
+    and batching (the first call fills it; on Ray workers it is not used).
+
+    One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
+    batch by batch for each other model, so memory holds one session, whatever the models' size."""
+    run = RunOptions.of(run, **run_options)
+    provider, batch_size, progress = resolve_provider(run.provider), run.batch, run.progress
+    named = [pathlib.Path(c).name for c in candidates]  # an export folder is named by its folder
+    reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
+    ref_model = load_model(reference)
+    out_names = [v.name for v in ref_model.graph.outputs]
+    if metric not in METRICS:
+        raise Fp8OnnxError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}.")
+    classes = class_outputs(ref_model) | ({out_names[0]} if metric == "top1" else set())
+    # name -> (path or None, builder of its session); checked up front, before the long runs
+    models: dict[str, tuple[str | None, Callable[[], object]]] = {}
+    if fp16:
+        models["FP16"] = (None, lambda **kw: _fp16_session(ref_model, reference, provider, **kw))
+    for cand, name in zip(candidates, named):
+        theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
+        while name in models or name == _REFERENCE:
+            name += "'"
+        if theirs != out_names:
+            raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
+        models[name] = (str(cand), functools.partial(_session, cand, provider))
+    source = as_data(data, input_specs(ref_model), ref_model)
+    total = source.count_batches(batch_size)
+    if max_samples is not None and total is not None:
+        total = min(total, -(-max_samples // batch_size))
+
+    notes: list[str] = []
+    job = _Evaluation(
+        reference,
+        models,
+        source,
+        out_names,
+        total,
+        max_samples,
+        batch_size,
+        provider,
+        progress,
+        run,
+        notes,
+        memory,
+        frozenset(classes),
+    )
+    rows, samples, batches = _evaluate_distributed(job) if run.distributed else _evaluate_here(job, reference_run)
+    if not any(r.name == "FP16" for r in rows):
+        fp16 = False
+    _headline(rows, out_names[0], fp16, metric)
+    generation = None
+    if generate and _is_language_model(ref_model):
+        generation = _generation(reference, models, rows, source, generate, prompts, provider, notes)
+    return CompareResult(
+        str(reference),
+        str(data) if isinstance(data, (str, os.PathLike)) else "feeds",
+        samples,
+        batches,
+        provider,
+        rows,
+        notes,
+        generation,
+    )
+
+
+def _is_language_model(model) -> bool:
+    return any(v.name == "input_ids" for v in model.graph.inputs) and any(
+        v.name == "logits" for v in model.graph.outputs
+    )
+
+
+def _generation(reference, models, rows, source, tokens: int, prompts: int, provider: str, notes) -> dict | None:
+    """Greedy generation of every model (fp8onnx.accuracy.generation) from the first ``prompts`` rows of the
+    data's input_ids (their first PROMPT_TOKENS tokens), each row's agreement with FP32's tokens."""
+    from fp8onnx.accuracy.generation import Generator, agreement
+    from fp8onnx.data.text import cache_sizes
+
+    rows_ids = []
+    for batch in source.batches(prompts):
+        rows_ids.extend(np.asarray(batch.feed["input_ids"]).reshape(-1, batch.feed["input_ids"].shape[-1]))
+        if len(rows_ids) >= prompts:
+            break
+    if not rows_ids:
+        return None
+    prompt = np.stack(rows_ids[:prompts])[:, :PROMPT_TOKENS].astype(np.int64)
+    sizes = cache_sizes(pathlib.Path(reference).parent)
+    builders = {_REFERENCE: lambda: make_session(pathlib.Path(reference), provider, f"Model {str(reference)!r}")}
+    builders.update({name: build for name, (_, build) in models.items()})
+    produced = {}
+    for name, build in builders.items():
+        if name == "FP16" and not any(r.name == "FP16" for r in rows):
+            continue
+        try:
+            generator = Generator({"decoder": build()}, cache_sizes=sizes, where=f"model {name!r}")
+            produced[name] = generator.greedy(prompt, tokens)
+        except Fp8OnnxError as exc:
+            notes.append(f"No generation check: {exc}")
+            logger.warning("%s", notes[-1])
+            return None
+    for row in rows:
+        if row.name != _REFERENCE and row.name in produced:
+            row.generation = agreement(produced[_REFERENCE], produced[row.name])
+    return {"prompts": int(prompt.shape[0]), "prompt_tokens": int(prompt.shape[1]), "tokens": tokens}

@@ -1,0 +1,191 @@
+"""``compare``'s results: a row per model (:class:`RowResult`), the table, the JSON, and the headline
+metric each row is put against FP16 with."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from fp8onnx.accuracy.metrics import LLM_RATIO, PTQ_REL_LOSS, _accuracy, _perplexity, _Score, _to_json
+from fp8onnx.errors import Fp8OnnxError
+
+logger = logging.getLogger(__name__)
+
+_REFERENCE = "FP32 (reference)"
+
+
+@dataclasses.dataclass
+class RowResult:
+    name: str
+    path: str | None
+    outputs: dict[str, dict]
+    accuracy: float | None = None  # task accuracy against labels
+    perplexity: float | None = None  # exp(mean cross-entropy of the labelled output's softmax)
+    headline: str = ""  # which metric is compared with FP16
+    value: float | None = None
+    ratio_to_fp16: float | None = None
+    rel_loss_vs_fp16: float | None = None
+    latency_ms: float | None = None  # median onnxruntime time per batch after the first (warm-up)
+    session_mib: float | None = None  # resident memory the session added, built and run once
+    generation: dict | None = None  # greedy generation vs FP32 (fp8onnx.accuracy.generation.agreement)
+
+    @property
+    def passes_llm(self) -> bool | None:
+        return None if self.ratio_to_fp16 is None else self.ratio_to_fp16 >= LLM_RATIO
+
+    @property
+    def passes_ptq(self) -> bool | None:
+        return None if self.rel_loss_vs_fp16 is None else self.rel_loss_vs_fp16 <= PTQ_REL_LOSS
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["passes_llm_99_5pct_of_fp16"] = self.passes_llm
+        d["passes_ptq_1pct_rel_loss"] = self.passes_ptq
+        return d
+
+
+@dataclasses.dataclass
+class CompareResult:
+    reference: str
+    data: str
+    samples: int
+    batches: int
+    provider: str
+    rows: list[RowResult]
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. why there is no FP16 baseline
+    generation: dict | None = None  # prompts, prompt_tokens, tokens of the generation check
+
+    def to_json(self) -> dict:
+        return {
+            "reference": self.reference,
+            "data": self.data,
+            "samples": self.samples,
+            "batches": self.batches,
+            "provider": self.provider,
+            "generation": self.generation,
+            "criteria": {"llm_ratio_to_fp16": LLM_RATIO, "ptq_rel_loss_vs_fp16": PTQ_REL_LOSS},
+            "rows": [r.to_json() for r in self.rows],
+            "notes": self.notes,
+        }
+
+    def table(self) -> str:
+        first = next(iter(self.rows[0].outputs)) if self.rows and self.rows[0].outputs else None
+        head = [
+            "model",
+            "cos mean",
+            "cos min",
+            "rel L2",
+            "max abs",
+            "top-1 agr",
+            "accuracy",
+            "ppl",
+            "vs FP16",
+            "99.5%",
+            "1% rel",
+            "ms/batch",
+            "MiB",
+        ]
+        lines = []
+        for r in self.rows:
+            o = r.outputs.get(first, {})
+            lines.append(
+                [
+                    r.name,
+                    _fmt(o.get("cosine_mean"), ".5f"),
+                    _fmt(o.get("cosine_min"), ".4f"),
+                    _fmt(o.get("rel_l2"), ".4f"),
+                    _fmt(o.get("max_abs_err"), ".3g"),
+                    _fmt(o.get("top1_agreement"), ".4f"),
+                    _fmt(r.accuracy, ".4f"),
+                    _fmt(r.perplexity, ".2f"),
+                    _fmt(r.ratio_to_fp16, ".2%"),
+                    _yes(r.passes_llm),
+                    _yes(r.passes_ptq),
+                    _fmt(r.latency_ms, ".1f"),
+                    _fmt(r.session_mib, ".0f"),
+                ]
+            )
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+        out = [f"{self.samples} samples from {self.data}, output {first!r} vs the FP32 reference ({self.provider})"]
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        out.append("  ".join("-" * w for w in widths))
+        out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+        out.extend(f"note: {n}" for n in self.notes)
+        headline = next((r.headline for r in self.rows if r.headline), "")
+        if headline:
+            out.append(
+                f"vs FP16: {headline} relative to the FP16 model's; pass at >= 99.5% (FP8 LLM paper) "
+                "and within 1% relative loss (PTQ paper)"
+            )
+        if any(r.latency_ms is not None for r in self.rows):
+            out.append(
+                f"ms/batch: median onnxruntime time per batch after a warm-up one; MiB: heap the session holds "
+                f"({self.provider}). On the CPU EP FP8 buys file size, not speed or memory: it has no FP8 GEMM; "
+                "these sessions set session.disable_quant_qdq=1, which dequantizes each float8 weight once at load "
+                "(at onnxruntime's defaults, again at every run)."
+            )
+        out.extend(self._generation_lines())
+        return "\n".join(out)
+
+    def _generation_lines(self) -> list[str]:
+        if not self.generation:
+            return []
+        g = self.generation
+        out = [
+            f"greedy generation, {g['prompts']} prompts of {g['prompt_tokens']} tokens from the data, "
+            f"{g['tokens']} new tokens, vs FP32's:"
+        ]
+        head = ["model", "tokens before divergence", "token agreement", "identical text"]
+        lines = [
+            [
+                r.name,
+                f"{r.generation['tokens_before_divergence']:.1f} of {g['tokens']}",
+                f"{r.generation['token_agreement']:.1%}",
+                f"{r.generation['identical']:.0%}",
+            ]
+            for r in self.rows
+            if r.generation
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+        return out
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _yes(v: bool | None) -> str:
+    return "-" if v is None else ("pass" if v else "FAIL")
+
+
+def _row(name, path, score: _Score, labelled: int) -> RowResult:
+    return RowResult(
+        name, path, _to_json(score.outputs), _accuracy(score.correct, labelled), _perplexity(score.nll, labelled)
+    )
+
+
+def _headline(rows: list[RowResult], first: str, fp16: bool, metric: str = "auto") -> None:
+    accuracy = (lambda r: r.accuracy), "task accuracy"
+    top1 = (lambda r: r.outputs[first]["top1_agreement"]), "top-1 agreement with FP32"
+    cosine = (lambda r: r.outputs[first]["cosine_mean"]), "mean cosine to FP32"
+    rel = (lambda r: 1.0 - r.outputs[first]["rel_l2"]), "1 - relative L2 error to FP32"
+    if metric == "accuracy" and rows[0].accuracy is None:
+        raise Fp8OnnxError("--metric accuracy needs 'labels' in the evaluation data.")
+    if metric == "top1" and rows[0].outputs[first]["top1_agreement"] is None:
+        raise Fp8OnnxError(
+            f"--metric top1 needs an output of class scores; {first!r} has fewer than 2 along its last axis."
+        )
+    if metric == "auto":
+        if rows[0].accuracy is not None:
+            metric = "accuracy"
+        else:
+            metric = "top1" if rows[0].outputs[first]["top1_agreement"] is not None else "cosine"
+    key, label = {"accuracy": accuracy, "top1": top1, "cosine": cosine, "rel-l2": rel}[metric]
+    base = next((key(r) for r in rows if r.name == "FP16"), None) if fp16 else None
+    for r in rows:
+        r.headline, r.value = label, key(r)
+        if base and r.value is not None and r.name not in ("FP32 (reference)", "FP16"):
+            r.ratio_to_fp16 = r.value / base
+            r.rel_loss_vs_fp16 = (base - r.value) / base

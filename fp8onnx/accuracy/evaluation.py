@@ -1,0 +1,323 @@
+"""How ``compare`` runs the models over the data: in this process (the reference's outputs kept in
+memory or spilled to disk, one model at a time) or on Ray workers; the FP16 baseline's session; the
+FP32 reference run once for every round of a search (:class:`ReferenceRun`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import pathlib
+import time
+
+import numpy as np
+
+from fp8onnx.accuracy.compare_results import _REFERENCE, _row
+from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.graph.model_io import load_model
+from fp8onnx.passes import ConvertFloat16Pass
+from fp8onnx.pipeline.segments import Spill
+from fp8onnx.progress import progress_bar
+from fp8onnx.runtime import (
+    RunOptions,
+    heap_in_use,
+    make_session,
+    portable_model,
+    session_for_model,
+    session_from_portable,
+)
+
+logger = logging.getLogger(__name__)
+
+# onnxruntime 1.32's CPU NchwcTransformer crashes the process (SIGSEGV while the session is built) on
+# a float16 Conv - seen on the exporter corpus's ViT patch embedding (4x4, stride 4, 3 channels). It
+# rewrites float32 Conv layouts only, so the FP16 baseline loses nothing without it.
+FP16_DISABLED = ("NchwcTransformer",)
+
+
+def _no_fp16(exc: Fp8OnnxError, notes: list[str]) -> None:
+    # The baseline is ours, not the user's: without it, report against FP32 only.
+    notes.append(f"No FP16 baseline: {exc} Results are against FP32 only.")
+    logger.warning("%s", notes[-1])
+
+
+@dataclasses.dataclass
+class _Evaluation:
+    """What one compare run evaluates, and how: the executors' one argument."""
+
+    reference: pathlib.Path
+    models: dict  # name -> (path or None, builder of its session)
+    source: object  # fp8onnx.data.datasource.as_data's data source
+    out_names: list[str]
+    total: int | None  # batches expected (progress bars)
+    max_samples: int | None
+    batch_size: int
+    provider: str
+    progress: bool
+    run: RunOptions
+    notes: list[str]  # appended to: why there is no FP16 row, ...
+    memory: bool  # measure each session's heap
+    classes: frozenset = frozenset()  # outputs whose top-1 agreement is measured
+
+
+def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
+    """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
+    are read back batch by batch for each other model, so memory holds one session. ``cache``: the
+    reference's pass is kept there, or taken from there when it is."""
+    reference, out_names, classes, progress = job.reference, job.out_names, job.classes, job.progress
+    done = cache if cache is not None else ReferenceRun()
+    if not done.batches:
+        _reference_pass(done, job)
+    spill, labelled, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
+    feed_names = done.feed_names
+    try:
+        rows = [_row(_REFERENCE, str(reference), done.score, labelled)]
+        rows[0].latency_ms, rows[0].session_mib = done.cost
+        for name, (path, build) in job.models.items():
+            try:
+                cost = _Cost(job.memory)
+                session = build()
+                total_score = _Score({o: _OutputStats() for o in out_names})
+                for b in progress_bar(range(batches), total=batches, desc=name, unit="batch", enable=progress):
+                    feed = {k: spill.load(f"in/{k}", b) for k in feed_names}
+                    labels = None if label_out is None else spill.load("labels", b)
+                    ref = [spill.load(f"out/{o}", b) for o in out_names]
+                    with cost.run():
+                        outs = _run(session, name, feed, b)
+                    total_score.merge(_score(ref, outs, out_names, labels, label_out, classes))
+                outs = None
+                cost.release()
+            except Fp8OnnxError as exc:
+                if name != "FP16":
+                    raise
+                _no_fp16(exc, job.notes)
+                continue
+            finally:
+                session = None
+            rows.append(_row(name, path, total_score, labelled))
+            rows[-1].latency_ms, rows[-1].session_mib = cost.result()
+    finally:
+        if cache is None:
+            done.close()
+    return rows, done.samples, batches
+
+
+@dataclasses.dataclass
+class ReferenceRun:
+    """The FP32 reference's pass over the data (its outputs and the inputs on disk, its own score),
+    kept for later ``compare`` calls on the same reference and data: the accuracy search's rounds run
+    it once. ``close()`` removes the spill."""
+
+    spill: Spill | None = None
+    score: _Score | None = None
+    labelled: int = 0
+    samples: int = 0
+    batches: int = 0
+    label_out: int | None = None
+    feed_names: list = dataclasses.field(default_factory=list)
+    cost: tuple = (None, None)
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
+
+def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
+    """The reference over the data, into ``run`` (closed again on failure)."""
+    reference, out_names = job.reference, job.out_names
+    run.spill = Spill()
+    try:
+        cost = _Cost(job.memory)
+        what = f"Reference model {str(reference)!r}"
+        session = make_session(pathlib.Path(reference), job.provider, what, arena=False)
+        run.score = _Score({o: _OutputStats() for o in out_names})
+        batches = job.source.batches(job.batch_size)
+        for batch in progress_bar(batches, total=job.total, desc="FP32", unit="batch", enable=job.progress):
+            b = run.batches
+            (score, run.label_out), ref = reference_batch(
+                session, b, batch.feed, batch.labels, out_names, job.classes, cost
+            )
+            run.score.merge(score)
+            for o, r in zip(out_names, ref):
+                run.spill.save(f"out/{o}", b, r)
+            for k, v in batch.feed.items():
+                run.spill.save(f"in/{k}", b, v)
+            if run.label_out is not None:
+                run.labelled += batch.labels.size
+                run.spill.save("labels", b, batch.labels)
+            run.samples += batch.size
+            run.batches += 1
+            run.feed_names = list(batch.feed)
+            if job.max_samples is not None and run.samples >= job.max_samples:
+                break
+        cost.release()
+        session = None
+        if run.batches == 0:
+            raise Fp8OnnxError("The evaluation data gave no batches.")
+        run.cost = cost.result()
+    except BaseException:
+        run.close()
+        raise
+
+
+class _Cost:
+    """A session's run time per batch, and the memory it holds: the C heap in use (glibc's mallinfo2)
+    while it is alive, after its last run, less before it was built. Resident-set sizes cannot tell
+    this in one process: freed memory of an earlier session is reused or kept."""
+
+    def __init__(self, memory: bool = True):
+        self.times: list[float] = []
+        self.memory = memory
+        if memory:
+            gc.collect()  # garbage freed later would count against the session (0.1-0.3 s: on request only)
+        self.before = heap_in_use() if memory else None
+        self.held: int | None = None
+
+    @contextlib.contextmanager
+    def run(self):
+        start = time.perf_counter()
+        yield
+        self.times.append(time.perf_counter() - start)
+
+    def release(self) -> None:
+        """Call while the session is still alive, after its last run."""
+        if not self.memory:
+            return
+        gc.collect()
+        now = heap_in_use()
+        if now is not None and self.before is not None:
+            self.held = max(now - self.before, 0)
+
+    def result(self) -> tuple[float | None, float | None]:
+        warm = self.times[1:] or self.times
+        latency = float(np.median(warm)) * 1e3 if warm else None
+        return latency, None if self.held is None else self.held / 2**20
+
+
+def _evaluate_distributed(job: _Evaluation):
+    """Every model's batches shared by Ray workers (:mod:`fp8onnx.pipeline.distributed`): inputs and the
+    reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
+    and the per-batch sums are merged here in batch order - the single-process numbers exactly."""
+    from fp8onnx.pipeline.distributed import shared_pool
+
+    reference, models, out_names, classes, provider = (
+        job.reference,
+        job.models,
+        job.out_names,
+        job.classes,
+        job.provider,
+    )
+    progress, max_samples = job.progress, job.max_samples
+    with shared_pool(job.run.workers, job.run.ray_address) as pool:
+
+        def ship(path):  # a path every local worker reads; the model itself (any size) to a cluster
+            return str(path) if pool.local else portable_model(load_model(path), files=False)
+
+        pool.load(ship(reference), _worker_session, provider, f"Reference model {str(reference)!r}", ())
+        batches_in = []  # (batch, its feed's object-store reference)
+        samples = 0
+
+        def items():
+            nonlocal samples
+            for b, batch in enumerate(job.source.batches(job.batch_size)):
+                feed = pool.put(batch.feed)
+                batches_in.append((batch, feed))
+                yield b, feed, batch.labels, out_names, classes
+                samples += batch.size
+                if max_samples is not None and samples >= max_samples:
+                    return
+
+        ref_score = _Score({o: _OutputStats() for o in out_names})
+        label_out, refs = None, []
+        results = pool.map(reference_batch, items(), keep=True)
+        for (score, labelled_output), ref in progress_bar(
+            results, total=job.total, desc="FP32", unit="batch", enable=progress
+        ):
+            ref_score.merge(score)
+            refs.append(ref)
+            label_out = labelled_output
+        if not refs:
+            raise Fp8OnnxError("The evaluation data gave no batches.")
+        labelled = sum(b.labels.size for b, _ in batches_in) if label_out is not None else 0
+        rows = [_row(_REFERENCE, str(reference), ref_score, labelled)]
+        for name, (path, build) in models.items():
+            try:
+                if path is None:  # the FP16 baseline, built here
+                    blob = build(serialized=True)
+                    pool.load(
+                        blob, _worker_session, provider, f"The FP16 baseline of {str(reference)!r}", FP16_DISABLED
+                    )
+                else:
+                    pool.load(ship(path), _worker_session, provider, f"Candidate model {str(path)!r}", ())
+                total_score = _Score({o: _OutputStats() for o in out_names})
+                work = (
+                    (name, b, feed, ref, None if label_out is None else batch.labels, label_out, out_names, classes)
+                    for b, ((batch, feed), ref) in enumerate(zip(batches_in, refs))
+                )
+                for score in progress_bar(
+                    pool.map(candidate_batch, work), total=len(refs), desc=name, unit="batch", enable=progress
+                ):
+                    total_score.merge(score)
+            except Fp8OnnxError as exc:
+                if name != "FP16":
+                    raise
+                _no_fp16(exc, job.notes)
+                continue
+            rows.append(_row(name, path, total_score, labelled))
+    return rows, samples, len(refs)
+
+
+def _worker_session(model, provider: str, what: str, disabled: tuple[str, ...], threads: int):
+    """A worker's session of a model given as a path, or as :func:`fp8onnx.runtime.portable_model`'s
+    (graph, weights)."""
+    options = {"arena": False, "threads": threads, "disabled_optimizers": disabled}
+    if isinstance(model, tuple):
+        return session_from_portable(model, provider, what, **options)
+    return make_session(pathlib.Path(model), provider, what, **options)
+
+
+def _session(path, provider: str):
+    return make_session(pathlib.Path(path), provider, f"Candidate model {str(path)!r}", arena=False)
+
+
+def _fp16_session(ref_model, reference, provider: str, serialized: bool = False):
+    """The FP16 baseline's session, or with ``serialized`` the baseline itself for workers
+    (:func:`fp8onnx.runtime.portable_model`)."""
+    try:
+        fp16_model = ConvertFloat16Pass()(ref_model.clone() if serialized else ref_model).model
+    except Exception as exc:
+        raise Fp8OnnxError(
+            f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: {first_line(exc)})."
+        ) from None
+    if serialized:
+        return portable_model(fp16_model, files=False)
+    what = f"The FP16 baseline of {str(reference)!r}"
+    return session_for_model(fp16_model, provider, what, arena=False, disabled_optimizers=FP16_DISABLED)
+
+
+def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:
+    try:
+        return session.run(None, feed)
+    except Exception as exc:
+        raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {first_line(exc)}") from None
+
+
+def reference_batch(
+    session, b: int, feed: dict, labels, out_names, classes=frozenset(), cost: _Cost | None = None
+) -> tuple[tuple[_Score, int | None], list]:
+    """The reference on batch ``b``: ((its score against itself, the labelled output), its outputs);
+    ``cost`` times the onnxruntime run alone."""
+    with cost.run() if cost is not None else contextlib.nullcontext():
+        ref = _run(session, _REFERENCE, feed, b)
+    label_out = _label_output(ref, out_names, labels)
+    return (_score(ref, ref, out_names, labels, label_out, classes), label_out), ref
+
+
+def candidate_batch(
+    session, name: str, b: int, feed: dict, ref: list, labels, label_out, out_names, classes=frozenset()
+) -> _Score:
+    """Model ``name`` on batch ``b``, scored against the reference's outputs ``ref``."""
+    return _score(ref, _run(session, name, feed, b), out_names, labels, label_out, classes)

@@ -1,0 +1,263 @@
+"""Per-node sensitivity to FP8: the error each quantizable node contributes when only it is quantized.
+
+One instrumented pass over the data, not one evaluation per node. Every node the plan would
+quantize gets a *shadow*: the same op on the same inputs, but reading them through the Q/DQ that
+``quantize`` would insert (same scales, from the same calibration). The float node keeps feeding
+the rest of the graph, so each shadow sees exactly the inputs of the float model and measures that
+node alone. Per node, the graph reduces ``sum((y_fp8 - y)^2)`` and ``sum(y^2)`` to two float32
+scalars per batch; only those leave onnxruntime. The result is the SQNR of each node's output in dB
+(low = sensitive), ranked.
+
+SQNR is a proxy: what a user cares about is the end metric, and a node's error can be amplified or
+absorbed downstream. :func:`fp8onnx.accuracy.fallback.sensitivity` (``fp8onnx sensitivity --eval``) checks
+the ``refine`` lowest-SQNR nodes against held-out data, a layer above this one: one ``compare`` run
+scores the all-FP8 model and, per node, the model with only that node left in float
+(:class:`fp8onnx.accuracy.candidates.Candidates`); the gain in the headline metric (percentage points of
+FP16's) then orders those nodes first (:meth:`SensitivityResult.order`), the rest by SQNR.
+
+Weights of a vocabulary-sized projection (an ``lm_head``: as many output channels as an embedding
+table has rows, or at least ``VOCAB_SIZE`` of them) are flagged as high-risk: FP8 recipes for LLMs
+leave them in float by default, and on SmolLM2 it is the most sensitive node by far.
+
+Nodes inside If/Loop/Scan bodies are not measured (onnxruntime cannot return tensors from inside a
+body); they are listed with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import onnx_ir as ir
+
+from fp8onnx.assign import activation_stats, assign_scales
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import input_specs
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
+from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.passes import InsertQDQPass
+from fp8onnx.pipeline.calibration import Stats
+from fp8onnx.progress import progress_bar
+from fp8onnx.runtime import RunOptions, resolve_provider, session_for_model
+
+__all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
+
+logger = logging.getLogger(__name__)
+_ERR, _ENERGY = "/fp8onnx_sensitivity_err", "/fp8onnx_sensitivity_energy"
+
+
+@dataclasses.dataclass
+class NodeSensitivity:
+    name: str
+    op_type: str
+    sqnr_db: float | None  # None: not measured (see reason)
+    rank: int | None = None  # 1 = the most sensitive (lowest SQNR)
+    reason: str | None = None
+    risk: str | None = None  # why this node is high-risk whatever its SQNR (a vocabulary projection)
+    metric_ratio: float | None = None  # with refinement: headline / FP16's with only this node in float
+    metric_gain: float | None = None  # ... minus that of the all-FP8 model (a fraction of FP16's metric)
+
+
+@dataclasses.dataclass
+class SensitivityResult:
+    model: str
+    config: dict
+    samples: int
+    batches: int
+    nodes: list[NodeSensitivity]  # graph order
+    metric: str = ""  # with refinement: the headline metric compared
+    base_ratio: float | None = None  # with refinement: the all-FP8 model's headline / FP16's
+    evaluations: int = 0  # models scored on the end metric
+    stats: Stats | None = dataclasses.field(default=None, repr=False)  # the statistics the scales came from
+
+    def ranked(self) -> list[NodeSensitivity]:
+        """Measured nodes by SQNR, lowest first."""
+        return sorted((n for n in self.nodes if n.rank is not None), key=lambda n: n.rank)
+
+    def order(self) -> list[NodeSensitivity]:
+        """The order to leave nodes in float: refined nodes by end-metric gain (largest first), then
+        the rest by SQNR. Without refinement, :meth:`ranked`."""
+        ranked = self.ranked()
+        refined = sorted((n for n in ranked if n.metric_gain is not None), key=lambda n: (-n.metric_gain, n.rank))
+        return refined + [n for n in ranked if n.metric_gain is None]
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "config": self.config,
+            "samples": self.samples,
+            "batches": self.batches,
+            "metric": "SQNR in dB of the node's output with only that node quantized (lower = more sensitive)",
+            "end_metric": self.metric or None,
+            "base_ratio_to_fp16": self.base_ratio,
+            "evaluations": self.evaluations,
+            "order": [n.name for n in self.order()],
+            "nodes": [dataclasses.asdict(n) for n in self.nodes],
+        }
+
+    def table(self, top: int | None = None) -> str:
+        rows = self.ranked()[:top] if top else self.ranked()
+        width = max([len("node"), *(len(n.name) for n in rows)])
+        refined = self.base_ratio is not None
+        lines = [
+            f"{self.model}: {len(self.ranked())} nodes measured on {self.samples} samples; SQNR of each node's "
+            "output with only it in FP8 (lowest first)",
+            f"{'rank':>4}  {'node':<{width}}  {'op':<13}  {'SQNR dB':>7}" + ("  gain if float" if refined else ""),
+        ]
+        for n in rows:
+            shown = "inf" if math.isinf(n.sqnr_db) else f"{n.sqnr_db:.2f}"
+            line = f"{n.rank:>4}  {n.name:<{width}}  {n.op_type:<13}  {shown:>7}"
+            if refined:
+                line += f"  {n.metric_gain * 100:+12.2f}" if n.metric_gain is not None else f"  {'-':>12}"
+            lines.append(line + (f"  HIGH RISK: {n.risk}" if n.risk else ""))
+        if refined:
+            lines.append(
+                f"  gain if float: {self.metric} in points of FP16's when only that node stays in float; all in FP8: "
+                f"{self.base_ratio:.2%} of FP16 ({self.evaluations} models evaluated)"
+            )
+        reasons: dict[str, list[str]] = {}
+        for n in self.nodes:
+            if n.rank is None:
+                reasons.setdefault(n.reason or "", []).append(n.name)
+        for reason, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
+            lines.append(f"  not measured: {shown}: {reason}")
+        return "\n".join(lines)
+
+
+def _floats(values: dict) -> np.ndarray:
+    """One batch's error and energy sums, in output order, as float64 (Ray workers run it too)."""
+    return np.array([float(v) for v in values.values()], np.float64)
+
+
+def measure_sensitivity(
+    model: str | os.PathLike,
+    calib=None,
+    data=None,
+    *,
+    config: QuantizeConfig | None = None,
+    stats: str | os.PathLike | Stats | None = None,
+    run: RunOptions | None = None,
+    **options,
+) -> SensitivityResult:
+    """Rank the nodes ``quantize`` would quantize (with ``config``, or ``options`` that build one) by
+    the SQNR of their output when only they are in FP8: one pass over the data. Scales come from
+    ``calib`` (or ``stats``); the measurement runs on ``data`` (default: the calibration data).
+    Scoring the lowest-SQNR nodes on an end metric is :func:`fp8onnx.accuracy.fallback.sensitivity`'s (it
+    quantizes and evaluates whole models, a layer above this one)."""
+    run_kw, options = RunOptions.split(options)
+    run = RunOptions.of(run, **run_kw)
+    config = config or QuantizeConfig(**options)
+    run = RunOptions.of(run, provider=resolve_provider(run.provider))
+    ir_model, _, _ = prepare_model(model, config.precision)
+    decisions, skipped = plan(ir_model, config)
+    risks = vocabulary_projections(ir_model, [d.node for d in decisions])
+    calibration = activation_stats(ir_model, activation_tensors(decisions, ir_model), config, calib, stats, run)
+    quant, _ = assign_scales(decisions, ir_model, config, calibration)
+
+    measured, rows = [], []
+    for d in decisions:
+        if d.node.graph is not ir_model.graph:
+            rows.append(NodeSensitivity(d.node.name, d.node.op_type, None, reason="inside a subgraph"))
+            continue
+        rows.append(NodeSensitivity(d.node.name, d.node.op_type, None))
+        measured.append((d, _shadow(d.node)))
+    InsertQDQPass([(shadow, i) for d, shadow in measured for i, _ in d.inputs], quant)(ir_model)
+    outputs = []
+    for d, shadow in measured:
+        outputs += _error_outputs(ir_model.graph, d.node, shadow)
+
+    source = data if data is not None else calib
+    if source is None:
+        raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
+    feeds = as_data(source, input_specs(ir_model), ir_model)
+    sums = np.zeros(len(outputs), np.float64)
+    samples = batches = 0
+    total = feeds.count_batches(run.batch)
+
+    # Nothing measurable (every node in a subgraph): no pass at all (run([]) would fetch every output).
+    def counted():
+        nonlocal samples, batches
+        for batch in feeds.batches(run.batch):
+            samples += batch.size
+            batches += 1
+            yield batch.feed
+
+    if not outputs:
+        per_batch = iter(())
+    elif run.distributed:  # Ray workers (fp8onnx.pipeline.distributed): per-batch sums, added here in batch order
+        from fp8onnx.pipeline.distributed import map_outputs
+
+        per_batch = map_outputs(run, ir_model, outputs, counted(), "The sensitivity model", _floats)
+    else:
+        session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True)
+        per_batch = (_floats(dict(zip(outputs, session.run(outputs, feed)))) for feed in counted())
+    for values in progress_bar(per_batch, total=total, desc="sensitivity", unit="batch", enable=run.progress):
+        sums += values
+    by_name = {}
+    for k, (d, _) in enumerate(measured):
+        err, energy = sums[2 * k], sums[2 * k + 1]
+        by_name[d.node.name] = math.inf if err == 0 else (10 * math.log10(energy / err) if energy > 0 else -math.inf)
+    for row in rows:
+        if row.name in by_name:
+            row.sqnr_db = by_name[row.name]
+    for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
+        row.rank = rank
+    rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]
+    for row in rows:
+        row.risk = risks.get(row.name)
+    return SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
+
+
+def _shadow(node: ir.Node) -> ir.Node:
+    """The same op on the same inputs, right after ``node``; its output is compared with ``node``'s."""
+    shadow = ir.node(
+        node.op_type,
+        list(node.inputs),
+        dict(node.attributes),
+        domain=node.domain,
+        name=f"{node.name}/fp8onnx_shadow",
+        num_outputs=len(node.outputs),
+    )
+    for out, ref in zip(shadow.outputs, node.outputs):
+        out.name = f"{ref.name}/fp8onnx_shadow"
+        out.dtype, out.shape = ref.dtype, ref.shape
+    node.graph.insert_after(node, shadow)
+    return shadow
+
+
+def _error_outputs(graph: ir.Graph, node: ir.Node, shadow: ir.Node) -> list[str]:
+    """Graph outputs ``<node>/..._err`` = sum((y_q - y)^2) and ``_energy`` = sum(y^2), in float32."""
+    y, yq = node.outputs[0], shadow.outputs[0]
+    name = node.name
+    nodes = []
+
+    def op(op_type, inputs, suffix, **attrs):
+        n = ir.node(op_type, inputs, attrs or None, name=f"{name}/fp8onnx_sens_{suffix}")
+        n.outputs[0].name = f"{name}/fp8onnx_sens_{suffix}"
+        nodes.append(n)
+        return n.outputs[0]
+
+    f32 = int(ir.DataType.FLOAT)
+    y32, yq32 = op("Cast", [y], "y32", to=f32), op("Cast", [yq], "yq32", to=f32)
+    diff = op("Sub", [yq32, y32], "diff")
+    err = op("ReduceSum", [op("Mul", [diff, diff], "sq")], "err", keepdims=0)
+    energy = op("ReduceSum", [op("Mul", [y32, y32], "ysq")], "energy", keepdims=0)
+    err.name, energy.name = name + _ERR, name + _ENERGY
+    err.dtype = energy.dtype = ir.DataType.FLOAT
+    err.shape = energy.shape = ir.Shape([])
+    graph.insert_after(shadow, nodes)
+    graph.outputs.extend([err, energy])
+    return [err.name, energy.name]
+
+
+def write_json(result: SensitivityResult, path) -> None:
+    from fp8onnx.graph.model_io import write_text_atomic
+
+    write_text_atomic(path, json.dumps(result.to_json(), indent=1) + "\n")

@@ -1,0 +1,37 @@
+"""The one entry that turns what the user gave as data (a path: ``.npz``/``.npy`` file or folder, text,
+images or audio; a :class:`~fp8onnx.data.feeds.TextSource`; or an iterable of feed dicts) into a data
+source with ``batches()`` and ``count_batches()``. It sits above the kinds it picks from:
+:mod:`fp8onnx.data.feeds` (npz layouts, feeds), :mod:`fp8onnx.data.sources` (text) and :mod:`fp8onnx.data.media`
+(images, audio)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import onnx_ir as ir
+
+from fp8onnx.data.feeds import FeedData, InputSpec, NpzData, TextSource, is_text
+from fp8onnx.data.media import kind_of
+from fp8onnx.data.sources import MediaData, TextData
+
+__all__ = ["as_data"]
+
+
+def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
+    """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``. A
+    ``.txt``/``.jsonl`` path (or a :class:`TextSource`) is tokenized for ``model`` (see
+    :class:`fp8onnx.data.sources.TextData`)."""
+    if isinstance(data, (str, os.PathLike)):
+        path = pathlib.Path(data)
+        if isinstance(data, TextSource) or is_text(path):
+            text = data if isinstance(data, TextSource) else TextSource(data)
+            return TextData(text.path, specs, model, tokenizer=text.tokenizer, seq_len=text.seq_len)
+        if path.suffix.lower() not in (".npz", ".npy") and not (path.is_dir() and any(path.glob("*.npz"))):
+            kind = kind_of(path)  # images or audio (a folder of them, or one file)
+            if kind is not None:
+                return MediaData(data, specs, model, kind)
+        return NpzData(data, specs)
+    if isinstance(data, (NpzData, FeedData)):
+        return data
+    return FeedData(data, specs)

@@ -1,0 +1,52 @@
+"""The text a token model calibrates on when the user gives no data: about 50 kB of CPython's own
+documentation (``pydoc_data.topics``, shipped with Python), tokenized by the model's tokenizer."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+from fp8onnx.data.feeds import TextSource
+
+__all__ = ["default_text_sample", "python_text_sample"]
+
+SAMPLE_BYTES = 48_000  # about 80 windows of 128 tokens for a 50k-token BPE vocabulary
+
+
+SAMPLE_LABEL = (
+    "a text sample of CPython's documentation (pydoc_data, shipped with Python, {kb} kB); "
+    "domain data calibrates better: --calib"
+)
+
+
+_SAMPLE: list = []  # the process's sample file, written once (its folder goes at exit)
+
+
+def python_text_sample(tokenizer: str | os.PathLike) -> TextSource:
+    """Text to calibrate a token model on when no data is given: the even-indexed topics of CPython's
+    bundled documentation (``pydoc_data.topics``), about ``SAMPLE_BYTES``, for ``tokenizer``."""
+    if not _SAMPLE:
+        import pydoc_data.topics as topics
+
+        docs, size = [], 0
+        for name in sorted(topics.topics)[::2]:
+            docs.append(topics.topics[name].strip())
+            size += len(docs[-1]) + 2
+            if size >= SAMPLE_BYTES:
+                break
+        folder = tempfile.TemporaryDirectory(prefix="fp8onnx-sample-")
+        path = pathlib.Path(folder.name) / "python-docs.txt"
+        path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+        _SAMPLE.extend([folder, path, size])
+    _, path, size = _SAMPLE
+    return TextSource(path, tokenizer, label=SAMPLE_LABEL.format(kb=round(size / 1000)))
+
+
+def default_text_sample(model: str | os.PathLike) -> TextSource | None:
+    """The Python-docs sample for a model whose tokenizer.json sits beside it (an export folder), or
+    None (a model without token inputs or without a tokenizer: give --calib)."""
+    from fp8onnx.graph.model_io import model_file
+
+    tokenizer = model_file(model).parent / "tokenizer.json"
+    return python_text_sample(tokenizer) if tokenizer.is_file() else None

@@ -1,0 +1,364 @@
+"""Layer-by-layer execution: run a model in segments that each hold a bounded share of its weights.
+
+Static calibration has to run the float model. One onnxruntime session for a model whose weights
+are larger than the memory on hand would need them all at once; instead the main graph's nodes (in
+topological order) are cut into segments whose weights add up to at most ``budget`` bytes. Each
+segment becomes a small session of its own; its large weights are not built into the session but
+fed at run time as NumPy views of the memory-mapped external data, and unmapped when the segment is
+done. Tensors that cross a cut are written to a temporary folder, one file per batch, and read back
+by the segment that needs them, then deleted. So memory holds one segment's weights and one batch's
+activations, whatever the model's size or the number of samples; the price is one disk round trip
+per crossing tensor and batch.
+
+Results are those of the whole graph: the same kernels run on the same values (only onnxruntime's
+fusions across a cut are lost, which may change the last bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import helper
+
+from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.passes import release
+from fp8onnx.phases import phase
+from fp8onnx.runtime import make_session
+
+__all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
+
+logger = logging.getLogger(__name__)
+# Initializers this big or bigger are fed at run time (memory-mapped) rather than copied into a session.
+FEED_BYTES = 1 << 20
+# NumPy arrays of these types go into onnxruntime as they are; others (bfloat16, float8) are copied in.
+_FEEDABLE = {
+    ir.DataType.FLOAT,
+    ir.DataType.FLOAT16,
+    ir.DataType.DOUBLE,
+    ir.DataType.INT8,
+    ir.DataType.UINT8,
+    ir.DataType.INT32,
+    ir.DataType.INT64,
+}
+
+
+@dataclasses.dataclass
+class Segment:
+    nodes: list[ir.Node]
+    inputs: list[ir.Value] = dataclasses.field(default_factory=list)  # graph inputs or earlier segments' outputs
+    weights: list[ir.Value] = dataclasses.field(default_factory=list)  # large initializers, fed at run time
+    constants: list[ir.Value] = dataclasses.field(default_factory=list)  # small initializers, inside the session
+    outputs: list[ir.Value] = dataclasses.field(default_factory=list)  # read later, or asked for
+    later: set[str] = dataclasses.field(default_factory=set)  # names of the outputs later segments read
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.const_value.nbytes for v in (*self.weights, *self.constants))
+
+
+def _is_fed(value: ir.Value) -> bool:
+    tensor = value.const_value
+    return tensor is not None and tensor.nbytes >= FEED_BYTES and tensor.dtype in _FEEDABLE
+
+
+def _reads(node: ir.Node, defined: set[int]) -> list[ir.Value]:
+    """Main-graph values ``node`` reads: its inputs and what its If/Loop/Scan bodies capture."""
+    values = [v for v in node.inputs if v is not None]
+    for attr in node.attributes.values():
+        if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            graphs = attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value]
+            for sub in graphs:
+                for inner in ir.traversal.RecursiveGraphIterator(sub):
+                    values += [v for v in inner.inputs if v is not None and id(v) in defined]
+    return list({id(v): v for v in values}.values())
+
+
+def split(graph: ir.Graph, budget: int, wanted: Iterable[str]) -> list[Segment]:
+    """Cut ``graph``'s nodes, in order, into segments reading at most ``budget`` bytes of
+    initializers each (a single node that needs more gets a segment of its own). ``wanted``: names of
+    values every segment computing them must return."""
+    graph.sort()
+    wanted = set(wanted)
+    defined = {id(v) for v in (*graph.inputs, *graph.initializers.values())}
+    defined |= {id(out) for node in graph for out in node.outputs}
+    reads = {id(node): _reads(node, defined) for node in graph}
+    segments: list[Segment] = []
+    current: list[ir.Node] = []
+    held: dict[int, int] = {}  # id(weight) -> bytes, for the current segment
+    for node in graph:
+        new = {id(v): v.const_value.nbytes for v in reads[id(node)] if v.is_initializer() and v.const_value is not None}
+        extra = sum(b for k, b in new.items() if k not in held)
+        if current and sum(held.values()) + extra > budget:
+            segments.append(Segment(current))
+            current, held = [], {}
+        current.append(node)
+        held.update(new)
+    if current:
+        segments.append(Segment(current))
+
+    last_read: dict[int, int] = {}  # id(value) -> index of the last segment reading it
+    for i, seg in enumerate(segments):
+        for node in seg.nodes:
+            for v in reads[id(node)]:
+                last_read[id(v)] = i
+    for i, seg in enumerate(segments):
+        produced = {id(out) for node in seg.nodes for out in node.outputs}
+        seen: dict[int, ir.Value] = {}
+        for node in seg.nodes:
+            for v in reads[id(node)]:
+                if id(v) in produced or id(v) in seen:
+                    continue
+                seen[id(v)] = v
+                if v.is_initializer() and v.const_value is not None and not v.is_graph_input():
+                    (seg.weights if _is_fed(v) else seg.constants).append(v)
+                else:
+                    seg.inputs.append(v)
+        seg.later = {out.name for node in seg.nodes for out in node.outputs if last_read.get(id(out), -1) > i}
+        seg.outputs = [out for node in seg.nodes for out in node.outputs if out.name in wanted or out.name in seg.later]
+    over = [s for s in segments if s.nbytes > budget]
+    if over:
+        logger.info(
+            "%d nodes alone read more weights than the budget (largest %.1f MB)",
+            len(over),
+            max(s.nbytes for s in over) / 1e6,
+        )
+    return segments
+
+
+def _value_info(name: str, dtype: int | None, rank_or_shape) -> onnx.ValueInfoProto:
+    if dtype is None:
+        info = onnx.ValueInfoProto()
+        info.name = name
+        return info
+    shape = [None] * rank_or_shape if isinstance(rank_or_shape, int) else rank_or_shape
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def _segment_proto(model: ir.Model, seg: Segment, first_feed: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A self-contained model of ``seg``: activations and large weights are graph inputs."""
+    inputs = [
+        _value_info(v.name, helper.np_dtype_to_tensor_dtype(first_feed[v.name].dtype), first_feed[v.name].ndim)
+        for v in seg.inputs
+    ]
+    inputs += [_value_info(v.name, int(v.const_value.dtype), list(v.const_value.shape.numpy())) for v in seg.weights]
+    outputs = [_value_info(v.name, int(v.dtype) if v.dtype is not None else None, None) for v in seg.outputs]
+    constants = []
+    for v in seg.constants:
+        proto = ir.serde.serialize_tensor(ir.Tensor(v.const_value.numpy(), dtype=v.const_value.dtype, name=v.name))
+        release(v.const_value)
+        constants.append(proto)
+    graph = helper.make_graph(
+        [ir.serde.serialize_node(n) for n in seg.nodes], "segment", inputs, outputs, initializer=constants
+    )
+    opsets = [helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    proto.ir_version = model.ir_version
+    proto.functions.extend(ir.serde.serialize_function(f) for f in model.functions.values())
+    return proto
+
+
+class Spill:
+    """Arrays kept on disk between passes, one .npy file per (name, batch) in a temporary folder."""
+
+    def __init__(self):
+        self.root = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-segments-"))
+        self.ids: dict[str, int] = {}
+        self.nbytes = 0
+
+    def _path(self, name: str, batch: int) -> pathlib.Path:
+        return self.root / f"{self.ids.setdefault(name, len(self.ids))}-{batch}.npy"
+
+    def save(self, name: str, batch: int, array: np.ndarray) -> None:
+        try:
+            np.save(self._path(name, batch), array, allow_pickle=False)
+        except OSError as exc:
+            raise Fp8OnnxError(
+                f"Cannot write intermediate arrays to {str(self.root)!r}: {exc.strerror or exc} "
+                "(set TMPDIR to a folder with more space)."
+            ) from None
+        self.nbytes += array.nbytes
+
+    def load(self, name: str, batch: int) -> np.ndarray:
+        return np.load(self._path(name, batch), allow_pickle=False)
+
+    def drop(self, name: str, batches: int) -> None:
+        for b in range(batches):
+            self._path(name, b).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run_segmented(
+    model: ir.Model,
+    wanted: Iterable[str],
+    feeds: Iterable[dict[str, np.ndarray]],
+    on_result: Callable[[int, dict[str, np.ndarray]], None],
+    *,
+    budget: int,
+    provider: str = "cpu",
+    progress: Callable[[Iterable, int, str], Iterable] | None = None,
+) -> int:
+    """Run ``model`` over every feed, segment by segment; ``on_result(batch, {name: array})`` gets the
+    ``wanted`` values each segment computes. Returns the number of batches."""
+    wanted = list(dict.fromkeys(wanted))
+    segments = split(model.graph, budget, wanted)
+    logger.info(
+        "running %d segments of at most %.1f MB of weights each", len(segments), max(s.nbytes for s in segments) / 1e6
+    )
+    spill = Spill()
+    try:
+        graph_inputs = {v.name for v in model.graph.inputs}
+        num_batches = 0
+        for feed in feeds:
+            for name, array in feed.items():
+                if name in graph_inputs:
+                    spill.save(name, num_batches, array)
+            num_batches += 1
+        last_read = {v.name: i for i, seg in enumerate(segments) for v in seg.inputs}
+        for i, seg in enumerate(segments):
+            if not seg.outputs:
+                continue  # computes nothing anyone asked for (e.g. the model's own outputs only)
+            _run_segment(model, seg, i, len(segments), num_batches, spill, set(wanted), on_result, provider, progress)
+            for name in [n for n, last in last_read.items() if last == i]:
+                spill.drop(name, num_batches)
+        logger.info("layer-by-layer run spilled %.0f MB of activations to disk", spill.nbytes / 1e6)
+        return num_batches
+    finally:
+        spill.close()
+
+
+def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result, provider, progress) -> None:
+    what = f"Calibration segment {index + 1}/{count} (from node {seg.nodes[0].name!r})"
+    names = [v.name for v in seg.outputs]
+    batches = range(num_batches)
+    if progress is not None:
+        batches = progress(batches, num_batches, f"segment {index + 1}/{count}")
+    session = None
+    weights = {}  # read once per segment: views of the memory-mapped file (or computed once, if lazy)
+    for b in batches:
+        feed = {v.name: spill.load(v.name, b) for v in seg.inputs}
+        if session is None:
+            with phase("segment sessions"):
+                session = make_session(
+                    _segment_proto(model, seg, feed).SerializeToString(), provider, what, instrumented=True
+                )
+            with phase("segment weights (mapped or computed)"):
+                weights = {v.name: v.const_value.numpy() for v in seg.weights}
+        feed.update(weights)
+        try:
+            with phase("segment runs"):
+                values = session.run(names, feed)
+        except Exception as exc:
+            raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
+        del feed
+        on_result(b, {name: array for name, array in zip(names, values) if name in wanted})
+        for name, array in zip(names, values):
+            if name in seg.later:
+                spill.save(name, b, array)
+    del session, weights
+    for v in seg.weights:
+        release(v.const_value)
+
+
+class _SegmentSession:
+    """A Ray worker's session of one segment, with its large weights memory-mapped (or as arrays)."""
+
+    def __init__(self, portable, provider: str, what: str, threads: int):
+        from fp8onnx.runtime import open_weights, session_from_portable
+
+        graph, where = portable
+        self.weights = open_weights(where)  # the segment's large weights are inputs, fed at every run
+        self.session = session_from_portable((graph, {}), provider, what, instrumented=True, threads=threads)
+        self.inputs = {i.name for i in self.session.get_inputs()}
+
+
+def segment_batch(sess: _SegmentSession, b: int, what: str, names, later, wanted, summarize, *produced):
+    """One batch of one segment on a Ray worker: its inputs from the dicts earlier segments (and the
+    feed) produced; returns (``summarize`` of the wanted values, the values later segments read)."""
+    feed = {k: v for d in produced for k, v in d.items() if k in sess.inputs}
+    feed.update(sess.weights)
+    try:
+        values = dict(zip(names, sess.session.run(names, feed)))
+    except Exception as exc:
+        raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
+    return summarize({k: v for k, v in values.items() if k in wanted}), {k: values[k] for k in later}
+
+
+def run_segmented_on(
+    pool,
+    model: ir.Model,
+    wanted: Iterable[str],
+    feeds: Iterable[dict[str, np.ndarray]],
+    summarize: Callable[[dict[str, np.ndarray]], object],
+    on_summary: Callable[[int, object], None],
+    *,
+    budget: int,
+    provider: str = "cpu",
+    progress: Callable[[Iterable, int, str], Iterable] | None = None,
+) -> int:
+    """:func:`run_segmented` on a :class:`fp8onnx.pipeline.distributed.WorkerPool`: each segment's batches are
+    shared by the workers (one session of that segment each, its weights memory-mapped from the
+    model's file on this machine, or sent by value to a cluster); the tensors that cross a cut stay in
+    Ray's object store instead of a temporary folder. ``summarize`` runs on the worker (the same
+    function the caller applies in one process), ``on_summary(batch, summary)`` here, in batch
+    order. Returns the number of batches."""
+    wanted = list(dict.fromkeys(wanted))
+    segments = split(model.graph, budget, wanted)
+    from fp8onnx.runtime import weight_location
+
+    logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
+    graph_inputs = {v.name for v in model.graph.inputs}
+    produced: dict[tuple[str | int, int], object] = {}  # (producer, batch) -> object-store reference
+    source: dict[str, str | int] = {}  # tensor name -> its producer ("feed" or a segment index)
+    num_batches = 0
+    for feed in feeds:
+        produced[("feed", num_batches)] = pool.put({k: v for k, v in feed.items() if k in graph_inputs})
+        num_batches += 1
+    source.update({name: "feed" for name in graph_inputs})
+    last_read: dict[str | int, int] = {}
+    for i, seg in enumerate(segments):
+        for v in seg.inputs:
+            last_read[source.get(v.name, "feed")] = i
+        source.update({v.name: i for v in seg.outputs})
+    source = {name: "feed" for name in graph_inputs}
+    ray = pool._ray
+    for i, seg in enumerate(segments):
+        producers = sorted({source[v.name] for v in seg.inputs}, key=str)
+        source.update({v.name: i for v in seg.outputs})
+        if not seg.outputs or num_batches == 0:
+            continue
+        what = f"Calibration segment {i + 1}/{len(segments)} (from node {seg.nodes[0].name!r})"
+        first = {}
+        for p in producers:  # the first batch's inputs, for the segment's input types and ranks
+            first.update(ray.get(produced[(p, 0)]))
+        proto = _segment_proto(model, seg, first).SerializeToString()
+        del first
+        where = {v.name: weight_location(v.const_value, files=pool.local) for v in seg.weights}
+        pool.load((proto, where), _SegmentSession, provider, what)
+        names = [v.name for v in seg.outputs]
+        later = sorted(seg.later)
+        items = (
+            (b, what, names, later, set(wanted), summarize, *[produced[(p, b)] for p in producers])
+            for b in range(num_batches)
+        )
+        results = pool.map(segment_batch, items, keep=True)
+        if progress is not None:
+            results = progress(results, num_batches, f"segment {i + 1}/{len(segments)}")
+        for b, (summary, kept) in enumerate(results):
+            on_summary(b, summary)
+            produced[(i, b)] = kept
+        for v in seg.weights:
+            release(v.const_value)
+        for p in [p for p, last in last_read.items() if last == i]:  # no later segment reads them
+            for b in range(num_batches):
+                produced.pop((p, b), None)
+    return num_batches

@@ -1,0 +1,114 @@
+"""Bias correction: remove the mean output shift that FP8 weights introduce (Nagel et al., 2019).
+
+For y = x W + b, rounding W to ``Wq`` shifts the output's mean by ``E[x] (Wq - W)``; adding
+``E[x] (W - Wq)`` to the bias cancels it on the calibration data's mean input. ``E[x]`` per input
+channel is measured in the graph in one pass over the calibration data (only one vector per layer
+leaves onnxruntime: :mod:`fp8onnx.pipeline.graph_stats`). Applies to Gemm (input C), MatMul followed by an
+Add of a 1-D constant (the bias ORT fuses), and Conv with a bias (group 1 or grouped); the
+correction of a Conv is ``sum over c, kh, kw of E[x_c] (W - Wq)[o, c, kh, kw]`` (padding ignored).
+Layers without a bias, or whose bias another node also reads, are left as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.plan import Decision, in_main_graph
+from fp8onnx.numerics.formats import dequantize, quantize
+from fp8onnx.passes import TensorQuant, bias_of
+from fp8onnx.pipeline.graph_stats import F32, sum_in_graph
+from fp8onnx.runtime import RunOptions
+
+__all__ = ["correct_biases"]
+
+logger = logging.getLogger(__name__)
+
+
+def _bias(node: ir.Node) -> tuple[ir.Node, int] | None:
+    if node.op_type == "Conv":
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        return (node, 2) if bias is not None and bias.const_value is not None and len(bias.shape) == 1 else None
+    return bias_of(node)
+
+
+def _channel_axis(node: ir.Node, rank: int) -> int:
+    return 1 if node.op_type == "Conv" else rank - 1
+
+
+def _dequantized(w: np.ndarray, tq: TensorQuant) -> np.ndarray:
+    scale = np.asarray(tq.scale, np.float32)
+    if tq.axis is not None:
+        scale = scale.reshape([-1 if i == tq.axis % w.ndim else 1 for i in range(w.ndim)])
+    return dequantize(quantize(w, scale, tq.format), scale, np.float32)
+
+
+def _shift(node: ir.Node, w: np.ndarray, wq: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """E[x] (W - Wq): the bias change, shape [N] (outputs)."""
+    delta = (w - wq).astype(np.float64)
+    if node.op_type == "Conv":  # [O, C/g, k...]: group g's outputs read its block of input channels
+        groups = node.attributes.get_int("group", 1)
+        per = delta.shape[1]
+        means = mean.reshape(groups, per)
+        spatial = delta.reshape(delta.shape[0], per, -1).sum(axis=2)  # [O, C/g]
+        group_of = np.arange(delta.shape[0]) // (delta.shape[0] // groups)
+        return (spatial * means[group_of]).sum(axis=1)
+    if node.op_type == "Gemm" and node.attributes.get_int("transB", 0):
+        delta = delta.T
+    return mean @ delta  # [K] @ [K, N]
+
+
+def correct_biases(
+    model: ir.Model, decisions: list[Decision], quant: dict[str, TensorQuant], calib, run: RunOptions
+) -> list[str]:
+    """Shift the bias of each quantized layer with a constant bias by ``E[x] (W - Wq)``; returns the
+    names of the layers corrected. ``quant`` holds the weights' final scales; call after any change
+    of the weights themselves (GPTQ), before the biases are reshaped or quantized."""
+    if calib is None:
+        raise Fp8OnnxError("--bias-correction needs --calib DATA (the mean input of each layer).")
+    layers = []
+    for d in decisions:
+        node, kinds = d.node, dict(d.inputs)
+        holder = _bias(node)
+        x, w = node.inputs[0], node.inputs[1]
+        if kinds.get(1) != "weight" or holder is None or w.name not in quant or not quant[w.name].format.deployable:
+            continue
+        if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+            continue
+        bias = holder[0].inputs[holder[1]]
+        if len(list(bias.uses())) != 1 or x is None or x.shape is None or not in_main_graph(x, model):
+            continue
+        layers.append((node, x, w, holder))
+    if not layers:
+        return []
+
+    def mean_of(node: ir.Node):
+        def build(x: ir.Value, add) -> list[ir.Value]:
+            rank = len(x.shape)
+            axis = _channel_axis(node, rank)
+            axes = np.array([i for i in range(rank) if i != axis], np.int64)
+            x32 = add("Cast", [x], "f32", to=int(F32))
+            total = add("ReduceSum", [x32, axes], "sum", dtype=F32, keepdims=0)
+            return [total, add("Size", [x], "size", dtype=ir.DataType.INT64, shape=[])]
+
+        return build
+
+    builders = {}
+    for node, x, _, _ in layers:
+        builders.setdefault(x.name, mean_of(node))
+    sums = sum_in_graph(model, builders, calib, run, "input means")
+    corrected = []
+    for node, x, w, (holder, index) in layers:
+        total, size = sums[x.name]
+        mean = total / (float(size) / total.shape[0])
+        weight = w.const_value.numpy().astype(np.float32)
+        shift = _shift(node, weight, _dequantized(weight, quant[w.name]), mean)
+        bias = holder.inputs[index]
+        values = bias.const_value.numpy()
+        bias.const_value = ir.tensor((values.astype(np.float64) + shift).astype(values.dtype), name=bias.name)
+        corrected.append(node.name)
+    logger.info("bias correction shifted %d biases", len(corrected))
+    return corrected
