@@ -27,6 +27,8 @@ from fp8onnx.assign import (
     tensor_report,
 )
 from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
@@ -121,6 +123,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     if stats is None:
         auto = explicit if family is not None else None
         calib, config = _calibration_data(model, ir_model, config, calib, calib_optional, auto)
+    source = _data_source(calib, ir_model, config, stats)  # every step below reads this one object
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
     lap("plan")
@@ -132,7 +135,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         def per_channel(node):  # a producer's weight: per output channel, or not quantized at all
             return id(node) not in quantized or config.weight_per_channel(node.op_type)
 
-        smoothed = smooth(ir_model, decisions, config.smooth, calib, run, per_channel)
+        smoothed = smooth(ir_model, decisions, config.smooth, source, run, per_channel)
         folded = sum(how.startswith("folded") for how in smoothed.values())
         prepared.append(
             f"smoothed {len(smoothed)} activations into their weights (alpha {config.smooth:g}; {folded} folded "
@@ -141,7 +144,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         lap("smooth")
     act_names = activation_tensors(decisions, ir_model)
 
-    calibration = activation_stats(ir_model, act_names, config, calib, stats, run)
+    calibration = activation_stats(ir_model, act_names, config, source, stats, run)
     lap("calibrate")
     quant, amax = assign_scales(decisions, ir_model, config, calibration)
     targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
@@ -150,13 +153,13 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     if config.weight_rounding == "gptq":
         from fp8onnx.techniques.gptq import apply_gptq
 
-        rounded = apply_gptq(ir_model, decisions, quant, calib, run)
+        rounded = apply_gptq(ir_model, decisions, quant, source, run)
         prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
         lap("gptq X^T X (the rounding runs when the weights are written)")
     if config.bias_correction:
         from fp8onnx.techniques.bias_correction import correct_biases
 
-        corrected = correct_biases(ir_model, decisions, quant, calib, run)
+        corrected = correct_biases(ir_model, decisions, quant, source, run)
         prepared.append(f"bias correction of {len(corrected)} layers (mean input from the calibration data)")
         lap("bias correction")
     nodes = [
@@ -243,6 +246,18 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
 def _needs_data(config: QuantizeConfig) -> bool:
     static = config.activations == "static" and config.scaling != "constant"
     return static or config.weights_need_data
+
+
+def _data_source(calib, ir_model, config: QuantizeConfig, stats):
+    """``calib`` as the one data source every step reads (``as_data``: a path, text, images, audio or
+    feeds), converted here once; feeds given as an iterator are kept in memory when the recipe reads
+    the data more than once (smoothing, activation statistics, GPTQ, bias correction)."""
+    if calib is None:
+        return None
+    source = as_data(calib, input_specs(ir_model), ir_model)
+    static = config.activations == "static" and config.scaling != "constant" and stats is None
+    reads = sum([config.smooth is not None, static, config.weight_rounding == "gptq", config.bias_correction])
+    return source.readable_again() if reads > 1 and isinstance(source, FeedData) else source
 
 
 def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool, auto=None):

@@ -125,3 +125,20 @@ def test_dynamic_dims_however_spelled(tmp_path, spelling):
     assert input_specs(model) == SPECS
     np.savez(tmp_path / "d.npz", x=np.ones((5, 16), np.float32))
     assert [b.size for b in NpzData(tmp_path / "d.npz", input_specs(model)).batches(4)] == [4, 1]
+
+
+def test_feeds_from_a_generator_serve_a_recipe_that_reads_them_twice(tmp_path):
+    """Data is converted once at quantize's entry; feeds given as a generator (read once by nature)
+    are kept for a recipe that reads them twice (activation statistics, then GPTQ's X^T X): the
+    model is byte-identical to the one made from a list. Before, GPTQ found no batch left."""
+    import fp8onnx
+
+    from helpers import SAMPLE
+
+    ids = np.load(SAMPLE / "calib.npz")["input_ids"]
+    feeds = [{"input_ids": ids[i : i + 16]} for i in range(0, 64, 16)]
+    options = {"preset": "none", "weight_rounding": "gptq", "provider": "cpu"}
+    listed = fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "list.onnx", feeds, **options)
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "gen.onnx", (f for f in feeds), **options)
+    assert listed.calibration["samples"] == 64
+    assert (tmp_path / "gen.onnx").read_bytes() == (tmp_path / "list.onnx").read_bytes()

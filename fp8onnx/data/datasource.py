@@ -22,6 +22,8 @@ def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
     """A path (file or folder) or an iterable of feed dicts, as a data source with ``batches()``. A
     ``.txt``/``.jsonl`` path (or a :class:`TextSource`) is tokenized for ``model`` (see
     :class:`fp8onnx.data.sources.TextData`)."""
+    if hasattr(data, "batches") and hasattr(data, "count_batches"):  # a data source already: read as it is
+        return data
     if isinstance(data, (str, os.PathLike)):
         path = pathlib.Path(data)
         if isinstance(data, TextSource) or is_text(path):
@@ -32,6 +34,4 @@ def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
             if kind is not None:
                 return MediaData(data, specs, model, kind)
         return NpzData(data, specs)
-    if isinstance(data, (NpzData, FeedData)):
-        return data
     return FeedData(data, specs)

@@ -94,6 +94,17 @@ class FeedData:
     def count_batches(self, batch_size: int) -> int | None:
         return len(self._feeds) if hasattr(self._feeds, "__len__") else None
 
+    def readable_again(self) -> FeedData:
+        """This source, readable more than once: feeds given as an iterator (a generator) can be read
+        only once, so a recipe that reads the data several times keeps them in memory."""
+        if iter(self._feeds) is self._feeds:
+            self._feeds = list(self._feeds)
+            logger.info(
+                "%d feeds given as an iterator are kept in memory: the recipe reads them more than once",
+                len(self._feeds),
+            )
+        return self
+
     def batches(self, batch_size: int) -> Iterator[Batch]:
         for i, feed in enumerate(self._feeds):
             feed = dict(feed)
