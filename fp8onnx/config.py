@@ -159,15 +159,11 @@ class QuantizeConfig:
     per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
-    keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (fp8onnx.accuracy.fallback)
+    keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
     activation_matmuls: bool = False
-    weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (fp8onnx.techniques.gptq)
-    smooth: float | None = (
-        None  # SmoothQuant's alpha: migrate activation outliers into weights (fp8onnx.techniques.smoothing)
-    )
-    bias_correction: bool = (
-        False  # shift biases by E[x] (W - Wq), from calibration (fp8onnx.techniques.bias_correction)
-    )
+    weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (techniques.gptq)
+    smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (techniques)
+    bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (techniques)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     float_stem: bool = False  # leave the convolutions that read the model's input (the stem) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)

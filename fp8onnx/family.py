@@ -88,8 +88,9 @@ def detect_family(model: ir.Model, fp8_gemm: bool = False) -> Family:
             signs.append("a causal mask" if "Trilu" in ops else "GroupQueryAttention")
         logits = [v.name for v in graph.outputs if v.name == "logits"]
         rows = vocabulary_size(model, tokens[0])  # scores over the vocabulary at every position: an LM head
-        per_token = [v.name for v in graph.outputs if v.shape is not None and len(v.shape) == 3 and rows is not None]
-        per_token = [n for n in per_token if next(v for v in graph.outputs if v.name == n).shape[-1] == rows]
+        per_token = [
+            v.name for v in graph.outputs if rows and v.shape is not None and len(v.shape) == 3 and v.shape[-1] == rows
+        ]
         if vocab:
             head, why = next(iter(vocab.items()))
             signs.append(f"{head}: {why}")

@@ -243,21 +243,25 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     return result
 
 
-def _needs_data(config: QuantizeConfig) -> bool:
-    static = config.activations == "static" and config.scaling != "constant"
-    return static or config.weights_need_data
+def _data_reads(config: QuantizeConfig, stats=None) -> list[str]:
+    """The steps of the recipe that read the calibration data, in the order they run."""
+    reads = {
+        "smoothing": config.smooth is not None,
+        "activation statistics": config.activations == "static" and config.scaling != "constant" and stats is None,
+        "GPTQ rounding": config.weight_rounding == "gptq",
+        "bias correction": config.bias_correction,
+    }
+    return [step for step, reads_data in reads.items() if reads_data]
 
 
 def _data_source(calib, ir_model, config: QuantizeConfig, stats):
     """``calib`` as the one data source every step reads (``as_data``: a path, text, images, audio or
     feeds), converted here once; feeds given as an iterator are kept in memory when the recipe reads
-    the data more than once (smoothing, activation statistics, GPTQ, bias correction)."""
+    the data more than once (:func:`_data_reads`)."""
     if calib is None:
         return None
     source = as_data(calib, input_specs(ir_model), ir_model)
-    static = config.activations == "static" and config.scaling != "constant" and stats is None
-    reads = sum([config.smooth is not None, static, config.weight_rounding == "gptq", config.bias_correction])
-    return source.readable_again() if reads > 1 and isinstance(source, FeedData) else source
+    return source.readable_again() if len(_data_reads(config, stats)) > 1 and isinstance(source, FeedData) else source
 
 
 def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool, auto=None):
@@ -267,7 +271,8 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     data-driven extras (GPTQ, bias correction, smoothing) that the user did not ask for are dropped
     where the activations need none (weight-only, dynamic): the model is still quantized, and the log
     says what data would add. A preset named explicitly keeps all of its recipe, and so needs data."""
-    needed = _needs_data(config)
+    reads = _data_reads(config)
+    needed = bool(reads)
     if calib is not None:
         return (calib if needed or not optional else None), config
     tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
@@ -280,20 +285,10 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
         logger.warning("no --calib: calibrating on %s", sample)
         return sample, config
     extras = {"weight_rounding": "nearest", "bias_correction": False, "smooth": None}
-    static = config.activations == "static" and config.scaling != "constant"
-    if auto is not None and not static and not set(extras) & set(auto):
-        dropped = [
-            n
-            for n, v in (
-                ("GPTQ rounding", config.weight_rounding == "gptq"),
-                ("bias correction", config.bias_correction),
-                ("smoothing", config.smooth is not None),
-            )
-            if v
-        ]
+    if auto is not None and "activation statistics" not in reads and not set(extras) & set(auto):
         logger.warning(
             "no calibration data: %s of preset %s skipped (pass --calib DATA to have it)",
-            ", ".join(dropped),
+            ", ".join(reads),
             config.preset,
         )
         return None, dataclasses.replace(config, **extras)
@@ -307,8 +302,9 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
 
 
 def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:
-    """The report's ``sensitivity``: per node, as :func:`fp8onnx.accuracy.sensitivity.measure_sensitivity` measures it,
-    with the scales just used (one more pass over the calibration data); or why it was not measured."""
+    """The report's ``sensitivity``: per node, as :func:`~fp8onnx.accuracy.sensitivity.measure_sensitivity`
+    measures it, with the scales just used (one more pass over the calibration data); or why it was not
+    measured."""
     if not modified:
         why = "nothing was quantized"
     elif config.activations != "static" or as_path(calib) is None:

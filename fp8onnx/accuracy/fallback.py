@@ -29,7 +29,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.report import QuantizeReport
-from fp8onnx.runtime import RunOptions
+from fp8onnx.runtime import RunOptions, resolve_provider
 
 __all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
 
@@ -89,22 +89,27 @@ def sensitivity(
     calib=None,
     data=None,
     *,
+    config: QuantizeConfig | None = None,
+    stats=None,
+    run: RunOptions | None = None,
     eval_data=None,
     refine: int = 5,
     metric: str = "auto",
     needs_data: bool = False,
-    **measure,
+    **options,
 ) -> SensitivityResult:
-    """``fp8onnx sensitivity``: the SQNR ranking (:func:`fp8onnx.accuracy.sensitivity.measure_sensitivity`,
-    which takes ``config``, ``stats``, ``run`` and QuantizeConfig/RunOptions keywords) and, with
-    ``eval_data``, the ``refine`` lowest-SQNR nodes scored on the end metric: the all-FP8 model and,
-    per node, the model with only it in float (``refine`` + 1 models quantized and evaluated).
-    ``needs_data``: the variants' recipe reads ``calib`` (GPTQ, bias correction, smoothing)."""
-    result = measure_sensitivity(model, calib, data, **measure)
+    """``fp8onnx sensitivity``: the SQNR ranking (:func:`fp8onnx.accuracy.sensitivity.measure_sensitivity`;
+    ``options`` are QuantizeConfig or RunOptions fields) and, with ``eval_data``, the ``refine``
+    lowest-SQNR nodes scored on the end metric: the all-FP8 model and, per node, the model with only
+    it in float (``refine`` + 1 models quantized and evaluated). ``needs_data``: the variants'
+    recipe reads ``calib`` (GPTQ, bias correction, smoothing)."""
+    run_kw, options = RunOptions.split(options)
+    run = RunOptions.of(run, **run_kw)
+    run = RunOptions.of(run, provider=resolve_provider(run.provider))
+    config = config or QuantizeConfig(**options)
+    result = measure_sensitivity(model, calib, data, config=config, stats=stats, run=run)
     if eval_data is None or refine <= 0:
         return result
-    config = measure.get("config") or QuantizeConfig(**RunOptions.split(dict(measure))[1])
-    run = RunOptions.of(measure.get("run"), **RunOptions.split(dict(measure))[0])
     nodes = result.ranked()[:refine]
     source = calib if calib is not None else data
     with Candidates(model, config, result.stats, eval_data, run, source, metric, needs_data) as candidates:
