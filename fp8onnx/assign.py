@@ -19,12 +19,14 @@ from fp8onnx.passes import (
     bias_of,
     output_channel_axis,
 )
-from fp8onnx.pipeline.calibration import Stats, collect_amax, weight_amax
+from fp8onnx.pipeline.calibration import Stats, ranges_stats, weight_amax
+from fp8onnx.pipeline.statistics import Ranges, measure
 from fp8onnx.report import TensorReport
 from fp8onnx.runtime import RunOptions
 
 __all__ = [
     "activation_quant",
+    "activation_ranges",
     "activation_stats",
     "assign_scales",
     "bias_overflows",
@@ -80,6 +82,15 @@ def check_calibration_source(calib, stats) -> None:
 
 def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Stats | None:
     """Calibration statistics for static activation scales, or None when none are needed."""
+    ranges = activation_ranges(model, names, config, calib, stats)
+    if not isinstance(ranges, Ranges):
+        return ranges
+    return ranges_stats(ranges, measure(model, [ranges], calib, run, "calibration"))
+
+
+def activation_ranges(model, names, config, calib, stats) -> Stats | Ranges | None:
+    """What static activation scales need: the statistics loaded from ``stats``, the
+    :class:`~fp8onnx.pipeline.statistics.Ranges` to measure on ``calib``, or None when none are needed."""
     check_calibration_source(calib, stats)
     if config.activations.dynamic or config.activations == "none":
         # with --weight-rounding gptq the calibration data serves the weights' Hessians only
@@ -115,7 +126,7 @@ def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Sta
             "Activation scales need calibration: pass --calib DATA or --stats FILE "
             "(or --activations dynamic, or --scaling constant)."
         )
-    return collect_amax(model, names, calib, histograms=hist, run=run)
+    return Ranges(names, histograms=hist)
 
 
 def describe_source(source, what: str = "statistics") -> str:

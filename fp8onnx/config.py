@@ -164,6 +164,7 @@ class QuantizeConfig:
     weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (techniques.gptq)
     smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (techniques)
     bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (techniques)
+    sequential: bool = False  # each layer calibrated on the quantized layers before it (pipeline.executors)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     float_stem: bool = False  # leave the convolutions that read the model's input (the stem) in float
     embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
@@ -315,6 +316,8 @@ class QuantizeConfig:
             doc["smooth"] = self.smooth
         if self.bias_correction:  # only then, like keep_float
             doc["bias_correction"] = True
+        if self.sequential:  # only then, like keep_float
+            doc["sequential"] = True
         if self.float_vocab:  # only then, like keep_float
             doc["float_vocab"] = True
         if self.float_stem:  # only then, like keep_float

@@ -18,13 +18,14 @@ import pathlib
 
 from fp8onnx import __version__
 from fp8onnx.assign import (
-    activation_stats,
+    activation_ranges,
     assign_scales,
     bias_overflows,
     check_calibration_source,
     describe_source,
     keep_conv_bias_in_int32_range,
     tensor_report,
+    weight_quant,
 )
 from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
 from fp8onnx.data.datasource import as_data
@@ -46,6 +47,7 @@ from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.report import NodeReport, QuantizeReport
 from fp8onnx.runtime import RunOptions, resolve_provider, weight_bytes
 from fp8onnx.targets import check_tensorrt
+from fp8onnx.techniques.recipe import measure_techniques, sequential_rounding, techniques_for
 
 __all__ = [
     "DEFAULT_OP_TYPES",
@@ -127,41 +129,25 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
     lap("plan")
-    if config.smooth is not None:  # before calibration: the activations it measures change
-        from fp8onnx.techniques.smoothing import smooth
-
-        quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
-
-        def per_channel(node):  # a producer's weight: per output channel, or not quantized at all
-            return id(node) not in quantized or config.weight_per_channel(node.op_type)
-
-        smoothed = smooth(ir_model, decisions, config.smooth, source, run, per_channel)
-        folded = sum(how.startswith("folded") for how in smoothed.values())
-        prepared.append(
-            f"smoothed {len(smoothed)} activations into their weights (alpha {config.smooth:g}; {folded} folded "
-            "into the norm or MatMul that computes them)"
-        )
+    techniques = techniques_for(config, ir_model, decisions)  # in the order they apply
+    early = [t for t in techniques if t.before_scales]  # smoothing: changes what the scales measure
+    if early:
+        measure_techniques(ir_model, early, source, run)
+        prepared += [line for t in early if (line := t.apply(None))]
         lap("smooth")
     act_names = activation_tensors(decisions, ir_model)
-
-    calibration = activation_stats(ir_model, act_names, config, source, stats, run)
+    late = [t for t in techniques if not t.before_scales]
+    ranges = activation_ranges(ir_model, act_names, config, source, stats)
+    sequential = _sequential(decisions, config, late) if config.sequential else None
+    calibration = measure_techniques(ir_model, late, source, run, ranges, sequential)  # one pass: all of them
     lap("calibrate")
     quant, amax = assign_scales(decisions, ir_model, config, calibration)
     targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
     keep_conv_bias_in_int32_range(decisions, quant)
     lap("scales")
-    if config.weight_rounding == "gptq":
-        from fp8onnx.techniques.gptq import apply_gptq
-
-        rounded = apply_gptq(ir_model, decisions, quant, source, run)
-        prepared.append(f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)")
-        lap("gptq X^T X (the rounding runs when the weights are written)")
-    if config.bias_correction:
-        from fp8onnx.techniques.bias_correction import correct_biases
-
-        corrected = correct_biases(ir_model, decisions, quant, source, run)
-        prepared.append(f"bias correction of {len(corrected)} layers (mean input from the calibration data)")
-        lap("bias correction")
+    prepared += [line for t in late if (line := t.apply(quant))]
+    if late:
+        lap("apply " + ", ".join(t.name for t in late) + " (GPTQ's rounding runs when the weights are written)")
     nodes = [
         NodeReport(
             d.node.name,
@@ -241,6 +227,18 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
         lap("report")
     return result
+
+
+def _sequential(decisions, config: QuantizeConfig, techniques):
+    """Sequential calibration's (layers, settle): each weight's scales known before the pass (they
+    come from the weight alone)."""
+    weights = {
+        d.node.inputs[i].name: weight_quant(d.node, i, d.node.inputs[i], config)[0]
+        for d in decisions
+        for i, kind in d.inputs
+        if kind == "weight"
+    }
+    return sequential_rounding(decisions, weights, techniques)
 
 
 def _data_reads(config: QuantizeConfig, stats=None) -> list[str]:

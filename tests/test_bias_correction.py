@@ -73,3 +73,25 @@ def test_bias_correction_needs_calibration(tmp_path):
     path, _ = layer(tmp_path / "m.onnx", "Gemm", np.random.default_rng(1))
     with pytest.raises(Fp8OnnxError, match="--bias-correction needs --calib DATA"):
         fp8onnx.quantize(path, tmp_path / "q.onnx", activations="none", bias_correction=True)
+
+
+@pytest.mark.parametrize("op", ["Gemm", "MatMul"])
+def test_bias_correction_after_gptq_corrects_what_gptq_left(tmp_path, op):
+    """With GPTQ, the shift is E[x] (W - GPTQ's W): measured against the float weight, not against the
+    rounded one (which made it zero), in the same pass as the Hessians."""
+    rng = np.random.default_rng(2)
+    path, x = layer(tmp_path / "m.onnx", op, rng)
+    np.savez(tmp_path / "calib.npz", x=x[:256])
+    held_out = {"x": x[256:]}
+    ref = run_ort(path, held_out)[0]
+    mean_error, biases = {}, {}
+    for corrected in (False, True):
+        out = tmp_path / f"q{corrected}.onnx"
+        report = fp8onnx.quantize(
+            path, out, tmp_path / "calib.npz", weight_rounding="gptq", bias_correction=corrected, preset="none"
+        )
+        mean_error[corrected] = np.abs((run_ort(out, held_out)[0] - ref).mean(axis=0)).mean()
+        biases[corrected] = numpy_helper.to_array(next(t for t in onnx.load(out).graph.initializer if t.name == "b"))
+    assert any("bias correction of 1 layers" in p for p in report.prepared)
+    assert not np.array_equal(biases[True], biases[False])
+    assert mean_error[True] < mean_error[False]

@@ -13,7 +13,7 @@ import pytest
 import fp8onnx
 from fp8onnx.cli import main
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.pipeline.calibration import summarize
+from fp8onnx.pipeline.statistics import reduce_batch as summarize
 from fp8onnx.runtime import worker_session
 
 from helpers import SAMPLE, mlp_data, mlp_model

@@ -117,7 +117,7 @@ def test_instrumented_sessions_run_each_statistic_right_after_its_tensor():
 
 @pytest.mark.parametrize("weight_memory", [1 << 30, 64])  # one session, and layer by layer
 def test_every_statistics_session_is_instrumented(tmp_path, monkeypatch, weight_memory):
-    from fp8onnx.pipeline import calibration, graph_stats, segments
+    from fp8onnx.pipeline import calibration, segments, statistics
 
     seen = []
     real = runtime.make_session
@@ -132,5 +132,6 @@ def test_every_statistics_session_is_instrumented(tmp_path, monkeypatch, weight_
     feeds = [{"x": np.ones((2, 16), np.float32)}]
     run = runtime.RunOptions(weight_memory=weight_memory)
     calibration.collect_amax(model, ["x"], feeds, run=run)
-    graph_stats.sum_in_graph(model, {"x": lambda x, add: [add("ReduceMax", [x], "max", keepdims=0)]}, feeds, run, "max")
+    maxed = statistics.Sums({"x": lambda x, add: [add("ReduceMax", [x], "max", keepdims=0)]}, "max", np.maximum)
+    statistics.measure(model, [maxed], feeds, run, "max")
     assert len(seen) >= 2 and all(seen)

@@ -339,6 +339,7 @@ class _QuantizeCommand(_Sectioned):
             "weight_rounding",
             "smooth",
             "bias_correction",
+            "sequential",
             "float_vocab",
             "float_stem",
             "embeddings",

@@ -143,6 +143,13 @@ from fp8onnx.targets import TARGETS
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
 )
 @click.option(
+    "--sequential",
+    is_flag=True,
+    help="Calibrate layer by layer, each layer on the outputs of the quantized layers before it (their weights as "
+    "stored: GPTQ's rounding or the nearest FP8 value); GPTQ's X^T X, bias correction's means and static activation "
+    "ranges then see the quantized model's inputs. Runs in this process, two runs per segment.",
+)
+@click.option(
     "--float-vocab",
     is_flag=True,
     help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
@@ -221,6 +228,7 @@ def quantize(
     weight_rounding,
     smooth,
     bias_correction,
+    sequential,
     float_vocab,
     float_stem,
     embeddings,
@@ -298,6 +306,7 @@ def quantize(
         weight_rounding=weight_rounding,
         smooth=smooth,
         bias_correction=bias_correction,
+        sequential=sequential,
         float_vocab=float_vocab,
         float_stem=float_stem,
         embeddings=embeddings,

@@ -1,4 +1,4 @@
-"""Streaming calibration: per-tensor statistics of activations, batch by batch.
+"""Streaming calibration: per-tensor statistics of activations, batch by batch, and their file.
 
 The model is instrumented with ``AddAmaxOutputsPass`` so that onnxruntime returns each tensor's
 absolute maximum as one scalar per batch; only a running maximum is kept. With histograms
@@ -12,7 +12,6 @@ as JSON (``fp8onnx calibrate``) and reused by ``fp8onnx quantize --stats``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -23,24 +22,13 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.data.datasource import as_data
-from fp8onnx.data.feeds import input_specs
-from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.numerics.histogram import NUM_BINS, LogHistogram
-from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass, release
-from fp8onnx.passes._common import keep_only_outputs
-from fp8onnx.phases import phase
-from fp8onnx.pipeline.batching import _batched_inputs, _run_peak, _samples, _segmented_values, auto_batch_size
-from fp8onnx.pipeline.segments import run_segmented, run_segmented_on
-from fp8onnx.progress import progress_bar
-from fp8onnx.runtime import (
-    WEIGHT_MEMORY,
-    RunOptions,
-    session_for_model,
-    weight_bytes,
-)
+from fp8onnx.passes import release
+from fp8onnx.pipeline.statistics import Measured, Ranges, measure
+from fp8onnx.runtime import WEIGHT_MEMORY, RunOptions
 
-__all__ = ["WEIGHT_MEMORY", "Stats", "collect_amax", "weight_amax"]
+__all__ = ["WEIGHT_MEMORY", "Stats", "collect_amax", "ranges_stats", "weight_amax"]
 
 logger = logging.getLogger(__name__)
 STATS_VERSION = 2
@@ -165,46 +153,6 @@ def weight_amax(value: ir.Value, axis: int | None = None):
     return arr.max(axis=others).astype(np.float64)
 
 
-class _Running:
-    """Running per-tensor maximum (NaN/Inf batches counted and skipped) and histograms."""
-
-    def __init__(self, names: list[str], histograms: bool):
-        self.amax = dict.fromkeys(names, 0.0)
-        self.nonfinite: dict[str, int] = {}
-        self.hist = {n: LogHistogram() for n in names} if histograms else {}
-
-    def add(self, name: str, amax) -> None:
-        a = float(amax)
-        if math.isfinite(a):
-            self.amax[name] = max(self.amax[name], a)
-        else:
-            self.nonfinite[name] = self.nonfinite.get(name, 0) + 1
-
-    def add_summary(self, summary: dict) -> None:
-        """One batch's :func:`summarize` d outputs, merged in batch order."""
-        for key, part in summary.items():
-            if key.endswith(AMAX_SUFFIX):
-                self.add(key[: -len(AMAX_SUFFIX)], part)
-            else:
-                self.hist[key[: -len(VALUE_SUFFIX)]].add_sparse(part)
-
-
-def summarize(values: dict[str, np.ndarray]) -> dict:
-    """One batch's instrumented outputs (``t + AMAX_SUFFIX``, ``t + VALUE_SUFFIX``) reduced to what
-    the running statistics merge: amax scalars and sparse histogram counts. The same function runs
-    in this process and on Ray workers (:mod:`fp8onnx.pipeline.distributed`): merged in batch order, the
-    statistics are the same bit for bit."""
-    summary = {}
-    for key, array in values.items():
-        if key.endswith(AMAX_SUFFIX):
-            summary[key] = float(array)
-        elif key.endswith(VALUE_SUFFIX):
-            hist = LogHistogram()
-            hist.update(array)
-            summary[key] = hist.sparse()
-    return summary
-
-
 def collect_amax(
     model: ir.Model,
     tensor_names: Iterable[str],
@@ -214,101 +162,23 @@ def collect_amax(
     run: RunOptions | None = None,
 ) -> Stats:
     """Run ``model`` over ``data`` (see :func:`fp8onnx.data.datasource.as_data`): running amax per tensor, and
-    with ``histograms`` a fixed-bin histogram of |x| per tensor.
+    with ``histograms`` a fixed-bin histogram of |x| per tensor (one :class:`~fp8onnx.pipeline.statistics.Ranges`
+    measured by the pipeline, :func:`~fp8onnx.pipeline.statistics.measure`).
 
     A model with more than ``weight_memory`` bytes of weights is run layer by layer
     (:mod:`fp8onnx.pipeline.segments`), holding at most about that much of its weights at once."""
-    run = run or RunOptions()
-    provider, progress, weight_memory = run.provider, run.progress, run.weight_memory
     names = list(dict.fromkeys(tensor_names))
-    stats = Stats(amax={n: 0.0 for n in names})
     if not names:
-        return stats
-    with phase("instrument the graph"):
-        instrumented = model.clone()
-        AddAmaxOutputsPass(names, values=histograms)(instrumented)
-        outputs = [n + AMAX_SUFFIX for n in names] + ([n + VALUE_SUFFIX for n in names] if histograms else [])
-        keep_only_outputs(instrumented, outputs)  # statistics only: not the model's own outputs
-    running = _Running(names, histograms)
-    source = as_data(data, input_specs(model), model)
+        return Stats(amax={})
+    ranges = Ranges(names, histograms)
+    done = measure(model, [ranges], data, run or RunOptions(), "calibration")
+    return ranges_stats(ranges, done)
 
-    def counted(batches):
-        for batch in batches:
-            stats.num_batches += 1
-            stats.num_samples += batch.size
-            yield batch
 
-    def batched(measure=None):
-        """(batch count or None, the counted batches): sized by ``measure`` on one sample when the
-        user chose no --batch-size and every input has a batch axis, else ``run.batch``."""
-        if measure is not None and run.batch_size is None and _batched_inputs(model):
-            with phase("size the batches"):
-                size, stats.batching = auto_batch_size(measure, source, run.batch_memory)
-        else:
-            size, stats.batching = run.batch, _samples(run.batch)
-        return source.count_batches(size), counted(source.batches(size))
-
-    if weight_bytes(model) > weight_memory:
-        bar = functools.partial(progress_bar, unit="batch", enable=progress)
-        # With histograms, fetching every measured tensor dominates: one sample's segmented run tells
-        # how much. Without, the statistics are scalars and one segment's activations are what a batch costs.
-        measure = lambda feed: _segmented_values(instrumented, outputs, feed, weight_memory, provider)  # noqa: E731
-        _, batches = batched(measure if histograms else None)
-        show = lambda it, n, desc: bar(it, total=n, desc=desc)  # noqa: E731
-        feeds = (b.feed for b in batches)
-        if run.distributed:  # each segment's batches shared by Ray workers
-            from fp8onnx.pipeline.distributed import shared_pool
-
-            pool = shared_pool(run.workers, run.ray_address)
-            merge = lambda _, summary: running.add_summary(summary)  # noqa: E731
-            with pool:
-                run_segmented_on(
-                    pool,
-                    instrumented,
-                    outputs,
-                    feeds,
-                    summarize,
-                    merge,
-                    budget=weight_memory,
-                    provider=provider,
-                    progress=show,
-                )
-        else:
-            merge = lambda _, values: running.add_summary(summarize(values))  # noqa: E731
-            run_segmented(instrumented, outputs, feeds, merge, budget=weight_memory, provider=provider, progress=show)
-    elif run.distributed:
-        from fp8onnx.pipeline.distributed import fetch, statistics_pool
-
-        with phase("Ray workers"):
-            pool = statistics_pool(run, instrumented, "The calibration model")
-        with pool:
-            # one sample measured on a worker: the budget is a worker's
-            total, batches = batched(lambda feed: next(iter(pool.map(_run_peak, [(outputs, feed)]))))
-            with phase("run the calibration batches"):
-                work = ((outputs, b.feed, summarize, "Calibration") for b in batches)
-                summaries = pool.map(fetch, work)
-                for summary in progress_bar(summaries, total=total, desc="calibrating", unit="batch", enable=progress):
-                    running.add_summary(summary)
-    else:
-        # ORT's arena kept growing over the first batches when whole tensors are fetched for histograms
-        # (peak RSS 12% higher at 1,024 than at 128 samples on all-MiniLM-L6-v2); without it RSS is flat.
-        with phase("onnxruntime session"):
-            session = session_for_model(
-                instrumented, provider, "The calibration model", arena=not histograms, instrumented=True
-            )
-        total, batches = batched(lambda feed: _run_peak(session, outputs, feed))
-        with phase("run the calibration batches"):
-            for batch in progress_bar(batches, total=total, desc="calibrating", unit="batch", enable=progress):
-                try:
-                    values = session.run(outputs, batch.feed)
-                except Exception as exc:
-                    raise Fp8OnnxError(
-                        f"Calibration batch {stats.num_batches - 1} failed in onnxruntime: {first_line(exc)}"
-                    ) from None
-                running.add_summary(summarize(dict(zip(outputs, values))))
-    if stats.num_batches == 0:
-        raise Fp8OnnxError("The calibration data gave no batches.")
-    stats.amax, stats.nonfinite, stats.hist = running.amax, running.nonfinite, running.hist
+def ranges_stats(ranges: Ranges, done: Measured) -> Stats:
+    """The :class:`Stats` of a measured :class:`~fp8onnx.pipeline.statistics.Ranges`, with the
+    warnings a user should see (NaN/Inf batches, all-zero tensors)."""
+    stats = Stats(ranges.amax, done.num_batches, done.num_samples, ranges.nonfinite, ranges.hist, done.batching)
     for name, count in stats.nonfinite.items():
         logger.warning("tensor %r had NaN/Inf values in %d calibration batches; they were ignored", name, count)
     zero = [n for n, a in stats.amax.items() if a == 0.0 or not math.isfinite(a)]

@@ -81,11 +81,18 @@ def _reads(node: ir.Node, defined: set[int]) -> list[ir.Value]:
     return list({id(v): v for v in values}.values())
 
 
-def split(graph: ir.Graph, budget: int, wanted: Iterable[str]) -> list[Segment]:
+def split(graph: ir.Graph, budget: int, wanted: Iterable[str], sequential=None) -> list[Segment]:
     """Cut ``graph``'s nodes, in order, into segments reading at most ``budget`` bytes of
     initializers each (a single node that needs more gets a segment of its own). ``wanted``: names of
-    values every segment computing them must return."""
+    values every segment computing them must return.
+
+    ``sequential``: (ids of the quantized layers, ids of the nodes that must read quantized layers'
+    results): a cut also falls before such a node when it reads a value computed, in the current
+    segment, downstream of a quantized layer; so each quantized layer's inputs and statistics come
+    from segments that have already run (and been rounded, :func:`run_segmented`'s ``settle``)."""
     graph.sort()
+    layers, sensitive = sequential or (set(), set())
+    tainted: set[int] = set()  # values computed downstream of a quantized layer in the current segment
     wanted = set(wanted)
     defined = {id(v) for v in (*graph.inputs, *graph.initializers.values())}
     defined |= {id(out) for node in graph for out in node.outputs}
@@ -96,11 +103,14 @@ def split(graph: ir.Graph, budget: int, wanted: Iterable[str]) -> list[Segment]:
     for node in graph:
         new = {id(v): v.const_value.nbytes for v in reads[id(node)] if v.is_initializer() and v.const_value is not None}
         extra = sum(b for k, b in new.items() if k not in held)
-        if current and sum(held.values()) + extra > budget:
+        reads_tainted = any(id(v) in tainted for v in reads[id(node)])
+        if current and (sum(held.values()) + extra > budget or (id(node) in sensitive and reads_tainted)):
             segments.append(Segment(current))
-            current, held = [], {}
+            current, held, tainted, reads_tainted = [], {}, set(), False
         current.append(node)
         held.update(new)
+        if id(node) in layers or reads_tainted:
+            tainted.update(id(out) for out in node.outputs)
     if current:
         segments.append(Segment(current))
 
@@ -206,11 +216,19 @@ def run_segmented(
     budget: int,
     provider: str = "cpu",
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
+    sequential=None,
+    settle: Callable[[Segment], None] | None = None,
 ) -> int:
     """Run ``model`` over every feed, segment by segment; ``on_result(batch, {name: array})`` gets the
-    ``wanted`` values each segment computes. Returns the number of batches."""
+    ``wanted`` values each segment computes. Returns the number of batches.
+
+    Sequential calibration (``sequential``: see :func:`split`): once a segment holding quantized
+    layers has run over every batch, ``settle(segment)`` replaces their weights by the values they
+    will be stored as, and the segment runs again to give later segments its results from those:
+    each layer is measured on the outputs of the quantized layers before it (GPTQ's own order)."""
     wanted = list(dict.fromkeys(wanted))
-    segments = split(model.graph, budget, wanted)
+    segments = split(model.graph, budget, wanted, sequential)
+    layers = sequential[0] if sequential else set()
     logger.info(
         "running %d segments of at most %.1f MB of weights each", len(segments), max(s.nbytes for s in segments) / 1e6
     )
@@ -227,7 +245,14 @@ def run_segmented(
         for i, seg in enumerate(segments):
             if not seg.outputs:
                 continue  # computes nothing anyone asked for (e.g. the model's own outputs only)
-            _run_segment(model, seg, i, len(segments), num_batches, spill, set(wanted), on_result, provider, progress)
+            args = (model, seg, i, len(segments), num_batches, spill, set(wanted))
+            if any(id(n) in layers for n in seg.nodes):
+                _run_segment(*args, on_result, provider, progress, keep=False)
+                settle(seg)
+                if seg.later:  # its results for later segments, from the rounded layers
+                    _run_segment(*args, lambda b, v: None, provider, progress)
+            else:
+                _run_segment(*args, on_result, provider, progress)
             for name in [n for n, last in last_read.items() if last == i]:
                 spill.drop(name, num_batches)
         logger.info("layer-by-layer run spilled %.0f MB of activations to disk", spill.nbytes / 1e6)
@@ -236,7 +261,7 @@ def run_segmented(
         spill.close()
 
 
-def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result, provider, progress) -> None:
+def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result, provider, progress, keep=True):
     what = f"Calibration segment {index + 1}/{count} (from node {seg.nodes[0].name!r})"
     names = [v.name for v in seg.outputs]
     batches = range(num_batches)
@@ -262,7 +287,7 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
         del feed
         on_result(b, {name: array for name, array in zip(names, values) if name in wanted})
         for name, array in zip(names, values):
-            if name in seg.later:
+            if keep and name in seg.later:
                 spill.save(name, b, array)
     del session, weights
     for v in seg.weights:

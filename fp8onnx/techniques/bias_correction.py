@@ -3,7 +3,7 @@
 For y = x W + b, rounding W to ``Wq`` shifts the output's mean by ``E[x] (Wq - W)``; adding
 ``E[x] (W - Wq)`` to the bias cancels it on the calibration data's mean input. ``E[x]`` per input
 channel is measured in the graph in one pass over the calibration data (only one vector per layer
-leaves onnxruntime: :mod:`fp8onnx.pipeline.graph_stats`). Applies to Gemm (input C), MatMul followed by an
+leaves onnxruntime: a :class:`~fp8onnx.pipeline.statistics.Sums`). Applies to Gemm (input C), MatMul followed by an
 Add of a 1-D constant (the bias ORT fuses), and Conv with a bias (group 1 or grouped); the
 correction of a Conv is ``sum over c, kh, kw of E[x_c] (W - Wq)[o, c, kh, kw]`` (padding ignored).
 Layers without a bias, or whose bias another node also reads, are left as they are.
@@ -16,14 +16,12 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
-from fp8onnx.numerics.formats import dequantize, quantize
 from fp8onnx.passes import TensorQuant, bias_of
-from fp8onnx.pipeline.graph_stats import F32, sum_in_graph
-from fp8onnx.runtime import RunOptions
+from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.techniques.base import Technique, stored_values
 
-__all__ = ["correct_biases"]
+__all__ = ["BiasCorrection"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +35,6 @@ def _bias(node: ir.Node) -> tuple[ir.Node, int] | None:
 
 def _channel_axis(node: ir.Node, rank: int) -> int:
     return 1 if node.op_type == "Conv" else rank - 1
-
-
-def _dequantized(w: np.ndarray, tq: TensorQuant) -> np.ndarray:
-    scale = np.asarray(tq.scale, np.float32)
-    if tq.axis is not None:
-        scale = scale.reshape([-1 if i == tq.axis % w.ndim else 1 for i in range(w.ndim)])
-    return dequantize(quantize(w, scale, tq.format), scale, np.float32)
 
 
 def _shift(node: ir.Node, w: np.ndarray, wq: np.ndarray, mean: np.ndarray) -> np.ndarray:
@@ -61,54 +52,78 @@ def _shift(node: ir.Node, w: np.ndarray, wq: np.ndarray, mean: np.ndarray) -> np
     return mean @ delta  # [K] @ [K, N]
 
 
-def correct_biases(
-    model: ir.Model, decisions: list[Decision], quant: dict[str, TensorQuant], calib, run: RunOptions
-) -> list[str]:
-    """Shift the bias of each quantized layer with a constant bias by ``E[x] (W - Wq)``; returns the
-    names of the layers corrected. ``quant`` holds the weights' final scales; call after any change
-    of the weights themselves (GPTQ), before the biases are reshaped or quantized."""
-    if calib is None:
-        raise Fp8OnnxError("--bias-correction needs --calib DATA (the mean input of each layer).")
-    layers = []
-    for d in decisions:
-        node, kinds = d.node, dict(d.inputs)
-        holder = _bias(node)
-        x, w = node.inputs[0], node.inputs[1]
-        if kinds.get(1) != "weight" or holder is None or w.name not in quant or not quant[w.name].format.deployable:
-            continue
-        if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
-            continue
-        bias = holder[0].inputs[holder[1]]
-        if len(list(bias.uses())) != 1 or x is None or x.shape is None or not in_main_graph(x, model):
-            continue
-        layers.append((node, x, w, holder))
-    if not layers:
-        return []
+class BiasCorrection(Technique):
+    """Shift the bias of each quantized layer with a constant bias by ``E[x] (W - Wq)``, ``W`` the
+    float weight and ``Wq`` the weight as it will be stored (GPTQ's rounding where it ran, else the
+    nearest grid value of its final scales). Runs after any change of the weights themselves,
+    before the biases are reshaped or quantized.
 
-    def mean_of(node: ir.Node):
-        def build(x: ir.Value, add) -> list[ir.Value]:
-            rank = len(x.shape)
-            axis = _channel_axis(node, rank)
-            axes = np.array([i for i in range(rank) if i != axis], np.int64)
-            x32 = add("Cast", [x], "f32", to=int(F32))
-            total = add("ReduceSum", [x32, axes], "sum", dtype=F32, keepdims=0)
-            return [total, add("Size", [x], "size", dtype=ir.DataType.INT64, shape=[])]
+    requires: calibration data (each layer's mean input). ensures: each corrected layer's output
+    mean on that data equals the float layer's, up to rounding."""
 
-        return build
+    name = "bias correction"
+    option = "--bias-correction"
 
-    builders = {}
-    for node, x, _, _ in layers:
-        builders.setdefault(x.name, mean_of(node))
-    sums = sum_in_graph(model, builders, calib, run, "input means")
-    corrected = []
-    for node, x, w, (holder, index) in layers:
-        total, size = sums[x.name]
-        mean = total / (float(size) / total.shape[0])
-        weight = w.const_value.numpy().astype(np.float32)
-        shift = _shift(node, weight, _dequantized(weight, quant[w.name]), mean)
-        bias = holder.inputs[index]
-        values = bias.const_value.numpy()
-        bias.const_value = ir.tensor((values.astype(np.float64) + shift).astype(values.dtype), name=bias.name)
-        corrected.append(node.name)
-    logger.info("bias correction shifted %d biases", len(corrected))
-    return corrected
+    def __init__(self, model: ir.Model, decisions: list[Decision], originals: dict | None = None):
+        self.model = model
+        self.originals = {} if originals is None else originals  # weight name -> float values (GPTQ's)
+        self.layers = []
+        for d in decisions:
+            node, kinds = d.node, dict(d.inputs)
+            holder = _bias(node)
+            x = node.inputs[0]
+            if kinds.get(1) != "weight" or holder is None or node.inputs[1].const_value is None:
+                continue
+            if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+                continue
+            bias = holder[0].inputs[holder[1]]
+            if len(list(bias.uses())) != 1 or x is None or x.shape is None or not in_main_graph(x, model):
+                continue
+            self.layers.append((node, x, node.inputs[1], holder))
+        builders = {}
+        for node, x, _, _ in self.layers:
+            builders.setdefault(x.name, _mean_of(node))
+        self.means = Sums(builders, "input means") if builders else None
+
+    def statistics(self) -> list[Sums]:
+        return [self.means] if self.means else []
+
+    def apply(self, quant: dict[str, TensorQuant]) -> str | None:
+        corrected = self.correct(quant)
+        return f"bias correction of {len(corrected)} layers (mean input from the calibration data)"
+
+    def correct(self, quant: dict[str, TensorQuant]) -> list[str]:
+        """Returns the names of the layers corrected."""
+        if self.means is None:
+            return []
+        sums = self.means.result
+        corrected = []
+        for node, x, w, (holder, index) in self.layers:
+            if w.name not in quant or not quant[w.name].format.deployable:
+                continue
+            total, size = sums[x.name]
+            mean = total / (float(size) / total.shape[0])
+            stored = w.const_value.numpy().astype(np.float32)  # GPTQ's rounding, if it ran: on the grid
+            original = self.originals.get(w.name)
+            weight = stored if original is None else original.numpy().astype(np.float32)
+            shift = _shift(node, weight, stored_values(stored, quant[w.name]), mean)
+            bias = holder.inputs[index]
+            values = bias.const_value.numpy()
+            bias.const_value = ir.tensor((values.astype(np.float64) + shift).astype(values.dtype), name=bias.name)
+            corrected.append(node.name)
+        logger.info("bias correction shifted %d biases", len(corrected))
+        return corrected
+
+
+def _mean_of(node: ir.Node):
+    """In-graph sum over every axis but the channel axis, and the element count."""
+
+    def build(x: ir.Value, add) -> list[ir.Value]:
+        rank = len(x.shape)
+        axis = _channel_axis(node, rank)
+        axes = np.array([i for i in range(rank) if i != axis], np.int64)
+        x32 = add("Cast", [x], "f32", to=int(F32))
+        total = add("ReduceSum", [x32, axes], "sum", dtype=F32, keepdims=0)
+        return [total, add("Size", [x], "size", dtype=ir.DataType.INT64, shape=[])]
+
+    return build

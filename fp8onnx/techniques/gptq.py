@@ -8,9 +8,11 @@ Cholesky factor of ``H^-1``, damped by 1% of its mean diagonal). The result mini
 ``||X W - X Q||`` far better than rounding each weight alone. Scales are those plain quantization
 chose (per tensor or per output channel): GPTQ only picks *which* grid value each weight takes.
 
-``H`` is accumulated in the graph during calibration: per activation feeding a quantized MatMul/Gemm,
-the instrumented model outputs ``Reshape(x, [-1, K])^T @ Reshape(x, [-1, K])`` in float32, and only
-that K x K matrix leaves onnxruntime per batch (summed in float32 here, as GPTQ implementations do).
+``H`` is accumulated in the graph during calibration (:class:`GPTQ` declares it as a
+:class:`~fp8onnx.pipeline.statistics.Sums` statistic, measured in the pipeline's one pass): per
+activation feeding a quantized MatMul/Gemm, the instrumented model outputs
+``Reshape(x, [-1, K])^T @ Reshape(x, [-1, K])`` in float32, and only that K x K matrix leaves
+onnxruntime per batch (summed in float32 here, as GPTQ implementations do).
 Models larger than the weight budget run layer by layer, as calibration does.
 
 The rounded weights replace the float initializers *on the grid*: quantizing them again with the
@@ -31,10 +33,10 @@ from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
 from fp8onnx.passes import TensorQuant
 from fp8onnx.passes._common import derived_tensor
-from fp8onnx.pipeline.graph_stats import F32, sum_in_graph
-from fp8onnx.runtime import RunOptions
+from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.techniques.base import Technique
 
-__all__ = ["apply_gptq", "collect_hessians", "gptq_round"]
+__all__ = ["GPTQ", "gptq_round"]
 
 logger = logging.getLogger(__name__)
 DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
@@ -67,9 +69,9 @@ def _reduction_size(node: ir.Node) -> int:
     return int(node.inputs[1].shape[1 if transposed else 0])
 
 
-def collect_hessians(model: ir.Model, sizes: dict[str, int], calib, run: RunOptions) -> dict[str, np.ndarray]:
-    """``X^T X`` (float32 sums, K x K) of each activation named in ``sizes`` (name -> K) over
-    ``calib``, computed in the graph."""
+def _hessians(sizes: dict[str, int]) -> Sums:
+    """``X^T X`` (float32 sums, K x K) of each activation named in ``sizes`` (name -> K), computed in
+    the graph."""
 
     def xtx(x: ir.Value, add) -> list[ir.Value]:
         k = sizes[x.name]
@@ -77,8 +79,7 @@ def collect_hessians(model: ir.Model, sizes: dict[str, int], calib, run: RunOpti
         return [add("MatMul", [add("Transpose", [x2], "t", perm=[1, 0]), x2], "xtx", dtype=F32, shape=[k, k])]
 
     # float32 sums: a 1B model's X^T X matrices (16 layers x up to 5632^2) would take 5.6 GB in float64
-    sums = sum_in_graph(model, {name: xtx for name in sizes}, calib, run, "hessians", dtype=np.float32)
-    return {name: values[0] for name, values in sums.items()}
+    return Sums({name: xtx for name in sizes}, "hessians", dtype=np.float32)
 
 
 def gptq_round(
@@ -124,42 +125,84 @@ def gptq_round(
     return q.astype(np.float32)
 
 
-def apply_gptq(
-    model: ir.Model, decisions: list[Decision], quant: dict[str, TensorQuant], calib, run: RunOptions
-) -> list[str]:
-    """Replace each quantized MatMul/Gemm weight by its GPTQ rounding (on the grid of the scales in
-    ``quant``); returns the names of the weights rounded. Weights read by several nodes, Conv
-    weights and nodes whose input is inside a subgraph keep plain rounding."""
-    targets = _targets(decisions, model)
-    if not targets:
-        return []
-    if calib is None:
-        raise Fp8OnnxError("--weight-rounding gptq needs --calib DATA (the Hessian X^T X of each layer's input).")
-    shared = {}
-    for x, nodes in targets.items():
-        for node, index in nodes:
-            shared.setdefault(node.inputs[index].name, set()).add(x)
-    hessians = collect_hessians(model, {x: _reduction_size(nodes[0][0]) for x, nodes in targets.items()}, calib, run)
-    rounded = []
-    for x, nodes in targets.items():
-        for node, index in nodes:
-            value = node.inputs[index]
-            tq = quant.get(value.name)
-            if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in rounded:
+class GPTQ(Technique):
+    """Each quantized MatMul/Gemm weight replaced by its GPTQ rounding (on the grid of its scales);
+    weights read by several nodes, Conv weights and nodes whose input is inside a subgraph keep plain
+    rounding.
+
+    requires: calibration data (X^T X of each layer's input). ensures: every weight it names in its
+    summary holds values on its FP8 grid (computed lazily, when the model is written)."""
+
+    name = "GPTQ rounding"
+    option = "--weight-rounding gptq"
+
+    def __init__(self, model: ir.Model, decisions: list[Decision]):
+        self.model, self.targets = model, _targets(decisions, model)
+        sizes = {x: _reduction_size(nodes[0][0]) for x, nodes in self.targets.items()}
+        self.hessians = _hessians(sizes) if sizes else None
+        self.originals: dict[str, ir.TensorProtocol] = {}  # weight name -> its float values
+
+    def statistics(self) -> list[Sums]:
+        return [self.hessians] if self.hessians else []
+
+    def apply(self, quant: dict[str, TensorQuant]) -> str | None:
+        rounded = self.round(quant)
+        return f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)"
+
+    def _plan(self, quant: dict[str, TensorQuant]) -> dict[str, tuple[ir.Value, str, object]]:
+        """weight name -> (its value, the activation whose X^T X rounds it, ``compute(w) -> rounded``)."""
+        shared: dict[str, set] = {}
+        for x, nodes in self.targets.items():
+            for node, index in nodes:
+                shared.setdefault(node.inputs[index].name, set()).add(x)
+        plan = {}
+        for x, nodes in self.targets.items():
+            for node, index in nodes:
+                value = node.inputs[index]
+                tq = quant.get(value.name)
+                if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in plan:
+                    continue
+                transposed = bool(node.op_type == "Gemm" and node.attributes.get_int("transB", 0))
+                if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
+                    scale = np.asarray(tq.scale, np.float32).reshape(-1)
+                else:
+                    scale = np.float32(tq.scale)
+
+                def compute(w, x=x, scale=scale, fmt=tq.format, transposed=transposed):
+                    q = gptq_round(w.T if transposed else w, self.hessians.value_of(x)[0], scale, fmt)
+                    return (q.T if transposed else q).astype(w.dtype)
+
+                plan[value.name] = (value, x, compute)
+        return plan
+
+    def round(self, quant: dict[str, TensorQuant]) -> list[str]:
+        """Replace the weights (those not already rounded by :meth:`round_now`); returns the names of
+        all those rounded."""
+        if not self.targets:
+            return []
+        rounded = []
+        for name, (value, _, compute) in self._plan(quant).items():
+            rounded.append(name)
+            if name in self.originals:
                 continue
-            transposed = bool(node.op_type == "Gemm" and node.attributes.get_int("transB", 0))
-            if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
-                scale = np.asarray(tq.scale, np.float32).reshape(-1)
-            else:
-                scale = np.float32(tq.scale)
-
-            def compute(w, h=hessians[x], scale=scale, fmt=tq.format, transposed=transposed):
-                q = gptq_round(w.T if transposed else w, h, scale, fmt)
-                return (q.T if transposed else q).astype(w.dtype)
-
             # Evaluated when the model is saved, one weight at a time (a large model is never resident whole).
             source = value.const_value
-            value.const_value = derived_tensor(source, compute, value.dtype, source.shape, value.name)
-            rounded.append(value.name)
-    logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
-    return rounded
+            self.originals[name] = source
+            value.const_value = derived_tensor(source, compute, value.dtype, source.shape, name)
+        logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
+        return rounded
+
+    def round_now(self, quant: dict[str, TensorQuant], name: str, measured: set[str]):
+        """Sequential calibration: weight ``name`` rounded now, if GPTQ rounds it and its X^T X is
+        among the statistic outputs ``measured`` so far; returns the stored tensor (also put in the
+        model), False where GPTQ does not round this weight, or None where its X^T X is not measured yet."""
+        plan = self._plan(quant) if self.targets else {}
+        if name not in plan:
+            return False
+        value, x, compute = plan[name]
+        if not set(self.hessians.fetch[x]) <= measured:
+            return None
+        source = value.const_value
+        stored = ir.tensor(compute(source.numpy()), name=name)
+        self.originals[name], value.const_value = source, stored
+        return stored

@@ -26,10 +26,10 @@ import onnx_ir as ir
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.passes._common import initializer, insert_at_definition
-from fp8onnx.pipeline.graph_stats import F32, sum_in_graph
-from fp8onnx.runtime import RunOptions
+from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.techniques.base import Technique
 
-__all__ = ["smooth"]
+__all__ = ["Smoothing"]
 
 logger = logging.getLogger(__name__)
 _SHAPE_ONLY = ("Shape", "Size")  # readers that see a tensor's shape, not its values
@@ -167,52 +167,71 @@ def _fold(x: ir.Value, inv: np.ndarray, per_channel, depth: int = 0) -> str | No
     return None
 
 
-def smooth(
-    model: ir.Model, decisions: list[Decision], alpha: float, calib, run: RunOptions, per_channel=lambda node: True
-) -> dict[str, str]:
-    """Smooth every eligible activation (module docstring); returns activation name -> how
-    (``"folded into <norm>"`` or ``"Mul inserted"``). ``per_channel(node)``: whether a MatMul/Gemm's
-    weight is quantized per output channel (or not at all); only such a producer takes ``1/s`` into
-    its columns, since per column it would widen a per-tensor weight's range."""
-    if not 0 <= alpha <= 1:
-        raise Fp8OnnxError(f"--smooth must be in [0, 1], got {alpha!r}.")
-    if calib is None:
-        raise Fp8OnnxError("--smooth needs --calib DATA (the per-channel amax of each activation).")
-    groups = _groups(decisions, model)
-    if not groups:
-        return {}
+def _amax_per_channel(x: ir.Value, add) -> list[ir.Value]:
+    axes = np.array(list(range(len(x.shape) - 1)), np.int64)
+    x32 = add("Cast", [add("Abs", [x], "abs")], "f32", to=int(F32))
+    return [add("ReduceMax", [x32, axes], "amax", dtype=F32, keepdims=0)]
 
-    def amax_per_channel(x: ir.Value, add) -> list[ir.Value]:
-        axes = np.array(list(range(len(x.shape) - 1)), np.int64)
-        x32 = add("Cast", [add("Abs", [x], "abs")], "f32", to=int(F32))
-        return [add("ReduceMax", [x32, axes], "amax", dtype=F32, keepdims=0)]
 
-    amax = sum_in_graph(
-        model, {name: amax_per_channel for name in groups}, calib, run, "channel amax", combine=np.maximum
-    )
-    done = {}
-    for name, (x, nodes) in groups.items():
-        ax = amax[name][0]
-        aw = np.max([_weight_rows(n) for n in nodes], axis=0)
-        s = np.where((ax > 0) & (aw > 0), ax**alpha / np.maximum(aw, 1e-12) ** (1 - alpha), 1.0)
-        s = np.clip(s, 1e-5, 1e5)  # a dead channel keeps s = 1
-        for node in nodes:
-            _scale_weight(node, s)
-        inv = (1.0 / s).astype(np.float32)
-        readers = {id(u.node) for u in x.uses() if u.node.op_type not in _SHAPE_ONLY}
-        only_group = readers == {id(n) for n in nodes} and not x.is_graph_output()
-        folded = _fold(x, inv, per_channel) if only_group else None  # no other reader sees x / s
-        if folded:
-            done[name] = f"folded into {folded}"
-            continue
-        const = initializer(model.graph, f"fp8onnx/{name}/smooth_inv", inv.astype(x.dtype.numpy()))
-        mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
-        # not under the "fp8onnx/" prefix: that marks values InsertQDQPass takes as already quantized
-        mul.outputs[0].name = f"{name}/smoothed"
-        mul.outputs[0].dtype, mul.outputs[0].shape = x.dtype, x.shape
-        insert_at_definition(x, [mul])
-        for node in nodes:
-            node.replace_input_with(0, mul.outputs[0])
-        done[name] = "Mul inserted"
-    logger.info("smoothed %d activations (alpha %g)", len(done), alpha)
-    return done
+class Smoothing(Technique):
+    """Smooth every eligible activation (module docstring). ``per_channel(node)``: whether a
+    MatMul/Gemm's weight is quantized per output channel (or not at all); only such a producer takes
+    ``1/s`` into its columns, since per column it would widen a per-tensor weight's range.
+
+    requires: calibration data (the per-channel amax of each activation), measured before the
+    activation ranges. ensures: the model computes the same function up to float rounding; each
+    smoothed activation's readers read ``x / s``."""
+
+    name = "smoothing"
+    option = "--smooth"
+    before_scales = True
+
+    def __init__(self, model: ir.Model, decisions: list[Decision], alpha: float, per_channel=lambda node: True):
+        if not 0 <= alpha <= 1:
+            raise Fp8OnnxError(f"--smooth must be in [0, 1], got {alpha!r}.")
+        self.model, self.alpha, self.per_channel = model, alpha, per_channel
+        self.groups = _groups(decisions, model)
+        builders = dict.fromkeys(self.groups, _amax_per_channel)
+        self.amax = Sums(builders, "channel amax", combine=np.maximum) if builders else None
+        self.done: dict[str, str] = {}  # activation name -> how (``"folded into <norm>"`` or ``"Mul inserted"``)
+
+    def statistics(self) -> list[Sums]:
+        return [self.amax] if self.amax else []
+
+    def apply(self, quant=None) -> str | None:
+        done = self.smooth()
+        folded = sum(how.startswith("folded") for how in done.values())
+        return (
+            f"smoothed {len(done)} activations into their weights (alpha {self.alpha:g}; {folded} folded "
+            "into the norm or MatMul that computes them)"
+        )
+
+    def smooth(self) -> dict[str, str]:
+        if self.amax is None:
+            return {}
+        model, alpha, amax, done = self.model, self.alpha, self.amax.result, self.done
+        for name, (x, nodes) in self.groups.items():
+            ax = amax[name][0]
+            aw = np.max([_weight_rows(n) for n in nodes], axis=0)
+            s = np.where((ax > 0) & (aw > 0), ax**alpha / np.maximum(aw, 1e-12) ** (1 - alpha), 1.0)
+            s = np.clip(s, 1e-5, 1e5)  # a dead channel keeps s = 1
+            for node in nodes:
+                _scale_weight(node, s)
+            inv = (1.0 / s).astype(np.float32)
+            readers = {id(u.node) for u in x.uses() if u.node.op_type not in _SHAPE_ONLY}
+            only_group = readers == {id(n) for n in nodes} and not x.is_graph_output()
+            folded = _fold(x, inv, self.per_channel) if only_group else None  # no other reader sees x / s
+            if folded:
+                done[name] = f"folded into {folded}"
+                continue
+            const = initializer(model.graph, f"fp8onnx/{name}/smooth_inv", inv.astype(x.dtype.numpy()))
+            mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
+            # not under the "fp8onnx/" prefix: that marks values InsertQDQPass takes as already quantized
+            mul.outputs[0].name = f"{name}/smoothed"
+            mul.outputs[0].dtype, mul.outputs[0].shape = x.dtype, x.shape
+            insert_at_definition(x, [mul])
+            for node in nodes:
+                node.replace_input_with(0, mul.outputs[0])
+            done[name] = "Mul inserted"
+        logger.info("smoothed %d activations (alpha %g)", len(done), alpha)
+        return done

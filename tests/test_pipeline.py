@@ -1,0 +1,119 @@
+"""The calibration pipeline: techniques declare statistics, the recipe measures them in the fewest
+passes, and the executor comes from RunOptions, never from the technique."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import fp8onnx
+from fp8onnx.pipeline import executors, statistics
+from fp8onnx.runtime import RunOptions
+from fp8onnx.techniques import recipe
+
+from helpers import mlp_data, mlp_model
+
+
+@pytest.fixture
+def counted_passes(monkeypatch):
+    """Every pass over the calibration data the recipe makes: the kinds of statistics it measured."""
+    passes = []
+    real = recipe.measure
+
+    def spy(model, stats, *args):
+        passes.append(sorted(type(s).__name__ for s in stats))
+        return real(model, stats, *args)
+
+    monkeypatch.setattr(recipe, "measure", spy)
+    return passes
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, [["Ranges"]]),
+        ({"weight_rounding": "gptq"}, [["Ranges", "Sums"]]),
+        ({"weight_rounding": "gptq", "bias_correction": True}, [["Ranges", "Sums", "Sums"]]),
+        ({"activations": "none", "weight_rounding": "gptq"}, [["Sums"]]),
+        ({"smooth": 0.5, "weight_rounding": "gptq", "bias_correction": True}, [["Sums"], ["Ranges", "Sums", "Sums"]]),
+        ({"activations": "dynamic-per-token"}, []),
+    ],
+)
+def test_the_recipe_reads_the_data_the_fewest_times_its_order_allows(tmp_path, counted_passes, options, expected):
+    model, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "c.npz")
+    fp8onnx.quantize(
+        model,
+        tmp_path / "q.onnx",
+        None if options.get("activations") == "dynamic-per-token" else data,
+        preset="none",
+        **options,
+    )
+    assert counted_passes == expected
+
+
+def test_the_executor_comes_from_the_run_options(tmp_path):
+    model = ir.load(mlp_model(tmp_path / "m.onnx"))
+    assert executors.executor_for(model, RunOptions()) is executors.InProcess
+    assert executors.executor_for(model, RunOptions(weight_memory=64)) is executors.LayerByLayer
+    assert executors.executor_for(model, RunOptions(workers=2)) is executors.RayWorkers
+
+
+def test_one_pass_gives_what_separate_passes_give(tmp_path):
+    """Statistics measured together equal the same statistics measured alone, in one process and
+    layer by layer."""
+    model = ir.load(mlp_model(tmp_path / "m.onnx"))
+    feeds = [{"x": np.random.default_rng(i).standard_normal((4, 16)).astype(np.float32)} for i in range(3)]
+
+    def square_sum(x, add):
+        return [add("ReduceSum", [add("Mul", [x, x], "sq"), np.array([0], np.int64)], "sum", keepdims=0)]
+
+    for weight_memory in (1 << 30, 64):
+        run = RunOptions(weight_memory=weight_memory, batch_size=2)
+        alone_ranges, alone_sums = (
+            statistics.Ranges(["h", "r"], histograms=True),
+            statistics.Sums({"r": square_sum}, "sq"),
+        )
+        statistics.measure(model, [alone_ranges], feeds, run, "ranges")
+        statistics.measure(model, [alone_sums], feeds, run, "sums")
+        ranges, sums = statistics.Ranges(["h", "r"], histograms=True), statistics.Sums({"r": square_sum}, "sq")
+        done = statistics.measure(model, [ranges, sums], feeds, run, "both")
+        assert done.num_batches == 3 and done.num_samples == 12
+        assert done.executor == ("in process" if weight_memory > 64 else "layer by layer")
+        assert ranges.amax == alone_ranges.amax and ranges.hist.keys() == alone_ranges.hist.keys()
+        np.testing.assert_array_equal(sums.result["r"][0], alone_sums.result["r"][0])
+        r = np.maximum(
+            np.concatenate([f["x"] for f in feeds])
+            @ ir.load(tmp_path / "m.onnx").graph.initializers["w1"].const_value.numpy(),
+            0,
+        )
+        np.testing.assert_allclose(sums.result["r"][0], (r * r).sum(axis=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_sequential_calibration_measures_each_layer_on_the_quantized_layers_before_it(
+    tmp_path, monkeypatch, sequential
+):
+    """GPTQ's X^T X of the second layer: from the first layer's float weights, or (sequential) from
+    its weights as stored, GPTQ-rounded before the second layer is measured."""
+    from fp8onnx.techniques import gptq
+
+    calls = []
+    real = gptq.gptq_round
+
+    def spy(w, h, scale, fmt, *args, **kwargs):
+        q = real(w, h, scale, fmt, *args, **kwargs)
+        if kwargs.get("act_order", True):  # not act-order's inner call
+            calls.append((w.shape, np.array(h), q))
+        return q
+
+    monkeypatch.setattr(gptq, "gptq_round", spy)
+    model, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "c.npz")
+    out = tmp_path / "q.onnx"
+    fp8onnx.quantize(model, out, data, preset="none", activations="none", weight_rounding="gptq", sequential=sequential)
+    (first,) = [q for shape, _, q in calls if shape == (16, 32)]
+    (hessian,) = [h for shape, h, _ in calls if shape == (32, 8)]
+    x = np.load(data)["x"]
+    w1 = ir.load(model).graph.initializers["w1"].const_value.numpy()
+    for weights, expected_match in ((first, sequential), (w1, not sequential)):
+        r = np.maximum(x @ weights, 0)
+        assert np.allclose(hessian, r.T @ r, rtol=1e-4, atol=1e-3) == expected_match
+    assert (ir.load(out).metadata_props.get("fp8onnx", "").find('"sequential": true') >= 0) == sequential
