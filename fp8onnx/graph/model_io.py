@@ -20,6 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.graph.embedded import externalized
 from fp8onnx.graph.guard import side_file
 from fp8onnx.passes._common import proto_graphs
 from fp8onnx.phases import phase
@@ -64,18 +65,19 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = model_file(path)
     if not path.is_file():
         raise Fp8OnnxError(f"Model path {str(path)!r} is not a regular file.")
+    parsed = externalized(path) or path  # a large single file: its weights moved to a side file first
     try:
-        model = ir.load(path)
+        model = ir.load(parsed)
     except Exception as exc:
         _explain_graph(path)
         raise Fp8OnnxError(
             f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})."
         ) from None
     _check_names(model, path)
-    check_external_data(model, path)
-    model.meta[EXTERNAL_META] = any(True for _ in _external_tensors(model))
+    check_external_data(model, parsed)
+    model.meta[EXTERNAL_META] = parsed == path and any(True for _ in _external_tensors(model))
     check_memory(model, path)
-    check_onnx(path, f"Model file {str(path)!r}")
+    check_onnx(parsed, f"Model file {str(path)!r}")
     model.meta[SOURCE_META] = str(path)
     return model
 
