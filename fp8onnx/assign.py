@@ -40,9 +40,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def assign_scales(decisions: list[Decision], model: ir.Model, config: QuantizeConfig, calibration: Stats | None):
+def assign_scales(
+    decisions: list[Decision], model: ir.Model, config: QuantizeConfig, calibration: Stats | None, weights=None
+):
     """(tensor name -> TensorQuant, tensor name -> the amax its scale came from) for every tensor the
-    decisions quantize; each tensor once, however many nodes read it."""
+    decisions quantize; each tensor once, however many nodes read it. ``weights``: the weights'
+    (TensorQuant, amax) where already computed (:func:`weight_quant`)."""
+    weights = weights or {}
     quant: dict[str, TensorQuant] = {}
     amax: dict[str, float | np.ndarray | None] = {}
     for d in decisions:
@@ -51,7 +55,8 @@ def assign_scales(decisions: list[Decision], model: ir.Model, config: QuantizeCo
             if value.name in quant:
                 continue
             if kind == "weight":
-                quant[value.name], amax[value.name] = weight_quant(d.node, index, value, config)
+                known = weights.get(value.name)
+                quant[value.name], amax[value.name] = known or weight_quant(d.node, index, value, config)
             elif config.activations == "dynamic-per-token" and _per_token(value):
                 quant[value.name], amax[value.name] = TensorQuant(config.activation_format, None, axis=-1), None
             else:

@@ -46,8 +46,9 @@ from fp8onnx.phases import current_phases, lap, recording
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.report import NodeReport, QuantizeReport
 from fp8onnx.runtime import RunOptions, resolve_provider, weight_bytes
+from fp8onnx.scratch import scratch
 from fp8onnx.targets import check_tensorrt
-from fp8onnx.techniques.recipe import measure_techniques, sequential_rounding, techniques_for
+from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_for
 
 __all__ = [
     "DEFAULT_OP_TYPES",
@@ -93,7 +94,7 @@ def quantize(
     sample of CPython's documentation (:func:`fp8onnx.text_sample.python_text_sample`). ``calib_optional``:
     ``calib`` is such a default, dropped where the recipe needs no data.
     """
-    with recording() as phases:
+    with recording() as phases, scratch():
         result = _quantize(model, output, calib, config, stats, report, run, options, calib_optional)
     result.phases = phases.to_json()
     return result
@@ -138,10 +139,10 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     act_names = activation_tensors(decisions, ir_model)
     late = [t for t in techniques if not t.before_scales]
     ranges = activation_ranges(ir_model, act_names, config, source, stats)
-    sequential = _sequential(decisions, config, late) if config.sequential else None
-    calibration = measure_techniques(ir_model, late, source, run, ranges, sequential)  # one pass: all of them
+    weights, settle = _settling(ir_model, decisions, config, late, run)
+    calibration = measure_techniques(ir_model, late, source, run, ranges, settle, config.sequential)  # one pass
     lap("calibrate")
-    quant, amax = assign_scales(decisions, ir_model, config, calibration)
+    quant, amax = assign_scales(decisions, ir_model, config, calibration, weights)
     targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
     keep_conv_bias_in_int32_range(decisions, quant)
     lap("scales")
@@ -229,16 +230,22 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     return result
 
 
-def _sequential(decisions, config: QuantizeConfig, techniques):
-    """Sequential calibration's (layers, settle): each weight's scales known before the pass (they
-    come from the weight alone)."""
+def _settling(model, decisions, config: QuantizeConfig, techniques, run: RunOptions):
+    """(the weights' (TensorQuant, amax), settle) for a layer-by-layer pass that settles layers as it
+    goes (:func:`~fp8onnx.techniques.recipe.settling`): sequential calibration, or GPTQ on a model
+    over the weight budget; else ({}, None). The weights' scales come from the weights alone, so
+    they are known before the pass."""
+    layered = weight_bytes(model) > run.weight_memory and not run.distributed
+    if not config.sequential and not (layered and config.weight_rounding == "gptq"):
+        return {}, None
     weights = {
-        d.node.inputs[i].name: weight_quant(d.node, i, d.node.inputs[i], config)[0]
+        d.node.inputs[i].name: weight_quant(d.node, i, d.node.inputs[i], config)
         for d in decisions
         for i, kind in d.inputs
         if kind == "weight"
     }
-    return sequential_rounding(decisions, weights, techniques)
+    quant = {name: tq for name, (tq, _) in weights.items()}
+    return weights, settling(decisions, quant, techniques, config.sequential)
 
 
 def _data_reads(config: QuantizeConfig, stats=None) -> list[str]:

@@ -117,3 +117,42 @@ def test_sequential_calibration_measures_each_layer_on_the_quantized_layers_befo
         r = np.maximum(x @ weights, 0)
         assert np.allclose(hessian, r.T @ r, rtol=1e-4, atol=1e-3) == expected_match
     assert (ir.load(out).metadata_props.get("fp8onnx", "").find('"sequential": true') >= 0) == sequential
+
+
+def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatch):
+    """Over the weight budget, GPTQ rounds a layer as soon as the segment computing its X^T X has run
+    (written to a scratch folder, its sums dropped): the same bytes as rounding them all at the end,
+    and no temporary file left."""
+    import sys
+
+    from fp8onnx.models.build_llama import build, write_data
+    from fp8onnx.techniques import gptq
+
+    path = build(tmp_path / "tiny", layers=2, dim=64, heads=4, ffn=160, vocab=300)
+    write_data(tmp_path / "tiny", vocab=300, seq=16, calib=8, evals=4)
+    calib = tmp_path / "tiny" / "calib.npz"
+    options = {"preset": "none", "activations": "none", "weight_rounding": "gptq", "weight_memory": 60_000}
+    early = []
+    real = gptq.GPTQ.round_now
+
+    def spy(self, quant, name, measured):
+        stored = real(self, quant, name, measured)
+        if stored is not None and stored is not False:
+            early.append((name, len(self.hessians.dropped)))
+        return stored
+
+    monkeypatch.setattr(gptq.GPTQ, "round_now", spy)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    (tmp_path / "streamed").mkdir()
+    fp8onnx.quantize(path, tmp_path / "streamed" / "q.onnx", calib, **options)
+    assert len({name for name, _ in early}) == 2 * 7 + 1 and early[-1][1] > 0  # the lm_head too; sums dropped
+    assert list(scratch.iterdir()) == []
+    monkeypatch.setattr(sys.modules["fp8onnx.quantize"], "_settling", lambda *args: ({}, None))
+    (tmp_path / "at_the_end").mkdir()
+    fp8onnx.quantize(path, tmp_path / "at_the_end" / "q.onnx", calib, **options)
+    for suffix in ("", ".data"):
+        a, b = (tmp_path / n / f"q.onnx{suffix}" for n in ("streamed", "at_the_end"))
+        assert a.exists() == b.exists() and (not a.exists() or a.read_bytes() == b.read_bytes())

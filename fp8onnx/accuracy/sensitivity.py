@@ -31,20 +31,17 @@ import logging
 import math
 import os
 
-import numpy as np
 import onnx_ir as ir
 
 from fp8onnx.assign import activation_stats, assign_scales
 from fp8onnx.config import QuantizeConfig
-from fp8onnx.data.datasource import as_data
-from fp8onnx.data.feeds import input_specs
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.passes import InsertQDQPass
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.progress import progress_bar
-from fp8onnx.runtime import RunOptions, resolve_provider, session_for_model
+from fp8onnx.pipeline.statistics import Statistic, measure
+from fp8onnx.runtime import RunOptions, resolve_provider
 
 __all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
 
@@ -131,9 +128,26 @@ class SensitivityResult:
         return "\n".join(lines)
 
 
-def _floats(values: dict) -> np.ndarray:
-    """One batch's error and energy sums, in output order, as float64 (Ray workers run it too)."""
-    return np.array([float(v) for v in values.values()], np.float64)
+class _Errors(Statistic):
+    """Per measured node, sum((y_q - y)^2) and sum(y^2) over the data: ``y`` the node's output, ``y_q``
+    a shadow copy's with only its inputs quantized (``quant``)."""
+
+    def __init__(self, decisions: list, quant: dict):
+        self.decisions, self.quant = decisions, quant
+        self.outputs: list[str] = []
+        self.sums: dict[str, float] = {}
+
+    def instrument(self, model: ir.Model, tag: str) -> list[str]:
+        nodes = {n.name: n for n in model.graph}
+        shadows = [(nodes[d.node.name], _shadow(nodes[d.node.name]), d.inputs) for d in self.decisions]
+        InsertQDQPass([(shadow, i) for _, shadow, inputs in shadows for i, _ in inputs], self.quant)(model)
+        for node, shadow, _ in shadows:
+            self.outputs += _error_outputs(model.graph, node, shadow)
+        return self.outputs
+
+    def merge(self, summary: dict) -> None:
+        for name, value in summary.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(value)
 
 
 def measure_sensitivity(
@@ -167,41 +181,16 @@ def measure_sensitivity(
             rows.append(NodeSensitivity(d.node.name, d.node.op_type, None, reason="inside a subgraph"))
             continue
         rows.append(NodeSensitivity(d.node.name, d.node.op_type, None))
-        measured.append((d, _shadow(d.node)))
-    InsertQDQPass([(shadow, i) for d, shadow in measured for i, _ in d.inputs], quant)(ir_model)
-    outputs = []
-    for d, shadow in measured:
-        outputs += _error_outputs(ir_model.graph, d.node, shadow)
-
+        measured.append(d)
     source = data if data is not None else calib
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
-    feeds = as_data(source, input_specs(ir_model), ir_model)
-    sums = np.zeros(len(outputs), np.float64)
-    samples = batches = 0
-    total = feeds.count_batches(run.batch)
-
-    # Nothing measurable (every node in a subgraph): no pass at all (run([]) would fetch every output).
-    def counted():
-        nonlocal samples, batches
-        for batch in feeds.batches(run.batch):
-            samples += batch.size
-            batches += 1
-            yield batch.feed
-
-    if not outputs:
-        per_batch = iter(())
-    elif run.distributed:  # Ray workers (fp8onnx.pipeline.distributed): per-batch sums, added here in batch order
-        from fp8onnx.pipeline.distributed import map_outputs
-
-        per_batch = map_outputs(run, ir_model, outputs, counted(), "The sensitivity model", _floats)
-    else:
-        session = session_for_model(ir_model, run.provider, "The sensitivity model", instrumented=True)
-        per_batch = (_floats(dict(zip(outputs, session.run(outputs, feed)))) for feed in counted())
-    for values in progress_bar(per_batch, total=total, desc="sensitivity", unit="batch", enable=run.progress):
-        sums += values
+    errors = _Errors(measured, quant)
+    done = measure(ir_model, [errors], source, run, "sensitivity")
+    samples, batches = done.num_samples, done.num_batches
+    sums = [errors.sums.get(o, 0.0) for o in errors.outputs]
     by_name = {}
-    for k, (d, _) in enumerate(measured):
+    for k, d in enumerate(measured):
         err, energy = sums[2 * k], sums[2 * k + 1]
         by_name[d.node.name] = math.inf if err == 0 else (10 * math.log10(energy / err) if energy > 0 else -math.inf)
     for row in rows:

@@ -13,15 +13,13 @@ external data, has the same graph, initializers (names, types, shapes, bytes) an
 
 from __future__ import annotations
 
-import atexit
 import io
 import logging
 import os
 import pathlib
-import shutil
-import tempfile
 
 from fp8onnx.phases import phase
+from fp8onnx.scratch import scratch_folder
 
 __all__ = ["EMBEDDED_BYTES", "externalize", "externalized"]
 
@@ -160,12 +158,11 @@ def externalize(path: str | os.PathLike, folder: str | os.PathLike) -> pathlib.P
 
 def externalized(path: pathlib.Path) -> pathlib.Path | None:
     """A copy of a single-file model larger than ``EMBEDDED_BYTES`` with its weights in a side file
-    (:func:`externalize`), in a temporary folder removed at exit; None to load it as it is
-    (small, already with external data, or not a model this can walk)."""
+    (:func:`externalize`), in a temporary folder removed when the job ends (:mod:`fp8onnx.scratch`);
+    None to load it as it is (small, already with external data, or not a model this can walk)."""
     if path.stat().st_size <= EMBEDDED_BYTES:
         return None
-    folder = tempfile.mkdtemp(prefix="fp8onnx-embedded-")
-    atexit.register(shutil.rmtree, folder, True)
+    folder = scratch_folder("fp8onnx-embedded-")
     try:
         with phase("move embedded weights to a side file"):
             copy = externalize(path, folder)

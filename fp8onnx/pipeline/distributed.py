@@ -29,7 +29,6 @@ __all__ = [
     "WorkerPool",
     "close_all",
     "fetch",
-    "map_outputs",
     "remote_tasks",
     "shared_pool",
     "statistics_pool",
@@ -278,9 +277,3 @@ def statistics_pool(run, model, what: str) -> WorkerPool:
     pool = shared_pool(run.workers, run.ray_address)
     pool.load(portable_model(model, files=pool.local), worker_session, run.provider, what)
     return pool
-
-
-def map_outputs(run, model, outputs: list[str], feeds: Iterable[dict], what: str, reduce: Callable | None = None):
-    """:func:`fetch` for each feed, in feed order, on :func:`statistics_pool`'s workers."""
-    pool = statistics_pool(run, model, what)
-    return pool.map(fetch, ((outputs, feed, reduce, what) for feed in feeds))

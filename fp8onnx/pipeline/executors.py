@@ -103,39 +103,32 @@ class InProcess(Executor):
 
 
 class LayerByLayer(Executor):
+    """Segments of at most ``run.weight_memory`` bytes of weights. ``settle(node names, statistic
+    outputs complete so far)``, if given, is called after each segment has run over every batch: a
+    technique can then use what is complete and drop it (GPTQ rounds those layers), so that memory
+    holds one segment's statistics rather than all of them."""
+
     name = "layer by layer"
 
-    def map(self, feeds, reduce, merge, total, desc) -> None:
-        show = lambda it, n, d: self.bar(it, n, d)  # noqa: E731
-        run = self.run
-        on_result = lambda _, values: merge(reduce(values))  # noqa: E731
-        run_segmented(
-            self.model, self.outputs, feeds, on_result, budget=run.weight_memory, provider=run.provider, progress=show
-        )
-
-
-class Sequential(LayerByLayer):
-    """Layer by layer, cut so that no quantized layer, nor any statistic, reads a value computed
-    downstream of another quantized layer in the same segment; after each segment with quantized
-    layers, ``settle(node names, statistic outputs complete so far)`` returns the stored values of
-    the weights it rounded (by initializer name), and the segment runs again on those for the
-    segments after it. ``layers``: the names of the quantized layers' nodes."""
-
-    name = "sequential"
-
-    def __init__(self, model, outputs, run, what, tensors=False, *, layers=(), settle=None, new=()):
+    def __init__(self, model, outputs, run, what, tensors=False, *, settle=None, layers=(), new=()):
         super().__init__(model, outputs, run, what, tensors)
-        self.layers, self.settle, self.new = set(layers), settle, set(new)
+        self.settle, self.layers, self.new = settle, set(layers), set(new)
+
+    def segments(self):
+        """``run_segmented``'s ``sequential`` argument: None here (cuts by weight budget only)."""
+        return None
 
     def map(self, feeds, reduce, merge, total, desc) -> None:
         graph, run, completed = self.model.graph, self.run, set()
-        layers = {id(n) for n in graph if n.name in self.layers}
-        sensitive = layers | {id(n) for n in graph if n.name in self.new}
+        settle = None
+        if self.settle is not None:
 
-        def settle(seg) -> None:
-            completed.update(v.name for v in seg.outputs)
-            for name, tensor in self.settle([n.name for n in seg.nodes], completed).items():
-                graph.initializers[name].const_value = tensor
+            def settle(seg) -> None:
+                completed.update(v.name for v in seg.outputs)
+                stored = self.settle([n.name for n in seg.nodes], completed)
+                if self.segments() is not None:  # sequential: later segments read the layers as stored
+                    for name, tensor in stored.items():
+                        graph.initializers[name].const_value = tensor
 
         run_segmented(
             self.model,
@@ -145,9 +138,23 @@ class Sequential(LayerByLayer):
             budget=run.weight_memory,
             provider=run.provider,
             progress=lambda it, n, d: self.bar(it, n, d),
-            sequential=(layers, sensitive),
+            sequential=self.segments(),
             settle=settle,
         )
+
+
+class Sequential(LayerByLayer):
+    """Layer by layer, cut so that no quantized layer (``layers``: their node names), nor any
+    statistic (``new``: the nodes the statistics added), reads a value computed downstream of another
+    quantized layer in the same segment; after each segment, ``settle`` returns the stored values of
+    the weights it rounded (by initializer name), and a segment with quantized layers runs again on
+    those for the segments after it."""
+
+    name = "sequential"
+
+    def segments(self):
+        layers = {id(n) for n in self.model.graph if n.name in self.layers}
+        return layers, layers | {id(n) for n in self.model.graph if n.name in self.new}
 
 
 class RayWorkers(Executor):

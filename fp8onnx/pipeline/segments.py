@@ -222,10 +222,11 @@ def run_segmented(
     """Run ``model`` over every feed, segment by segment; ``on_result(batch, {name: array})`` gets the
     ``wanted`` values each segment computes. Returns the number of batches.
 
-    Sequential calibration (``sequential``: see :func:`split`): once a segment holding quantized
-    layers has run over every batch, ``settle(segment)`` replaces their weights by the values they
-    will be stored as, and the segment runs again to give later segments its results from those:
-    each layer is measured on the outputs of the quantized layers before it (GPTQ's own order)."""
+    ``settle(segment)`` is called once a segment has run over every batch. Sequential calibration
+    (``sequential``: see :func:`split`): there it replaces the segment's quantized layers' weights by
+    the values they will be stored as, and the segment runs again to give later segments its results
+    from those: each layer is measured on the outputs of the quantized layers before it (GPTQ's own
+    order)."""
     wanted = list(dict.fromkeys(wanted))
     segments = split(model.graph, budget, wanted, sequential)
     layers = sequential[0] if sequential else set()
@@ -246,13 +247,12 @@ def run_segmented(
             if not seg.outputs:
                 continue  # computes nothing anyone asked for (e.g. the model's own outputs only)
             args = (model, seg, i, len(segments), num_batches, spill, set(wanted))
-            if any(id(n) in layers for n in seg.nodes):
-                _run_segment(*args, on_result, provider, progress, keep=False)
+            rounded = any(id(n) in layers for n in seg.nodes)  # sequential: run again once rounded
+            _run_segment(*args, on_result, provider, progress, keep=not rounded)
+            if settle is not None:
                 settle(seg)
-                if seg.later:  # its results for later segments, from the rounded layers
-                    _run_segment(*args, lambda b, v: None, provider, progress)
-            else:
-                _run_segment(*args, on_result, provider, progress)
+            if rounded and seg.later:  # its results for later segments, from the rounded layers
+                _run_segment(*args, lambda b, v: None, provider, progress)
             for name in [n for n, last in last_read.items() if last == i]:
                 spill.drop(name, num_batches)
         logger.info("layer-by-layer run spilled %.0f MB of activations to disk", spill.nbytes / 1e6)

@@ -31,7 +31,7 @@ from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from fp8onnx.passes._common import initializer, insert_at_definition, keep_only_outputs
 from fp8onnx.phases import phase
 from fp8onnx.pipeline.batching import _batched_inputs, _samples, auto_batch_size
-from fp8onnx.pipeline.executors import executor_for
+from fp8onnx.pipeline.executors import LayerByLayer, executor_for
 from fp8onnx.runtime import RunOptions
 
 __all__ = ["F32", "Measured", "Ranges", "Statistic", "Sums", "measure", "reduce_batch"]
@@ -117,6 +117,7 @@ class Sums(Statistic):
         self.builders, self.desc, self.combine, self.dtype = builders, desc, combine, dtype
         self.fetch: dict[str, list[str]] = {}
         self.sums: dict[str, np.ndarray] = {}
+        self.dropped: set[str] = set()
 
     def instrument(self, model: ir.Model, tag: str) -> list[str]:
         graph = model.graph
@@ -156,11 +157,17 @@ class Sums(Statistic):
         them: in sequential calibration, once their segment has)."""
         return [self.sums[o] for o in self.fetch[name]]
 
+    def drop(self, name: str) -> None:
+        """Forget tensor ``name``'s values (its user is done with them): memory for the rest."""
+        for o in self.fetch[name]:
+            self.sums.pop(o, None)
+        self.dropped.add(name)
+
     @property
     def result(self) -> dict[str, list[np.ndarray]]:
-        if len(self.sums) != sum(map(len, self.fetch.values())):
+        if len(self.sums) != sum(len(v) for k, v in self.fetch.items() if k not in self.dropped):
             raise Fp8OnnxError(f"No calibration batch to compute {self.desc} on.")
-        return {name: [self.sums[o] for o in names] for name, names in self.fetch.items()}
+        return {name: [self.sums[o] for o in names] for name, names in self.fetch.items() if name not in self.dropped}
 
 
 @dataclasses.dataclass
@@ -174,15 +181,23 @@ class Measured:
 
 
 def measure(
-    model: ir.Model, statistics: list[Statistic], data, run: RunOptions, desc: str, sequential=None
+    model: ir.Model,
+    statistics: list[Statistic],
+    data,
+    run: RunOptions,
+    desc: str,
+    settle=None,
+    sequential: bool = False,
 ) -> Measured:
     """Measure every statistic in ``statistics`` in one pass of ``data`` (see
     :func:`fp8onnx.data.datasource.as_data`) through ``model``; returns what the pass read.
-    ``sequential``: (names of the quantized layers' nodes, ``settle``): sequential calibration
-    (:class:`~fp8onnx.pipeline.executors.Sequential`).
+    ``settle``: (names of the quantized layers' nodes, ``settle(node names, outputs complete so
+    far)``), called after each segment of a layer-by-layer run (:class:`~fp8onnx.pipeline.executors.LayerByLayer`);
+    ``sequential``: sequential calibration (:class:`~fp8onnx.pipeline.executors.Sequential`), where
+    ``settle`` returns the stored values of the layers it rounded.
 
-    requires: each statistic names tensors of ``model``'s main graph. ensures: ``model`` unchanged;
-    each statistic has merged every batch, in batch order."""
+    requires: each statistic names tensors of ``model``'s main graph. ensures: ``model`` unchanged
+    (but for what ``settle`` changes); each statistic has merged every batch, in batch order."""
     done = Measured()
     statistics = [s for s in statistics if s is not None]
     if not statistics:
@@ -214,10 +229,10 @@ def measure(
             done.num_samples += batch.size
             yield batch.feed
 
-    kind, extra = executor_for(model, run, sequential is not None), {}
-    if sequential is not None:
+    kind, extra = executor_for(model, run, sequential), {}
+    if settle is not None and issubclass(kind, LayerByLayer):
         new = [n.name for n in instrumented.graph if n.name not in original]  # the statistics' nodes
-        extra = {"layers": sequential[0], "settle": sequential[1], "new": new}
+        extra = {"layers": settle[0], "settle": settle[1], "new": new}
     with kind(instrumented, outputs, run, f"The {desc} model", tensors, **extra) as executor:
         done.executor = executor.name
         probe = executor.probe() if any(s.sized for s in statistics) else None

@@ -24,6 +24,7 @@ are lazy: each is rounded when the model is saved, one at a time, so memory stay
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import onnx_ir as ir
@@ -32,8 +33,9 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
 from fp8onnx.passes import TensorQuant
-from fp8onnx.passes._common import derived_tensor
+from fp8onnx.passes._common import derived_tensor, release
 from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.scratch import scratch_folder
 from fp8onnx.techniques.base import Technique
 
 __all__ = ["GPTQ", "gptq_round"]
@@ -193,16 +195,47 @@ class GPTQ(Technique):
         return rounded
 
     def round_now(self, quant: dict[str, TensorQuant], name: str, measured: set[str]):
-        """Sequential calibration: weight ``name`` rounded now, if GPTQ rounds it and its X^T X is
-        among the statistic outputs ``measured`` so far; returns the stored tensor (also put in the
-        model), False where GPTQ does not round this weight, or None where its X^T X is not measured yet."""
-        plan = self._plan(quant) if self.targets else {}
+        """Weight ``name`` rounded now (sequential or layer-by-layer calibration), if GPTQ rounds it
+        and its X^T X is among the statistic outputs ``measured`` so far; returns the stored tensor
+        (also put in the model: written to :attr:`folder`, read back when the model is saved, so that
+        memory holds no rounded weight), False where GPTQ does not round this weight, or None where
+        its X^T X is not measured yet. An X^T X all of whose weights are rounded is dropped."""
+        plan = self._planned(quant)
         if name not in plan:
             return False
         value, x, compute = plan[name]
+        if name in self.originals:
+            return value.const_value
         if not set(self.hessians.fetch[x]) <= measured:
             return None
         source = value.const_value
-        stored = ir.tensor(compute(source.numpy()), name=name)
+        rounded = compute(source.numpy())
+        release(source)
+        where = os.path.join(self._folder(), f"{len(self.originals)}.npy")
+        np.save(where, rounded, allow_pickle=False)
+        del rounded
+        stored = ir.LazyTensor(
+            lambda: ir.tensor(np.load(where, allow_pickle=False), name=name),
+            dtype=value.dtype,
+            shape=ir.Shape(source.shape),
+            name=name,
+        )
         self.originals[name], value.const_value = source, stored
+        if all(n in self.originals for n, (_, y, _) in plan.items() if y == x):
+            self.hessians.drop(x)  # every weight it rounds is rounded: free its K x K sums
         return stored
+
+    def round_ready(self, quant: dict[str, TensorQuant], measured: set[str]) -> None:
+        """Round every weight whose X^T X is complete (layer-by-layer calibration, after each segment)."""
+        for name in self._planned(quant):
+            self.round_now(quant, name, measured)
+
+    def _planned(self, quant):
+        if getattr(self, "_plan_for", None) is not quant:
+            self._plan_for, self._plan_cache = quant, (self._plan(quant) if self.targets else {})
+        return self._plan_cache
+
+    def _folder(self) -> str:
+        if getattr(self, "folder", None) is None:
+            self.folder = scratch_folder("fp8onnx-gptq-")
+        return self.folder

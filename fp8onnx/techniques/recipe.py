@@ -22,7 +22,7 @@ from fp8onnx.pipeline.statistics import Ranges, measure
 from fp8onnx.runtime import RunOptions
 from fp8onnx.techniques.base import Technique, stored_values
 
-__all__ = ["measure_techniques", "sequential_rounding", "techniques_for"]
+__all__ = ["measure_techniques", "settling", "techniques_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ def measure_techniques(
     data,
     run: RunOptions,
     ranges: Ranges | Stats | None = None,
-    sequential=None,
+    settle=None,
+    sequential: bool = False,
 ) -> Stats | None:
     """Measure the statistics of ``techniques`` (and ``ranges``, the activation ranges when they are
     to be measured) in one pass of ``data`` through ``model``; returns the activation statistics
@@ -81,23 +82,31 @@ def measure_techniques(
         return ranges
     what = ", ".join((["activation ranges"] if measuring else []) + [t.name for t in techniques if t.statistics()])
     logger.info("one pass over the calibration data for %s", what)
-    done = measure(model, ([ranges] if measuring else []) + statistics, data, run, "calibration", sequential)
+    done = measure(model, ([ranges] if measuring else []) + statistics, data, run, "calibration", settle, sequential)
     return ranges_stats(ranges, done) if measuring else ranges
 
 
-def sequential_rounding(decisions: list[Decision], quant: dict, techniques: list[Technique]):
-    """(the quantized layers' node names, ``settle``) for sequential calibration: ``settle(node
-    names, statistic outputs measured so far)`` rounds the weights of the quantized layers among those
-    nodes as they will be stored (GPTQ's rounding once its X^T X is measured, else the nearest value
-    on the grid of their scales in ``quant``, the weights' TensorQuant) and returns them by name."""
+def settling(decisions: list[Decision], quant: dict, techniques: list[Technique], sequential: bool):
+    """(the quantized layers' node names, ``settle``) for a layer-by-layer pass, or None where
+    nothing needs it; ``quant``: the weights' TensorQuant (their scales come from the weights alone).
+
+    ``settle(node names, statistic outputs measured so far)`` is called after each segment. With
+    ``sequential`` it rounds the weights of the quantized layers among those nodes as they will be
+    stored (GPTQ's rounding once its X^T X is measured, else the nearest value on their grid) and
+    returns them by name, for the segments after them to read. Otherwise it has GPTQ round every
+    weight whose X^T X is complete, so that the sums of a segment are dropped once it has run."""
     from fp8onnx.techniques.gptq import GPTQ
 
-    gptq = next((t for t in techniques if isinstance(t, GPTQ)), None)
+    gptq = next((t for t in techniques if isinstance(t, GPTQ) and t.targets), None)
     layers = {
         d.node.name: [d.node.inputs[i] for i, kind in d.inputs if kind == "weight"]
         for d in decisions
         if any(kind == "weight" for _, kind in d.inputs)
     }
+    if not sequential:
+        if gptq is None:
+            return None
+        return list(layers), lambda names, measured: gptq.round_ready(quant, measured) or {}
     done: set[str] = set()
 
     def settle(names: list[str], measured: set[str]) -> dict:
