@@ -38,6 +38,8 @@ def describe_config(cfg: dict) -> str:
         how += f", smoothing alpha {cfg['smooth']:g}"
     if cfg.get("bias_correction"):
         how += ", bias correction"
+    if cfg.get("sequential"):
+        how += ", sequential calibration"
     if cfg.get("float_vocab"):
         how += ", vocabulary projections in float"
     if cfg.get("float_stem"):

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 import fp8onnx
@@ -199,3 +200,20 @@ def test_outputs_get_the_permissions_of_any_new_file(tmp_path, monkeypatch, exte
     written = [out, tmp_path / "q.onnx.data"] if external else [out]
     assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(0o644)}
     assert oct((tmp_path / "h.onnx").stat().st_mode & 0o777) == oct(0o640)
+
+
+def test_a_model_larger_than_memory_is_quantized_layer_by_layer(tmp_path, monkeypatch):
+    """Weights over this machine's memory as a whole, but every tensor within it: refused only by a
+    session that would load it whole (one sentence), quantized layer by layer."""
+    from fp8onnx import runtime
+    from fp8onnx.graph import model_io
+
+    path, data = mlp_model(tmp_path / "m.onnx", hidden=512), mlp_data(tmp_path / "d.npz")
+    for module in (runtime, model_io):
+        monkeypatch.setattr(module, "machine_memory", lambda: 40_000)  # the weights: 32 + 16 KiB
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, preset="none", weight_memory=33_000)
+    assert report.modified
+    with pytest.raises(
+        Fp8OnnxError, match=r"^The FP32 model holds 0\.0 GiB of weights; this machine has .* too little for"
+    ):
+        runtime.session_for_model(ir.load(path), "cpu", "the FP32 model")

@@ -143,11 +143,12 @@ from fp8onnx.targets import TARGETS
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
 )
 @click.option(
-    "--sequential",
-    is_flag=True,
+    "--sequential/--no-sequential",
+    default=False,
     help="Calibrate layer by layer, each layer on the outputs of the quantized layers before it (their weights as "
     "stored: GPTQ's rounding or the nearest FP8 value); GPTQ's X^T X, bias correction's means and static activation "
-    "ranges then see the quantized model's inputs. Runs in this process, two runs per segment.",
+    "ranges then see the quantized model's inputs. Runs in this process, two runs per segment (--preset llm's; "
+    "--no-sequential: on the float model).",
 )
 @click.option(
     "--float-vocab",

@@ -24,7 +24,7 @@ from fp8onnx.graph.embedded import externalized
 from fp8onnx.graph.guard import side_file
 from fp8onnx.passes._common import proto_graphs
 from fp8onnx.phases import phase
-from fp8onnx.runtime import inline_proto, make_session, weight_bytes
+from fp8onnx.runtime import inline_proto, machine_memory, make_session, weight_bytes
 
 __all__ = [
     "EXTERNAL_META",
@@ -240,31 +240,30 @@ def check_external_data(model: ir.Model, path: pathlib.Path) -> None:
             raise Fp8OnnxError(f"{where} reads bytes up to {end} of {location!r}, which has only {size} (truncated?).")
 
 
-def machine_memory() -> int:
-    """Physical memory in bytes."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
-        return 1 << 62
-
-
 def check_memory(model: ir.Model, path: pathlib.Path) -> None:
-    """Refuse a model whose declared weights could never be held in this machine's memory: the
-    onnxruntime sessions that calibrate and check it would be killed for lack of memory instead."""
-    declared = 0
+    """Refuse a model with a tensor larger than this machine's memory: no session can hold it, not
+    even layer by layer (one node's weights are a segment's least). A model larger than memory as a
+    whole is calibrated layer by layer; a session that would load it whole refuses it then
+    (:func:`fp8onnx.runtime.session_for_model`)."""
+    declared = largest = 0
+    name = ""
     for graph in (model.graph, *model.graph.subgraphs()):
         for v in graph.initializers.values():
             if v.const_value is None:
                 continue
             try:
-                declared += v.const_value.nbytes
+                size = v.const_value.nbytes
             except (TypeError, ValueError) as exc:  # e.g. a corrupt data type
                 raise Fp8OnnxError(f"Tensor {v.name!r} of {str(path)!r} is malformed ({exc}).") from None
+            declared += size
+            if size > largest:
+                largest, name = size, v.name
     total = machine_memory()
-    if declared > total:
+    if largest > total:
         raise Fp8OnnxError(
             f"Model file {str(path)!r} declares {declared / 2**30:.1f} GiB of weights; this machine has "
-            f"{total / 2**30:.1f} GiB of memory, too little for onnxruntime to load it."
+            f"{total / 2**30:.1f} GiB of memory, too little for onnxruntime to hold its tensor {name!r} "
+            f"({largest / 2**30:.1f} GiB) even layer by layer."
         )
 
 

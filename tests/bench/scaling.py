@@ -65,6 +65,7 @@ def bench(folder: pathlib.Path, rows: int, batch: int, extra: list[str], tmp: pa
         print(f"[{folder.name}] FP32 pass, one session", flush=True)
         row["fp32_whole"] = run_child([sys.executable, "-c", _FP32_WHOLE, str(model), str(calib), str(batch)], **limits)
     out = tmp / f"{folder.name}-q" / "model.onnx"
+    out.parent.mkdir()
     cmd = ["fp8onnx", "quantize", str(model), "--calib", str(calib), "--preset", "none", "--batch-size", str(batch)]
     print(f"[{folder.name}] quantize {' '.join(extra)}", flush=True)
     row["quantize"] = run_child([*cmd, *extra, "-o", str(out)], **limits)
