@@ -91,6 +91,7 @@ def inspect(model: str | os.PathLike) -> dict:
                 "kind": kind,
                 "format": fmt,
                 "scale": None if scale is None else (float(scale) if scale.size == 1 else scale.tolist()),
+                "granularity": _granularity(node, scale),
                 "shape": None if src.shape is None else [d if isinstance(d, int) else str(d) for d in src.shape],
                 "consumers": sorted({u.node.op_type for u in node.outputs[0].uses()}),
             }
@@ -129,6 +130,20 @@ def inspect(model: str | os.PathLike) -> dict:
     }
 
 
+def _granularity(node: ir.Node, scale) -> str:
+    """How finely a DequantizeLinear's scale is applied, and whether every scale is a power of two."""
+    block = node.attributes.get_int("block_size", 0)
+    if scale is None:
+        return "dynamic"
+    kind = (
+        f"block {block} along axis {node.attributes.get_int('axis', 1)}"
+        if block
+        else ("per tensor" if scale.size == 1 else f"per channel along axis {node.attributes.get_int('axis', 1)}")
+    )
+    mantissa, _ = np.frexp(np.asarray(scale, np.float64))
+    return kind + (", power-of-two scales" if np.all(mantissa == 0.5) else "")
+
+
 def inspect_summary(info: dict) -> str:
     lines = [
         f"{info['model']}: opset {info['opset']}, {info['quantized_nodes']} of {info['matmul_gemm_nodes']} "
@@ -147,7 +162,9 @@ def inspect_summary(info: dict) -> str:
         scales = np.array([t["scale"] for t in group if isinstance(t["scale"], float)])
         fmts = ", ".join(sorted({t["format"] for t in group}))
         rng = f", scales {scales.min():.3g} .. {scales.max():.3g}" if scales.size else ""
-        lines.append(f"  {len(group)} float8 {label} ({fmts}){rng}")
+        kinds = collections.Counter(t.get("granularity", "") for t in group)
+        how = "; ".join(f"{n} {k}" for k, n in sorted(kinds.items()) if k)
+        lines.append(f"  {len(group)} float8 {label} ({fmts}){rng}" + (f" [{how}]" if how else ""))
     for name, why in info.get("high_risk", {}).items():
         lines.append(f"  HIGH RISK for FP8: {name}: {why}; consider --exclude '{name}'")
     problems = info.get("tensorrt_problems", [])

@@ -13,13 +13,13 @@ from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path
 from fp8onnx.graph.plan import Decision, in_main_graph
-from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, clipping_amax
+from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, amax_to_scales, clipping_amax
 from fp8onnx.passes import (
     TensorQuant,
     bias_of,
     output_channel_axis,
 )
-from fp8onnx.pipeline.calibration import Stats, ranges_stats, weight_amax
+from fp8onnx.pipeline.calibration import Stats, block_amax, ranges_stats, weight_amax
 from fp8onnx.pipeline.statistics import Ranges, measure
 from fp8onnx.report import TensorReport
 from fp8onnx.runtime import RunOptions
@@ -202,11 +202,25 @@ def keep_conv_bias_in_int32_range(decisions: list[Decision], quant: dict[str, Te
             quant[node.inputs[1].name] = TensorQuant(w.format, raised, w.axis)
 
 
+def block_axis(node: ir.Node, index: int, rank: int) -> int | None:
+    """The reduction axis (K) of a MatMul/Gemm weight, along which its block scales run; None for
+    others (Conv keeps per-channel scales) and for a weight that is not 2-D."""
+    if index != 1 or rank != 2 or node.op_type not in ("MatMul", "Gemm"):
+        return None
+    return 1 if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else 0
+
+
 def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig):
-    """(TensorQuant, amax) of a weight: its max is read once, per tensor or per output channel."""
+    """(TensorQuant, amax) of a weight: its max is read once, per tensor, per output channel or, with
+    ``--weight-block-size``, per block of K (MatMul/Gemm)."""
     fmt = config.weight_format
     # Weights know their every value: percentile/mse clip activations only, weights keep their max.
     method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
+    axis = block_axis(node, index, len(value.shape)) if config.weight_block_size else None
+    if axis is not None:
+        amax = block_amax(value, axis, config.weight_block_size)
+        scales = amax_to_scales(amax, fmt, method, margin=config.margin)
+        return TensorQuant(fmt, scales, axis, config.weight_block_size), amax
     axis = output_channel_axis(node, index, len(value.shape)) if config.weight_per_channel(node.op_type) else None
     amax = weight_amax(value, axis)
     if axis is None:

@@ -159,6 +159,7 @@ class QuantizeConfig:
     percentile: float | None = None
     activations: Activations | str = Activations.STATIC
     per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
+    weight_block_size: int = 0  # MatMul/Gemm weights: one scale per this many elements along K (0: off)
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
@@ -203,6 +204,11 @@ class QuantizeConfig:
             raise Fp8OnnxError("--bias-correction needs calibration; --scaling constant has none.")
         if self.weight_rounding == "gptq" and self.scaling is Scaling.CONSTANT:
             raise Fp8OnnxError("--weight-rounding gptq needs calibration; --scaling constant has none.")
+        block = self.weight_block_size
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+            raise Fp8OnnxError(f"--weight-block-size must be a non-negative integer, got {block!r}.")
+        if block and self.scaling is Scaling.CONSTANT:
+            raise Fp8OnnxError("--weight-block-size contradicts --scaling constant (one scale for every tensor).")
         if self.embeddings not in EMBEDDING_MODES:
             raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
 
@@ -213,6 +219,10 @@ class QuantizeConfig:
                 self.weight_format != self.activation_format
             ):
                 raise Fp8OnnxError("--target tensorrt takes e4m3fn only (TensorRT's FP8 format).")
+            if self.weight_block_size:
+                raise Fp8OnnxError(
+                    "--target tensorrt takes per-tensor or per-channel FP8 scales: drop --weight-block-size."
+                )
             if self.activations.dynamic or self.native_gemm:
                 raise Fp8OnnxError(
                     f"--target tensorrt needs constant scales and standard Q/DQ: drop --activations "
@@ -320,6 +330,8 @@ class QuantizeConfig:
             doc["bias_correction"] = True
         if self.sequential:  # only then, like keep_float
             doc["sequential"] = True
+        if self.weight_block_size:  # only then, like keep_float
+            doc["weight_block_size"] = self.weight_block_size
         if self.float_vocab:  # only then, like keep_float
             doc["float_vocab"] = True
         if self.float_stem:  # only then, like keep_float

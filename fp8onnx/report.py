@@ -32,6 +32,8 @@ def describe_config(cfg: dict) -> str:
         how += ", per-channel Conv weights"
     elif cfg.get("per_channel"):
         how += ", per-channel weights"
+    if cfg.get("weight_block_size"):
+        how += f", one weight scale per {cfg['weight_block_size']} elements of K (MatMul/Gemm)"
     if cfg.get("weight_rounding") == "gptq":
         how += ", GPTQ weight rounding"
     if cfg.get("smooth") is not None:

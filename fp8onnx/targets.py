@@ -49,6 +49,9 @@ def check_tensorrt(model: ir.Model) -> list[str]:
         if reason:
             problems.append(f"{where}: {reason}")
             continue
+        if node.attributes.get_int("block_size", 0):
+            problems.append(f"{where}: block-wise scales (block_size {node.attributes.get_int('block_size', 0)})")
+            continue
         per_axis = node.inputs[1].const_value.size > 1
         is_weight = node.op_type == "DequantizeLinear" and fp8.const_value is not None
         if per_axis and not is_weight:

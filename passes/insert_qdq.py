@@ -37,7 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format, dequantize, quantize
-from ..numerics.scaling import SAFE_AMAX, amax_to_scale
+from ..numerics.scaling import SAFE_AMAX, amax_to_scale, expand_blocks
 from ._common import derived_tensor, initializer, insert_at_definition
 
 __all__ = [
@@ -61,12 +61,25 @@ class TensorQuant:
 
     ``scale``: a float (per tensor), a 1-D array (per channel along ``axis``, weights only), or
     None for a dynamic scale computed in the graph (activations only): per tensor, or with
-    ``axis=-1`` one per row (token), the amax over the last axis.
+    ``axis=-1`` one per row (token), the amax over the last axis. With ``block_size`` (weights
+    only), ``scale`` has the weight's shape with ``axis`` cut into blocks of that many elements
+    (the last may be shorter): one scale per block (opset 21 DequantizeLinear's ``block_size``).
     """
 
     format: Fp8Format
     scale: float | np.ndarray | None
     axis: int | None = None
+    block_size: int = 0
+
+    def full_scale(self, shape) -> np.ndarray:
+        """The scale as a float32 array broadcasting against a weight of ``shape``: one per element
+        with blocks, one per channel along ``axis``, or a scalar."""
+        scale = np.asarray(self.scale, np.float32)
+        if self.block_size:
+            return expand_blocks(scale, shape, self.axis % len(shape), self.block_size)
+        if self.axis is not None:
+            return scale.reshape([-1 if i == self.axis % len(shape) else 1 for i in range(len(shape))])
+        return scale
 
 
 def is_quantized(value: ir.Value) -> bool:
@@ -276,11 +289,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
     def _weight(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         source = value.const_value
         scale = scale_array(tq.scale, value.dtype)
-        if tq.axis is not None:
-            scale_b = scale.reshape([-1 if i == tq.axis % len(source.shape) else 1 for i in range(len(source.shape))])
-        else:
-            scale_b = scale
-        scale32 = scale_b.astype(np.float32)
+        scale32 = dataclasses.replace(tq, scale=scale).full_scale(list(source.shape)).astype(np.float32)
         if not tq.format.deployable:
             name = f"{NODE_PREFIX}{value.name}/{tq.format.value}_emulated"
             tensor = derived_tensor(
@@ -299,6 +308,8 @@ class InsertQDQPass(ir.passes.InPlacePass):
         )
         scale_value = b.const(f"{value.name}/scale", scale)
         attrs = {} if tq.axis is None else {"axis": int(tq.axis)}
+        if tq.block_size:
+            attrs["block_size"] = int(tq.block_size)
         return b.op(
             "DequantizeLinear", [q_value, scale_value], f"{value.name}/dequantized", value.dtype, value.shape, **attrs
         )

@@ -333,6 +333,7 @@ class _QuantizeCommand(_Sectioned):
             "scale",
             "activations",
             "per_channel",
+            "weight_block_size",
             "op_types",
             "exclude",
             "activation_matmuls",

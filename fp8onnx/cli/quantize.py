@@ -143,6 +143,16 @@ from fp8onnx.targets import TARGETS
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
 )
 @click.option(
+    "--weight-block-size",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Block-wise weight scales: one scale per N consecutive elements along each MatMul/Gemm weight's reduction "
+    "axis (K) and output channel, stored with opset 21's blocked DequantizeLinear (32, 64, 128 usual; 0: off). "
+    "Conv weights keep their scales. Each block adds one float scale: 4/N bytes per element in float32.",
+)
+@click.option(
     "--sequential/--no-sequential",
     default=False,
     help="Calibrate layer by layer, each layer on the outputs of the quantized layers before it (their weights as "
@@ -230,6 +240,7 @@ def quantize(
     smooth,
     bias_correction,
     sequential,
+    weight_block_size,
     float_vocab,
     float_stem,
     embeddings,
@@ -308,6 +319,7 @@ def quantize(
         smooth=smooth,
         bias_correction=bias_correction,
         sequential=sequential,
+        weight_block_size=weight_block_size,
         float_vocab=float_vocab,
         float_stem=float_stem,
         embeddings=embeddings,

@@ -36,8 +36,10 @@ __all__ = [
     "SAFE_AMAX",
     "Scaling",
     "amax_to_scale",
+    "amax_to_scales",
     "check_percentile",
     "clipping_amax",
+    "expand_blocks",
     "mse_amax",
     "parse_scaling",
 ]
@@ -105,6 +107,26 @@ def amax_to_scale(
     else:  # pragma: no cover - the enum is closed
         raise Fp8OnnxError(f"Unknown scaling method {method!r}.")
     return float(min(max(scale, _MIN_SCALE), _MAX_SCALE))
+
+
+def amax_to_scales(amax: np.ndarray, fmt: Fp8Format, method: Scaling = Scaling.AMAX, *, margin: int = 0) -> np.ndarray:
+    """:func:`amax_to_scale`'s formula on every element of ``amax`` at once (block scales: thousands per
+    weight), float64; amax and pow2 (clipping and constant scaling have no per-block form here)."""
+    amax = np.asarray(amax, np.float64)
+    amax = np.where(np.isfinite(amax) & (amax > 0), amax, SAFE_AMAX)
+    if method in (Scaling.AMAX, Scaling.PERCENTILE, Scaling.MSE):
+        scale = amax / fmt.fmax
+    elif method is Scaling.POW2:
+        scale = 2.0 ** -(np.floor(np.log2(fmt.fmax / amax)) - int(margin))
+    else:
+        raise Fp8OnnxError(f"Scaling {method.value!r} has no per-block form.")
+    return np.clip(scale, _MIN_SCALE, _MAX_SCALE)
+
+
+def expand_blocks(scale: np.ndarray, shape, axis: int, block: int) -> np.ndarray:
+    """Block scales (``shape`` with ``axis`` divided into blocks of ``block``, the last one shorter)
+    repeated to one scale per element of a tensor of ``shape``: DequantizeLinear's ``block_size``."""
+    return np.repeat(np.asarray(scale), block, axis=axis).take(np.arange(shape[axis]), axis=axis)
 
 
 def check_percentile(percentile: float) -> None:

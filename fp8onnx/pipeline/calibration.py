@@ -28,7 +28,7 @@ from fp8onnx.passes import release
 from fp8onnx.pipeline.statistics import Measured, Ranges, measure
 from fp8onnx.runtime import WEIGHT_MEMORY, RunOptions
 
-__all__ = ["WEIGHT_MEMORY", "Stats", "collect_amax", "ranges_stats", "weight_amax"]
+__all__ = ["WEIGHT_MEMORY", "Stats", "block_amax", "collect_amax", "ranges_stats", "weight_amax"]
 
 logger = logging.getLogger(__name__)
 STATS_VERSION = 2
@@ -151,6 +151,21 @@ def weight_amax(value: ir.Value, axis: int | None = None):
         return float(arr.max())
     others = tuple(i for i in range(arr.ndim) if i != axis % arr.ndim)
     return arr.max(axis=others).astype(np.float64)
+
+
+def block_amax(value: ir.Value, axis: int, block: int) -> np.ndarray:
+    """Absolute maximum of a 2-D constant tensor per block of ``block`` elements along ``axis`` (the
+    last block may be shorter): shape of the tensor with ``axis`` divided into blocks."""
+    arr = np.abs(value.const_value.numpy().astype(np.float32))
+    release(value.const_value)
+    if not np.isfinite(arr).all():
+        raise Fp8OnnxError(f"Weight {value.name!r} contains NaN or Inf values; refusing to quantize a corrupt tensor.")
+    moved = np.moveaxis(arr, axis, 0)
+    n = moved.shape[0]
+    padded = np.zeros((-(-n // block) * block, *moved.shape[1:]), np.float32)
+    padded[:n] = moved
+    amax = padded.reshape(-1, block, *moved.shape[1:]).max(axis=1)
+    return np.moveaxis(amax, 0, axis).astype(np.float64)
 
 
 def collect_amax(

@@ -22,9 +22,7 @@ __all__ = ["Technique", "stored_values"]
 
 def stored_values(w: np.ndarray, tq: TensorQuant) -> np.ndarray:
     """``w`` as InsertQDQPass stores it with ``tq``'s scale(s): quantized and dequantized, float32."""
-    scale = np.asarray(tq.scale, np.float32)
-    if tq.axis is not None:
-        scale = scale.reshape([-1 if i == tq.axis % w.ndim else 1 for i in range(w.ndim)])
+    scale = tq.full_scale(w.shape)
     return dequantize(quantize(w, scale, tq.format), scale, np.float32)
 
 

@@ -87,10 +87,11 @@ def _hessians(sizes: dict[str, int]) -> Sums:
 def gptq_round(
     w: np.ndarray, h: np.ndarray, scale, fmt: Fp8Format, damp: float = DAMP, act_order: bool = ACT_ORDER
 ) -> np.ndarray:
-    """``w`` [K, N] (y = x @ w) rounded to the FP8 grid of ``scale`` (scalar, or [N] per output
-    column) by GPTQ with ``h`` = X^T X [K, K]; returns the rounded values in float32. With
-    ``act_order`` the rows are rounded in order of decreasing ``h[i, i]`` (GPTQ's "act-order"): the
-    inputs with the most energy first, while the most rows remain to absorb their error."""
+    """``w`` [K, N] (y = x @ w) rounded to the FP8 grid of ``scale`` (scalar, [N] per output column,
+    or [K, N] per element: block scales) by GPTQ with ``h`` = X^T X [K, K]; returns the rounded
+    values in float32. With ``act_order`` the rows are rounded in order of decreasing ``h[i, i]``
+    (GPTQ's "act-order"): the inputs with the most energy first, while the most rows remain to
+    absorb their error."""
     w = np.array(w, dtype=np.float64)
     k = w.shape[0]
     scale = np.asarray(scale, np.float32)
@@ -98,9 +99,10 @@ def gptq_round(
     dead = np.diag(h) == 0  # inputs that were always zero: their weights do not matter
     h[dead, dead] = 1.0
     w[dead, :] = 0.0
+    per_row = scale.ndim == 2  # block scales: row i rounds on its own scales
     if act_order:
         perm = np.argsort(-np.diag(h), kind="stable")
-        q = gptq_round(w[perm], h[np.ix_(perm, perm)], scale, fmt, damp, act_order=False)
+        q = gptq_round(w[perm], h[np.ix_(perm, perm)], scale[perm] if per_row else scale, fmt, damp, act_order=False)
         out = np.empty_like(q)
         out[perm] = q
         return out
@@ -110,8 +112,9 @@ def gptq_round(
     except np.linalg.LinAlgError:
         raise Fp8OnnxError("--weight-rounding gptq: the input's X^T X is not positive definite.") from None
 
-    def grid(v: np.ndarray) -> np.ndarray:
-        return dequantize(quantize(v.astype(np.float32), scale, fmt), scale, np.float32).astype(np.float64)
+    def grid(v: np.ndarray, row: int) -> np.ndarray:
+        s = scale[row] if per_row else scale
+        return dequantize(quantize(v.astype(np.float32), s, fmt), s, np.float32).astype(np.float64)
 
     q = np.empty_like(w)
     for i1 in range(0, k, BLOCK):
@@ -119,7 +122,7 @@ def gptq_round(
         block, errs, hb = w[i1:i2].copy(), np.zeros((i2 - i1, w.shape[1])), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             row = block[i]
-            q[i1 + i] = grid(row)
+            q[i1 + i] = grid(row, i1 + i)
             err = (row - q[i1 + i]) / hb[i, i]
             block[i:] -= np.outer(hb[i, i:], err)
             errs[i] = err
@@ -165,7 +168,10 @@ class GPTQ(Technique):
                 if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in plan:
                     continue
                 transposed = bool(node.op_type == "Gemm" and node.attributes.get_int("transB", 0))
-                if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
+                if tq.block_size:  # one scale per element, [K, N] as GPTQ sees the weight
+                    full = tq.full_scale(list(value.shape))
+                    scale = full.T if transposed else full
+                elif tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
                     scale = np.asarray(tq.scale, np.float32).reshape(-1)
                 else:
                     scale = np.float32(tq.scale)
