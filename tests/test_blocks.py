@@ -135,3 +135,24 @@ def test_block_size_needs_a_scale_per_block(tmp_path):
         fp8onnx.quantize(path, tmp_path / "q.onnx", scaling="constant", scale=1.0, weight_block_size=32, preset="none")
     with pytest.raises(fp8onnx.Fp8OnnxError, match="--weight-block-size must be a non-negative integer"):
         fp8onnx.quantize(path, tmp_path / "q.onnx", weight_block_size=-1, activations="none", preset="none")
+
+
+def test_blocks_with_bias_correction_and_sequential_calibration(tmp_path):
+    """Bias correction measures what the block-scaled weights lose; sequential calibration propagates
+    through them: both run and stay close to the float model."""
+    from helpers import mlp_data, mlp_model
+
+    path, data = mlp_model(tmp_path / "m.onnx", hidden=64), mlp_data(tmp_path / "c.npz")
+    feed = {"x": np.load(data)["x"]}
+    ref = run_ort(path, feed)[0]
+    reports = {}
+    for name, options in (
+        ("bc", {"bias_correction": True}),
+        ("seq", {"sequential": True, "weight_rounding": "gptq", "activations": "none"}),
+    ):
+        out = tmp_path / f"{name}.onnx"
+        reports[name] = fp8onnx.quantize(path, out, data, weight_block_size=16, preset="none", **options)
+        assert reports[name].modified and sqnr_db(ref, run_ort(out, feed)[0]) > 25
+        blocked = [n for n in onnx.load(out).graph.node if n.op_type == "DequantizeLinear" and n.attribute]
+        assert any(a.name == "block_size" for n in blocked for a in n.attribute)
+    assert any("bias correction of 1 layers" in line for line in reports["bc"].prepared)
