@@ -130,14 +130,13 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
     lap("plan")
-    techniques = techniques_for(config, ir_model, decisions)  # in the order they apply
-    early = [t for t in techniques if t.before_scales]  # smoothing: changes what the scales measure
+    early = techniques_for(config, ir_model, decisions, before_scales=True)  # smoothing: changes what scales see
     if early:
         measure_techniques(ir_model, early, source, run)
         prepared += [line for t in early if (line := t.apply(None))]
         lap("smooth")
     act_names = activation_tensors(decisions, ir_model)
-    late = [t for t in techniques if not t.before_scales]
+    late = techniques_for(config, ir_model, decisions, before_scales=False)  # on the graph as smoothed
     ranges = activation_ranges(ir_model, act_names, config, source, stats)
     weights, settle = _settling(ir_model, decisions, config, late, run)
     calibration = measure_techniques(ir_model, late, source, run, ranges, settle, config.sequential)  # one pass

@@ -156,3 +156,20 @@ def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatc
     for suffix in ("", ".data"):
         a, b = (tmp_path / n / f"q.onnx{suffix}" for n in ("streamed", "at_the_end"))
         assert a.exists() == b.exists() and (not a.exists() or a.read_bytes() == b.read_bytes())
+
+
+def test_gptq_after_smoothing_measures_the_smoothed_inputs(tmp_path, monkeypatch):
+    """Smoothing inserts a Mul where it cannot fold 1/s (a graph input, a Relu): GPTQ's X^T X is of
+    what the layers read after it (``<x>/smoothed``), not of the input before smoothing."""
+    measured = []
+    real = recipe.measure
+
+    def spy(model, stats, *args):
+        measured.extend(name for s in stats if getattr(s, "desc", "") == "hessians" for name in s.builders)
+        return real(model, stats, *args)
+
+    monkeypatch.setattr(recipe, "measure", spy)
+    model, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "c.npz")
+    report = fp8onnx.quantize(model, tmp_path / "q.onnx", data, preset="none", smooth=0.5, weight_rounding="gptq")
+    assert any("smoothed 2 activations" in line for line in report.prepared)
+    assert sorted(measured) == ["r/smoothed", "x/smoothed"]

@@ -33,18 +33,24 @@ _NEEDS = {  # what each technique reads from the data, for the error without it
 }
 
 
-def techniques_for(config: QuantizeConfig, model: ir.Model, decisions: list[Decision]) -> list[Technique]:
-    """The techniques ``config`` asks for, in the order they apply."""
+def techniques_for(
+    config: QuantizeConfig, model: ir.Model, decisions: list[Decision], before_scales: bool
+) -> list[Technique]:
+    """The techniques ``config`` asks for, in the order they apply: those that change the
+    activations (``before_scales``: smoothing), or the rest. Each reads the graph as it is when it is
+    made, so the rest are made after the first have applied (GPTQ's X^T X is of the smoothed input)."""
     techniques: list[Technique] = []
-    if config.smooth is not None:
-        from fp8onnx.techniques.smoothing import Smoothing
+    if before_scales:
+        if config.smooth is not None:
+            from fp8onnx.techniques.smoothing import Smoothing
 
-        quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
+            quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
 
-        def per_channel(node):  # a producer's weight: per output channel, or not quantized at all
-            return id(node) not in quantized or config.weight_per_channel(node.op_type)
+            def per_channel(node):  # a producer's weight: per output channel, or not quantized at all
+                return id(node) not in quantized or config.weight_per_channel(node.op_type)
 
-        techniques.append(Smoothing(model, decisions, config.smooth, per_channel))
+            techniques.append(Smoothing(model, decisions, config.smooth, per_channel))
+        return techniques
     originals = None
     if config.weight_rounding == "gptq":
         from fp8onnx.techniques.gptq import GPTQ
