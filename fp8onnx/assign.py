@@ -59,6 +59,10 @@ def assign_scales(
                 quant[value.name], amax[value.name] = known or weight_quant(d.node, index, value, config)
             elif config.activations == "dynamic-per-token" and _per_token(value):
                 quant[value.name], amax[value.name] = TensorQuant(config.activation_format, None, axis=-1), None
+            elif config.activations == "dynamic-per-group" and _per_token(value):
+                group = config.group_size
+                quant[value.name] = TensorQuant(config.activation_format, None, axis=-1, block_size=group)
+                amax[value.name] = None
             else:
                 visible = in_main_graph(value, model)
                 quant[value.name] = activation_quant(value.name, calibration, config, visible)

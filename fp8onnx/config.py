@@ -86,7 +86,7 @@ def _overruled(field: str, value, explicit: dict) -> bool:
     calibrated scaling to dynamic activations, and data-driven weight techniques to constant scaling
     (the user's choice wins, the preset's contradicting part is dropped rather than refused)."""
     given = {k: getattr(v, "value", v) for k, v in explicit.items()}  # enum members as their names
-    dynamic = given.get("activations") in ("dynamic", "dynamic-per-token")
+    dynamic = given.get("activations") in ("dynamic", "dynamic-per-token", "dynamic-per-group")
     constant = given.get("scaling") == "constant"
     if field == "scaling" and dynamic:
         return True
@@ -96,23 +96,26 @@ def _overruled(field: str, value, explicit: dict) -> bool:
 class Activations(str, enum.Enum):
     """static: calibrated scales; dynamic: each batch's amax computed in the graph;
     dynamic-per-token: one scale per row (token) of the activation, its amax over the reduction
-    axis, computed in the graph, with per-channel weights (the FP8-dynamic recipe); none: weights
-    only (float8 weights + DequantizeLinear, activations stay in float)."""
+    axis, computed in the graph, with per-channel weights (the FP8-dynamic recipe);
+    dynamic-per-group: one scale per row and per ``group_size`` consecutive channels (DeepSeek-V3's
+    1 x 128 activation tiles); none: weights only (float8 weights + DequantizeLinear, activations
+    stay in float)."""
 
     STATIC = "static"
     DYNAMIC = "dynamic"
     DYNAMIC_PER_TOKEN = "dynamic-per-token"
+    DYNAMIC_PER_GROUP = "dynamic-per-group"
     NONE = "none"
 
     @property
     def dynamic(self) -> bool:
         """Scales computed in the graph at run time: no calibration."""
-        return self in (Activations.DYNAMIC, Activations.DYNAMIC_PER_TOKEN)
+        return self in (Activations.DYNAMIC, Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GROUP)
 
 
 # Activation modes whose weights are per output channel unless --per-tensor: the FP8-dynamic recipe,
 # and weight-only FP8 (on SmolLM2-135M per-tensor weights alone cost 2.6% of FP16's accuracy).
-_PER_CHANNEL_MODES = (Activations.DYNAMIC_PER_TOKEN, Activations.NONE)
+_PER_CHANNEL_MODES = (Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GROUP, Activations.NONE)
 
 
 class Precision(str, enum.Enum):
@@ -160,6 +163,7 @@ class QuantizeConfig:
     activations: Activations | str = Activations.STATIC
     per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
     weight_block_size: int = 0  # MatMul/Gemm weights: one scale per this many elements along K (0: off)
+    group_size: int = 128  # --activations dynamic-per-group: channels per in-graph scale
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
@@ -207,6 +211,9 @@ class QuantizeConfig:
         block = self.weight_block_size
         if isinstance(block, bool) or not isinstance(block, int) or block < 0:
             raise Fp8OnnxError(f"--weight-block-size must be a non-negative integer, got {block!r}.")
+        group = self.group_size
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise Fp8OnnxError(f"--group-size must be a positive integer, got {group!r}.")
         if block and self.scaling is Scaling.CONSTANT:
             raise Fp8OnnxError("--weight-block-size contradicts --scaling constant (one scale for every tensor).")
         if self.embeddings not in EMBEDDING_MODES:
@@ -332,6 +339,8 @@ class QuantizeConfig:
             doc["sequential"] = True
         if self.weight_block_size:  # only then, like keep_float
             doc["weight_block_size"] = self.weight_block_size
+        if self.activations == "dynamic-per-group":  # only then, like keep_float
+            doc["group_size"] = self.group_size
         if self.float_vocab:  # only then, like keep_float
             doc["float_vocab"] = True
         if self.float_stem:  # only then, like keep_float

@@ -26,6 +26,8 @@ def describe_config(cfg: dict) -> str:
         how += ", dynamic activations"
     elif activations == "dynamic-per-token":
         how += ", dynamic per-token activations"
+    elif activations == "dynamic-per-group":
+        how += f", dynamic per-group activations ({cfg.get('group_size')} channels a scale)"
     elif activations == "none":
         how += ", weight-only (activations in float)"
     if cfg.get("per_channel") == "conv":

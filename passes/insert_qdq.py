@@ -316,6 +316,11 @@ class InsertQDQPass(ir.passes.InPlacePass):
 
     def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         name = value.name
+        if tq.scale is None and tq.block_size and tq.format.deployable:
+            grouped = self._per_group(b, value, tq)
+            if grouped is not None:
+                return grouped
+            tq = dataclasses.replace(tq, block_size=0)  # channels unknown or not a multiple: per row
         per_token = tq.scale is None and tq.axis is not None
         if tq.scale is None:
             scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic", per_token=per_token)
@@ -349,3 +354,35 @@ class InsertQDQPass(ir.passes.InPlacePass):
             saturate=1,
         )
         return b.op("DequantizeLinear", [q, scale], f"{name}/dequantized", value.dtype, value.shape)
+
+    def _per_group(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value | None:
+        """One in-graph scale per row and per ``tq.block_size`` consecutive channels of the last axis:
+        the rows of ``Reshape(x, [-1, G])`` are quantized per row (per token's ops), then reshaped
+        back; None where the last axis is not a known multiple of G."""
+        channels = value.shape[-1] if value.shape is not None and len(value.shape) else None
+        group = tq.block_size
+        if not isinstance(channels, int) or channels % group:
+            logger.info("%r: %s channels are not groups of %d; one scale per row instead", value.name, channels, group)
+            return None
+        name = value.name
+        groups = b.op(
+            "Reshape",
+            [value, b.const(f"const/groups_of_{group}", np.array([-1, group], np.int64))],
+            f"{name}/groups",
+            value.dtype,
+            ir.Shape([None, group]),
+        )
+        scale = _dynamic_scale(b, groups, tq.format, f"{name}/dynamic", per_token=True)
+        scaled = b.op("Div", [groups, scale], f"{name}/per_group_scaled", value.dtype, groups.shape)
+        q = b.op(
+            "Cast",
+            [scaled],
+            f"{name}/per_group_fp8",
+            tq.format.ir_type,
+            groups.shape,
+            to=int(tq.format.onnx_type),
+            saturate=1,
+        )
+        back = b.op("Mul", [b.cast(q, value.dtype, f"{name}/per_group_float"), scale], f"{name}/per_group", value.dtype)
+        shape = b.op("Shape", [value], f"{name}/shape", ir.DataType.INT64)
+        return b.op("Reshape", [back, shape], f"{name}/dequantized", value.dtype, value.shape)

@@ -171,3 +171,35 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
         main, [*args, "--weight-rounding", "nearest", "--smooth", "off", "-o", str(tmp_path / "w.onnx")]
     )
     assert r.exit_code == 0 and "GPTQ" not in r.output and "(preset llm)" in r.output, r.output
+
+
+def per_group_reference(x: np.ndarray, group: int) -> np.ndarray:
+    """NumPy: each row's channels in groups of ``group``, each group quantized like a per-token row."""
+    rows = x.reshape(-1, group)
+    return per_token_reference(rows).reshape(x.shape)
+
+
+@pytest.mark.parametrize("group", [4, 8, 16])
+def test_per_group_activations_match_numpy_bit_for_bit(tmp_path, group):
+    rng = np.random.default_rng(3)
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    report = fp8onnx.quantize(
+        path, tmp_path / "q.onnx", activations="dynamic-per-group", group_size=group, provider="cpu"
+    )
+    assert f"dynamic per-group activations ({group} channels a scale), per-channel weights" in report.summary()
+    x = tokens(rng) * np.logspace(-6, 0, 16, dtype=np.float32)  # channels spanning more than E4M3's range too
+    want = per_group_reference(x, group)
+    for run in (run_ort, run_reference):
+        got = run(tmp_path / "q.onnx", {"x": x})[0]
+        assert np.array_equal(got, want), np.abs(got - want).max()
+    if group < 16:  # the smallest channels: flushed by their row's one scale, kept by their group's
+        small, per_token = slice(0, group), per_token_reference(x)
+        assert sqnr_db(x[..., small], want[..., small]) > sqnr_db(x[..., small], per_token[..., small]) + 10
+
+
+def test_per_group_falls_back_to_per_row_where_channels_are_not_groups(tmp_path):
+    rng = np.random.default_rng(4)
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic-per-group", group_size=5, provider="cpu")
+    x = tokens(rng)
+    assert np.array_equal(run_ort(tmp_path / "q.onnx", {"x": x})[0], per_token_reference(x))

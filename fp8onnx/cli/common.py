@@ -334,6 +334,7 @@ class _QuantizeCommand(_Sectioned):
             "activations",
             "per_channel",
             "weight_block_size",
+            "group_size",
             "op_types",
             "exclude",
             "activation_matmuls",

@@ -95,7 +95,16 @@ from fp8onnx.targets import TARGETS
     default="static",
     show_default=True,
     help="static: calibrated scales; dynamic: each batch's amax computed in the graph (no calibration); "
-    "dynamic-per-token: one in-graph scale per row, with per-channel weights; none: weight-only FP8.",
+    "dynamic-per-token: one in-graph scale per row, with per-channel weights; dynamic-per-group: one in-graph "
+    "scale per row and --group-size channels; none: weight-only FP8.",
+)
+@click.option(
+    "--group-size",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    metavar="N",
+    help="--activations dynamic-per-group: channels per in-graph scale (DeepSeek-V3's activation tiles: 128).",
 )
 @_per_channel_option
 @_precision_option
@@ -241,6 +250,7 @@ def quantize(
     bias_correction,
     sequential,
     weight_block_size,
+    group_size,
     float_vocab,
     float_stem,
     embeddings,
@@ -320,6 +330,7 @@ def quantize(
         bias_correction=bias_correction,
         sequential=sequential,
         weight_block_size=weight_block_size,
+        group_size=group_size,
         float_vocab=float_vocab,
         float_stem=float_stem,
         embeddings=embeddings,
