@@ -326,7 +326,8 @@ def test_recipe_choices_are_enums_that_read_as_their_names():
         (
             "activations",
             "sometimes",
-            "Unknown --activations 'sometimes'; choose one of static, dynamic, dynamic-per-token, none.",
+            "Unknown --activations 'sometimes'; choose one of static, dynamic, dynamic-per-token, "
+            "dynamic-per-group, none.",
         ),
         ("precision", "fp8", "Unknown --precision 'fp8'; choose one of model, fp16."),
         ("target", "coreml", "Unknown --target 'coreml'; choose one of onnxruntime, tensorrt."),
