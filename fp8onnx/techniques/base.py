@@ -28,11 +28,13 @@ def stored_values(w: np.ndarray, tq: TensorQuant) -> np.ndarray:
 
 class Technique:
     """``name``: how the summary calls it; ``option``: the command-line option that asks for it;
+    ``needs``: what it reads from the calibration data (for the error without any);
     ``before_scales``: it changes the activations (so its pass runs, and it applies, before the
     activation ranges are measured), else it applies once the scales are known."""
 
     name = ""
     option = ""
+    needs = ""
     before_scales = False
 
     def statistics(self) -> list[Statistic]:

@@ -63,6 +63,7 @@ class BiasCorrection(Technique):
 
     name = "bias correction"
     option = "--bias-correction"
+    needs = "the mean input of each layer"
 
     def __init__(self, model: ir.Model, decisions: list[Decision], originals: dict | None = None):
         self.model = model

@@ -140,12 +140,15 @@ class GPTQ(Technique):
 
     name = "GPTQ rounding"
     option = "--weight-rounding gptq"
+    needs = "the Hessian X^T X of each layer's input"
 
     def __init__(self, model: ir.Model, decisions: list[Decision]):
         self.model, self.targets = model, _targets(decisions, model)
         sizes = {x: _reduction_size(nodes[0][0]) for x, nodes in self.targets.items()}
         self.hessians = _hessians(sizes) if sizes else None
         self.originals: dict[str, ir.TensorProtocol] = {}  # weight name -> its float values
+        self.folder: str | None = None  # where weights rounded during the pass wait to be written
+        self._plan_for, self._plan_cache = None, {}
 
     def statistics(self) -> list[Sums]:
         return [self.hessians] if self.hessians else []
@@ -237,11 +240,11 @@ class GPTQ(Technique):
             self.round_now(quant, name, measured)
 
     def _planned(self, quant):
-        if getattr(self, "_plan_for", None) is not quant:
+        if self._plan_for is not quant:
             self._plan_for, self._plan_cache = quant, (self._plan(quant) if self.targets else {})
         return self._plan_cache
 
     def _folder(self) -> str:
-        if getattr(self, "folder", None) is None:
+        if self.folder is None:
             self.folder = scratch_folder("fp8onnx-gptq-")
         return self.folder

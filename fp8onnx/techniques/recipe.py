@@ -26,12 +26,6 @@ __all__ = ["measure_techniques", "settling", "techniques_for"]
 
 logger = logging.getLogger(__name__)
 
-_NEEDS = {  # what each technique reads from the data, for the error without it
-    "smoothing": "the per-channel amax of each activation",
-    "GPTQ rounding": "the Hessian X^T X of each layer's input",
-    "bias correction": "the mean input of each layer",
-}
-
 
 def techniques_for(
     config: QuantizeConfig, model: ir.Model, decisions: list[Decision], before_scales: bool
@@ -82,7 +76,7 @@ def measure_techniques(
     statistics = [s for t in techniques for s in t.statistics()]
     for technique in techniques:
         if technique.statistics() and data is None:
-            raise Fp8OnnxError(f"{technique.option} needs --calib DATA ({_NEEDS[technique.name]}).")
+            raise Fp8OnnxError(f"{technique.option} needs --calib DATA ({technique.needs}).")
     measuring = isinstance(ranges, Ranges)
     if not statistics and not measuring:
         return ranges

@@ -184,6 +184,7 @@ class Smoothing(Technique):
 
     name = "smoothing"
     option = "--smooth"
+    needs = "the per-channel amax of each activation"
     before_scales = True
 
     def __init__(self, model: ir.Model, decisions: list[Decision], alpha: float, per_channel=lambda node: True):
