@@ -117,6 +117,12 @@ def test_sequential_calibration_measures_each_layer_on_the_quantized_layers_befo
         r = np.maximum(x @ weights, 0)
         assert np.allclose(hessian, r.T @ r, rtol=1e-4, atol=1e-3) == expected_match
     assert (ir.load(out).metadata_props.get("fp8onnx", "").find('"sequential": true') >= 0) == sequential
+    # the stored weight's scales are those of the float weight (not recomputed from GPTQ's rounding)
+    quantized = ir.load(out)
+    scale = next(v for name, v in quantized.graph.initializers.items() if name.endswith("w1/scale"))
+    np.testing.assert_array_equal(
+        scale.const_value.numpy(), (np.abs(w1).max(axis=0) / np.float32(448)).astype(np.float32)
+    )
 
 
 def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatch):

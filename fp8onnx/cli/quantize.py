@@ -166,8 +166,8 @@ from fp8onnx.targets import TARGETS
     default=False,
     help="Calibrate layer by layer, each layer on the outputs of the quantized layers before it (their weights as "
     "stored: GPTQ's rounding or the nearest FP8 value); GPTQ's X^T X, bias correction's means and static activation "
-    "ranges then see the quantized model's inputs. Runs in this process, two runs per segment (--preset llm's; "
-    "--no-sequential: on the float model).",
+    "ranges then see the quantized model's inputs. Runs in this process, two runs per segment "
+    "(--no-sequential: on the float model, the default).",
 )
 @click.option(
     "--float-vocab",
