@@ -196,6 +196,15 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_to
     return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
 
 
+def _rows_rounded(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, prefix: str, out: str) -> ir.Value:
+    """``x / scale`` cast to ``fmt`` (saturating), back to ``x``'s type, times ``scale``: exactly
+    QuantizeLinear/DequantizeLinear's values for a per-row ``scale`` (which is not a per-axis Q/DQ),
+    in ops every EP runs. Nodes ``<prefix>_scaled``, ``_fp8``, ``_float`` and ``out``."""
+    scaled = b.op("Div", [x, scale], f"{prefix}_scaled", x.dtype, x.shape)
+    q = b.op("Cast", [scaled], f"{prefix}_fp8", fmt.ir_type, x.shape, to=int(fmt.onnx_type), saturate=1)
+    return b.op("Mul", [b.cast(q, x.dtype, f"{prefix}_float"), scale], out, x.dtype, x.shape)
+
+
 MIN_OPSET = 21  # QuantizeLinear with output_dtype (float8 without a zero point)
 
 
@@ -332,18 +341,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
             # Per-row scales are not a per-axis Q/DQ; blocked QuantizeLinear would be (it runs on ORT
             # 1.32's CPU EP), but its float8 support on the CUDA EP is unverified. Div, Cast(saturate)
             # and Mul compute exactly QuantizeLinear/DequantizeLinear's values and run on both EPs.
-            scaled = b.op("Div", [value, scale], f"{name}/per_token_scaled", value.dtype, value.shape)
-            q = b.op(
-                "Cast",
-                [scaled],
-                f"{name}/per_token_fp8",
-                tq.format.ir_type,
-                value.shape,
-                to=int(tq.format.onnx_type),
-                saturate=1,
-            )
-            back = b.cast(q, value.dtype, f"{name}/per_token_float")
-            return b.op("Mul", [back, scale], f"{name}/dequantized", value.dtype, value.shape)
+            return _rows_rounded(b, value, scale, tq.format, f"{name}/per_token", f"{name}/dequantized")
         q = b.op(
             "QuantizeLinear",
             [value, scale],
@@ -373,16 +371,6 @@ class InsertQDQPass(ir.passes.InPlacePass):
             ir.Shape([None, group]),
         )
         scale = _dynamic_scale(b, groups, tq.format, f"{name}/dynamic", per_token=True)
-        scaled = b.op("Div", [groups, scale], f"{name}/per_group_scaled", value.dtype, groups.shape)
-        q = b.op(
-            "Cast",
-            [scaled],
-            f"{name}/per_group_fp8",
-            tq.format.ir_type,
-            groups.shape,
-            to=int(tq.format.onnx_type),
-            saturate=1,
-        )
-        back = b.op("Mul", [b.cast(q, value.dtype, f"{name}/per_group_float"), scale], f"{name}/per_group", value.dtype)
+        back = _rows_rounded(b, groups, scale, tq.format, f"{name}/per_group", f"{name}/per_group")
         shape = b.op("Shape", [value], f"{name}/shape", ir.DataType.INT64)
         return b.op("Reshape", [back, shape], f"{name}/dequantized", value.dtype, value.shape)
