@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.numerics.formats import Fp8Format, dequantize, parse_format, quantize
+from fp8onnx.numerics.formats import Fp8Format, dequantize, parse_format, quantize, round_to_grid
 
 from helpers import run_ort, run_reference
 
@@ -108,3 +108,27 @@ def test_e3m4_emulation_in_float16():
     got = run_ort(emulated_model(0.5, np.float16), {"x": x})[0]
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt", list(Fp8Format))
+def test_round_to_grid_is_the_cast_bit_for_bit(fmt):
+    """round_to_grid (float32 bit arithmetic) against ml_dtypes' cast there and back: every grid value,
+    every midpoint (ties to even) and its neighbours, the subnormal range, random values, signed zeros."""
+    rng = np.random.default_rng(0)
+    grid = np.arange(256, dtype=np.uint8).view(fmt.np_dtype).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid) & (np.abs(grid) <= fmt.fmax)])
+    mids = (grid[:-1] + grid[1:]) / 2
+    values = np.concatenate(
+        [
+            grid,
+            mids,
+            np.nextafter(mids, np.float32(np.inf)),
+            np.nextafter(mids, np.float32(-np.inf)),
+            rng.uniform(-fmt.fmax, fmt.fmax, 20000),
+            rng.standard_normal(20000) * 2.0**fmt.min_normal_exponent,
+            [0.0, -0.0],
+        ]
+    ).astype(np.float32)
+    values = np.clip(values, -fmt.fmax, fmt.fmax)
+    expected = values.astype(fmt.np_dtype).astype(np.float32)
+    np.testing.assert_array_equal(round_to_grid(values, fmt).view(np.uint32), expected.view(np.uint32))

@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 import fp8onnx
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
-from fp8onnx.techniques.gptq import gptq_round
+from fp8onnx.techniques.gptq_rounding import _cholesky, _inverse_lower, gptq_factor, gptq_round, ordered, round_stacked
 
 from helpers import run_ort, run_reference, sqnr_db
 
@@ -58,6 +58,53 @@ def test_an_input_that_is_always_zero_does_not_break_it():
     w = rng.standard_normal((16, 4)).astype(np.float32)
     rounded = gptq_round(w, x.T.astype(np.float64) @ x, np.float32(np.abs(w).max() / 448), Fp8Format.E4M3FN)
     assert np.all(np.isfinite(rounded)) and np.all(rounded[3] == 0)
+
+
+@pytest.mark.parametrize("k", [5, 64, 300, 700])
+def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(k):
+    """gptq_factor's hinv (one Cholesky factorisation by blocks and one triangular inverse, float32)
+    against NumPy's float64 cholesky(inv(H)).T; its pieces against NumPy too."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((2 * k + 50, k))
+    h = x.T @ x
+    order, dead, hinv = gptq_factor(h.astype(np.float32), damp=0.01, act_order=True)
+    damped = h[np.ix_(order, order)] + 0.01 * np.mean(np.diag(h)) * np.eye(k)
+    expected = np.linalg.cholesky(np.linalg.inv(damped)).T
+    assert hinv.dtype == np.float32 and not dead.any() and np.array_equal(hinv, np.triu(hinv))
+    np.testing.assert_allclose(hinv, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+    lower = _cholesky(damped, block=64)
+    np.testing.assert_allclose(lower, np.linalg.cholesky(damped), rtol=1e-10, atol=1e-12 * np.abs(lower).max())
+    np.testing.assert_allclose(_inverse_lower(lower) @ lower, np.eye(k), atol=1e-9)
+    with pytest.raises(Fp8OnnxError, match="X\\^T X of layer7 is not positive definite"):
+        gptq_factor(-np.eye(k, dtype=np.float32), what="layer7")
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_rounding_weights_as_a_stack_changes_no_bit(blocks):
+    """Three weights of one shape, each with its own X^T X and scales, rounded as one stack: each
+    result is bit for bit its rounding alone (same element-wise steps, same BLAS products)."""
+    rng = np.random.default_rng(3)
+    k, n = 300, 40
+    ws, factors, scales = [], [], []
+    for _ in range(3):
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        s = np.repeat(np.abs(w).reshape(10, 30, n).max(1) / 448, 30, axis=0) if blocks else np.abs(w).max(0) / 448
+        ws.append(w)
+        x = correlated(rng, k=k)
+        factors.append(gptq_factor(x.T @ x))
+        scales.append(s.astype(np.float32))
+    alone = [gptq_round(w, f, s, Fp8Format.E4M3FN) for w, f, s in zip(ws, factors, scales)]
+    prepared = [ordered(w, f, s) for w, f, s in zip(ws, factors, scales)]
+    stacked = round_stacked(
+        np.stack([r for r, _ in prepared]),
+        np.stack([f[2] for f in factors]),
+        np.stack([s for _, s in prepared]),
+        Fp8Format.E4M3FN,
+    )
+    for q, f, expected in zip(stacked, factors, alone):
+        out = np.empty_like(q)
+        out[f[0]] = q
+        np.testing.assert_array_equal(out, expected)
 
 
 def two_layers(path, rng):

@@ -96,21 +96,25 @@ def test_sequential_calibration_measures_each_layer_on_the_quantized_layers_befo
     its weights as stored, GPTQ-rounded before the second layer is measured."""
     from fp8onnx.techniques import gptq
 
-    calls = []
-    real = gptq.gptq_round
+    rounded, hessians = {}, []
+    real, real_factor = gptq.GPTQ._round_stack, gptq.gptq_factor
 
-    def spy(w, h, scale, fmt, *args, **kwargs):
-        q = real(w, h, scale, fmt, *args, **kwargs)
-        if kwargs.get("act_order", True):  # not act-order's inner call
-            calls.append((w.shape, np.array(h), q))
-        return q
+    def spy(self, *args):
+        out = real(self, *args)
+        rounded.update(out)
+        return out
 
-    monkeypatch.setattr(gptq, "gptq_round", spy)
+    def spy_factor(h, *args, **kwargs):
+        hessians.append(np.array(h))
+        return real_factor(h, *args, **kwargs)
+
+    monkeypatch.setattr(gptq.GPTQ, "_round_stack", spy)
+    monkeypatch.setattr(gptq, "gptq_factor", spy_factor)
     model, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "c.npz")
     out = tmp_path / "q.onnx"
     fp8onnx.quantize(model, out, data, preset="none", activations="none", weight_rounding="gptq", sequential=sequential)
-    (first,) = [q for shape, _, q in calls if shape == (16, 32)]
-    (hessian,) = [h for shape, h, _ in calls if shape == (32, 8)]
+    first = rounded["w1"]
+    (hessian,) = [h for h in hessians if h.shape == (32, 32)]
     x = np.load(data)["x"]
     w1 = ir.load(model).graph.initializers["w1"].const_value.numpy()
     for weights, expected_match in ((first, sequential), (w1, not sequential)):
@@ -139,15 +143,14 @@ def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatc
     calib = tmp_path / "tiny" / "calib.npz"
     options = {"preset": "none", "activations": "none", "weight_rounding": "gptq", "weight_memory": 60_000}
     early = []
-    real = gptq.GPTQ.round_now
+    real = gptq.GPTQ.round_ready
 
-    def spy(self, quant, name, measured):
-        stored = real(self, quant, name, measured)
-        if stored is not None and stored is not False:
-            early.append((name, len(self.hessians.dropped)))
-        return stored
+    def spy(self, quant, measured):
+        before = set(self.originals)
+        real(self, quant, measured)
+        early.extend((name, len(self.hessians.dropped)) for name in sorted(set(self.originals) - before))
 
-    monkeypatch.setattr(gptq.GPTQ, "round_now", spy)
+    monkeypatch.setattr(gptq.GPTQ, "round_ready", spy)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))

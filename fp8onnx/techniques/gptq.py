@@ -1,14 +1,7 @@
-"""Error-compensating weight rounding on the FP8 grid (GPTQ, Frantar et al. 2022), for MatMul/Gemm.
+"""GPTQ rounding (Frantar et al. 2022) of MatMul/Gemm weights on the FP8 grid, as a technique of the
+calibration pipeline; its algebra is :mod:`fp8onnx.techniques.gptq_rounding`.
 
-Plain rounding puts every weight on its nearest FP8 value independently. GPTQ rounds one input row
-of ``W`` [K, N] at a time and spreads that row's rounding error over the rows not yet rounded, in
-proportion to how the inputs correlate: with ``H = X^T X`` of the layer's input X [rows, K], row i's
-error ``e = (w_i - q_i) / Hinv[i, i]`` is subtracted as ``Hinv[i, i+1:]^T e`` (``Hinv`` the upper
-Cholesky factor of ``H^-1``, damped by 1% of its mean diagonal). The result minimises
-``||X W - X Q||`` far better than rounding each weight alone. Scales are those plain quantization
-chose (per tensor or per output channel): GPTQ only picks *which* grid value each weight takes.
-
-``H`` is accumulated in the graph during calibration (:class:`GPTQ` declares it as a
+``H = X^T X`` is accumulated in the graph during calibration (:class:`GPTQ` declares it as a
 :class:`~fp8onnx.pipeline.statistics.Sums` statistic, measured in the pipeline's one pass): per
 activation feeding a quantized MatMul/Gemm, the instrumented model outputs
 ``Reshape(x, [-1, K])^T @ Reshape(x, [-1, K])`` in float32, and only that K x K matrix leaves
@@ -17,35 +10,35 @@ Models larger than the weight budget run layer by layer, as calibration does.
 
 The rounded weights replace the float initializers *on the grid*: quantizing them again with the
 same scales (which :class:`~fp8onnx.passes.InsertQDQPass` does) gives exactly GPTQ's values. They
-are lazy: each is rounded when the model is saved, one at a time, so memory stays at one weight
-(reading one again, as bias correction does, rounds it again).
+are lazy: rounded when the model is saved, a stack of inputs at a time (:data:`STACK_BYTES`: the
+inputs of the same shape, e.g. every layer's attention input, with all their weights), so memory
+holds at most a few stacks, never the model.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
-from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
+from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.passes import TensorQuant
 from fp8onnx.passes._common import derived_tensor, release
 from fp8onnx.pipeline.statistics import F32, Sums
 from fp8onnx.scratch import scratch_folder
 from fp8onnx.techniques.base import Technique
+from fp8onnx.techniques.gptq_rounding import gptq_factor, ordered, restored, round_stacked
 
-__all__ = ["GPTQ", "gptq_round"]
+__all__ = ["GPTQ"]
 
 logger = logging.getLogger(__name__)
-DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
-BLOCK = 128  # rows rounded before the deferred update of the rest (GPTQ's lazy batch)
-# Rows in order of decreasing h[i, i] (GPTQ's act-order). SmolLM2-135M, --preset llm, 32,768 held-out
-# tokens: next-token accuracy 99.82% of FP16's and perplexity +1.20% with it, 99.32% and +1.33% without.
-ACT_ORDER = True
+# Inputs rounded together: at most this many bytes of their X^T X factors and weights (float32); one
+# SmolLM2-135M layer's attention input (q, k, v) takes 3.5 MB, its MLP input (gate, up) 8.4 MB.
+STACK_BYTES = 128 << 20
 
 
 def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
@@ -84,50 +77,21 @@ def _hessians(sizes: dict[str, int]) -> Sums:
     return Sums({name: xtx for name in sizes}, "hessians", dtype=np.float32)
 
 
-def gptq_round(
-    w: np.ndarray, h: np.ndarray, scale, fmt: Fp8Format, damp: float = DAMP, act_order: bool = ACT_ORDER
-) -> np.ndarray:
-    """``w`` [K, N] (y = x @ w) rounded to the FP8 grid of ``scale`` (scalar, [N] per output column,
-    or [K, N] per element: block scales) by GPTQ with ``h`` = X^T X [K, K]; returns the rounded
-    values in float32. With ``act_order`` the rows are rounded in order of decreasing ``h[i, i]``
-    (GPTQ's "act-order"): the inputs with the most energy first, while the most rows remain to
-    absorb their error."""
-    w = np.array(w, dtype=np.float64)
-    k = w.shape[0]
-    scale = np.asarray(scale, np.float32)
-    h = np.array(h, dtype=np.float64)
-    dead = np.diag(h) == 0  # inputs that were always zero: their weights do not matter
-    h[dead, dead] = 1.0
-    w[dead, :] = 0.0
-    per_row = scale.ndim == 2  # block scales: row i rounds on its own scales
-    if act_order:
-        perm = np.argsort(-np.diag(h), kind="stable")
-        q = gptq_round(w[perm], h[np.ix_(perm, perm)], scale[perm] if per_row else scale, fmt, damp, act_order=False)
-        out = np.empty_like(q)
-        out[perm] = q
-        return out
-    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-    try:
-        hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: Hinv[i, j] for j >= i
-    except np.linalg.LinAlgError:
-        raise Fp8OnnxError("--weight-rounding gptq: the input's X^T X is not positive definite.") from None
+@dataclass
+class _Weight:
+    """A weight GPTQ rounds: its value, the activation ``x`` whose X^T X rounds it, and its ``scale``
+    as GPTQ sees the weight ([K, N], y = x @ w): scalar, [N] per output column or [K, N] per element."""
 
-    def grid(v: np.ndarray, row: int) -> np.ndarray:
-        s = scale[row] if per_row else scale
-        return dequantize(quantize(v.astype(np.float32), s, fmt), s, np.float32).astype(np.float64)
+    value: ir.Value
+    x: str
+    transposed: bool
+    scale: np.ndarray
+    format: Fp8Format
 
-    q = np.empty_like(w)
-    for i1 in range(0, k, BLOCK):
-        i2 = min(i1 + BLOCK, k)
-        block, errs, hb = w[i1:i2].copy(), np.zeros((i2 - i1, w.shape[1])), hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            row = block[i]
-            q[i1 + i] = grid(row, i1 + i)
-            err = (row - q[i1 + i]) / hb[i, i]
-            block[i:] -= np.outer(hb[i, i:], err)
-            errs[i] = err
-        w[i2:] -= hinv[i1:i2, i2:].T @ errs
-    return q.astype(np.float32)
+    @property
+    def shape(self) -> tuple[int, int]:
+        k, n = (int(d) for d in self.value.shape)
+        return (n, k) if self.transposed else (k, n)
 
 
 class GPTQ(Technique):
@@ -149,6 +113,8 @@ class GPTQ(Technique):
         self.originals: dict[str, ir.TensorProtocol] = {}  # weight name -> its float values
         self.folder: str | None = None  # where weights rounded during the pass wait to be written
         self._plan_for, self._plan_cache = None, {}
+        self._waiting: dict[str, np.ndarray] = {}  # rounded with a stack, not yet read (lazy rounding)
+        self._stacked: set[str] = set()  # activations whose weights a stack has rounded (lazy rounding)
 
     def statistics(self) -> list[Sums]:
         return [self.hessians] if self.hessians else []
@@ -157,8 +123,8 @@ class GPTQ(Technique):
         rounded = self.round(quant)
         return f"GPTQ rounding of {len(rounded)} weights on the FP8 grid (X^T X from the calibration data)"
 
-    def _plan(self, quant: dict[str, TensorQuant]) -> dict[str, tuple[ir.Value, str, object]]:
-        """weight name -> (its value, the activation whose X^T X rounds it, ``compute(w) -> rounded``)."""
+    def _plan(self, quant: dict[str, TensorQuant]) -> dict[str, _Weight]:
+        """weight name -> how GPTQ rounds it."""
         shared: dict[str, set] = {}
         for x, nodes in self.targets.items():
             for node, index in nodes:
@@ -178,28 +144,91 @@ class GPTQ(Technique):
                     scale = np.asarray(tq.scale, np.float32).reshape(-1)
                 else:
                     scale = np.float32(tq.scale)
-
-                def compute(w, x=x, scale=scale, fmt=tq.format, transposed=transposed):
-                    q = gptq_round(w.T if transposed else w, self.hessians.value_of(x)[0], scale, fmt)
-                    return (q.T if transposed else q).astype(w.dtype)
-
-                plan[value.name] = (value, x, compute)
+                plan[value.name] = _Weight(value, x, transposed, scale, tq.format)
         return plan
 
+    def _stacks(self, inputs: list[str], plan: dict[str, _Weight]) -> list[tuple[list[str], dict[str, list[str]]]]:
+        """The activations ``inputs`` cut into stacks: inputs whose weights have the same shapes, at most
+        :data:`STACK_BYTES` of X^T X and weights (float32) each; with each input's weight names."""
+        by_input: dict[str, list[str]] = {}
+        for name, w in plan.items():
+            if w.x in inputs:
+                by_input.setdefault(w.x, []).append(name)
+        kinds: dict[tuple, list[str]] = {}  # the shapes of an input's weights -> those inputs
+        for x, names in by_input.items():
+            key = tuple((plan[n].shape, np.ndim(plan[n].scale) == 2, plan[n].format) for n in names)
+            kinds.setdefault(key, []).append(x)
+        stacks = []
+        for key, xs in kinds.items():
+            k = key[0][0][0]
+            step = max(1, STACK_BYTES // (4 * (k * k + sum(shape[0] * shape[1] for shape, _, _ in key))))
+            stacks += [(xs[i : i + step], by_input) for i in range(0, len(xs), step)]
+        return stacks
+
+    def _round(self, inputs: list[str], plan: dict[str, _Weight]) -> dict[str, np.ndarray]:
+        """The GPTQ rounding of every planned weight of the activations ``inputs`` (whose X^T X are
+        measured), by name, in each weight's own layout and dtype, a stack at a time."""
+        out = {}
+        for xs, by_input in self._stacks(inputs, plan):
+            out.update(self._round_stack(xs, by_input, plan))
+        return out
+
+    def _round_stack(self, xs: list[str], by_input: dict[str, list[str]], plan) -> dict[str, np.ndarray]:
+        factors = [gptq_factor(self.hessians.value_of(x)[0], what=f"activation {x!r}") for x in xs]
+        hinv = np.stack([f[2] for f in factors])
+        out = {}
+        for j in range(len(by_input[xs[0]])):  # the j-th weight of every input: one shape
+            names = [by_input[x][j] for x in xs]
+            rows, scales = [], []
+            for name, factor in zip(names, factors):
+                w = plan[name]
+                source = self.originals[name] if name in self.originals else w.value.const_value
+                values = source.numpy()
+                r, s = ordered(values.T if w.transposed else values, factor, w.scale)
+                rows.append(r)
+                scales.append(s)
+                del values
+                release(source)
+            q = round_stacked(np.stack(rows), hinv, np.stack(scales), plan[names[0]].format)
+            for name, factor, qi in zip(names, factors, q):
+                w = plan[name]
+                qi = restored(qi, factor)
+                out[name] = np.ascontiguousarray(qi.T if w.transposed else qi).astype(w.value.dtype.numpy())
+        return out
+
+    def _lazy(self, name: str) -> np.ndarray:
+        """Weight ``name``'s rounding when the model is written: its input's stack is rounded at its first
+        weight read, the others wait in memory for their turn (a weight read again is rounded again)."""
+        if name in self._waiting:
+            return self._waiting.pop(name)
+        plan = self._plan_cache
+        x = plan[name].x
+        if x in self._stacked:
+            return self._round([x], plan)[name]
+        ready = [y for y in dict.fromkeys(w.x for w in plan.values()) if y not in self._stacked]
+        xs, by_input = next((xs, b) for xs, b in self._stacks(ready, plan) if x in xs)
+        done = self._round_stack(xs, by_input, plan)
+        self._stacked.update(xs)
+        result = done.pop(name)
+        self._waiting.update(done)
+        return result
+
     def round(self, quant: dict[str, TensorQuant]) -> list[str]:
-        """Replace the weights (those not already rounded by :meth:`round_now`); returns the names of
+        """Replace the weights (those not already rounded by :meth:`round_ready`); returns the names of
         all those rounded."""
         if not self.targets:
             return []
         rounded = []
-        for name, (value, _, compute) in self._plan(quant).items():
+        for name, w in self._planned(quant).items():
             rounded.append(name)
             if name in self.originals:
                 continue
-            # Evaluated when the model is saved, one weight at a time (a large model is never resident whole).
-            source = value.const_value
+            # Evaluated when the model is saved (a large model is never resident whole).
+            source = w.value.const_value
             self.originals[name] = source
-            value.const_value = derived_tensor(source, compute, value.dtype, source.shape, name)
+            w.value.const_value = derived_tensor(
+                source, lambda _, name=name: self._lazy(name), w.value.dtype, source.shape, name
+            )
         logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
         return rounded
 
@@ -208,40 +237,46 @@ class GPTQ(Technique):
         and its X^T X is among the statistic outputs ``measured`` so far; returns the stored tensor
         (also put in the model: written to :attr:`folder`, read back when the model is saved, so that
         memory holds no rounded weight), False where GPTQ does not round this weight, or None where
-        its X^T X is not measured yet. An X^T X all of whose weights are rounded is dropped."""
+        its X^T X is not measured yet. Every other weight whose X^T X is complete is rounded with it
+        (:meth:`round_ready`)."""
         plan = self._planned(quant)
         if name not in plan:
             return False
-        value, x, compute = plan[name]
-        if name in self.originals:
-            return value.const_value
-        if not set(self.hessians.fetch[x]) <= measured:
-            return None
-        source = value.const_value
-        rounded = compute(source.numpy())
-        release(source)
-        where = os.path.join(self._folder(), f"{len(self.originals)}.npy")
-        np.save(where, rounded, allow_pickle=False)
-        del rounded
-        stored = ir.LazyTensor(
-            lambda: ir.tensor(np.load(where, allow_pickle=False), name=name),
-            dtype=value.dtype,
-            shape=ir.Shape(source.shape),
-            name=name,
-        )
-        self.originals[name], value.const_value = source, stored
-        if all(n in self.originals for n, (_, y, _) in plan.items() if y == x):
-            self.hessians.drop(x)  # every weight it rounds is rounded: free its K x K sums
-        return stored
+        if name not in self.originals:
+            if not set(self.hessians.fetch[plan[name].x]) <= measured:
+                return None
+            self.round_ready(quant, measured)
+        return plan[name].value.const_value
 
     def round_ready(self, quant: dict[str, TensorQuant], measured: set[str]) -> None:
-        """Round every weight whose X^T X is complete (layer-by-layer calibration, after each segment)."""
-        for name in self._planned(quant):
-            self.round_now(quant, name, measured)
+        """Round every weight whose X^T X is complete (layer-by-layer calibration, after each segment),
+        store it in :attr:`folder` and drop the X^T X sums it needed."""
+        plan = self._planned(quant)
+        ready = [
+            x
+            for x in dict.fromkeys(w.x for n, w in plan.items() if n not in self.originals)
+            if set(self.hessians.fetch[x]) <= measured
+        ]
+        if not ready:
+            return
+        for name, rounded in self._round(ready, plan).items():
+            w = plan[name]
+            where = os.path.join(self._folder(), f"{len(self.originals)}.npy")
+            np.save(where, rounded, allow_pickle=False)
+            self.originals[name] = w.value.const_value
+            w.value.const_value = ir.LazyTensor(
+                lambda where=where, name=name: ir.tensor(np.load(where, allow_pickle=False), name=name),
+                dtype=w.value.dtype,
+                shape=ir.Shape(w.value.shape),
+                name=name,
+            )
+        for x in ready:
+            self.hessians.drop(x)  # every weight it rounds is rounded: free its K x K sums
 
     def _planned(self, quant):
         if self._plan_for is not quant:
             self._plan_for, self._plan_cache = quant, (self._plan(quant) if self.targets else {})
+            self._waiting, self._stacked = {}, set()
         return self._plan_cache
 
     def _folder(self) -> str:

@@ -1,0 +1,150 @@
+"""GPTQ's algebra (Frantar et al. 2022) on the FP8 grid: the factor of X^T X and the row-by-row rounding.
+
+Plain rounding puts every weight on its nearest FP8 value independently. GPTQ rounds one input row
+of ``W`` [K, N] at a time and spreads that row's rounding error over the rows not yet rounded, in
+proportion to how the inputs correlate: with ``H = X^T X`` of the layer's input X [rows, K], row i's
+error ``e = (w_i - q_i) / Hinv[i, i]`` is subtracted as ``Hinv[i, i+1:]^T e`` (``Hinv`` the upper
+Cholesky factor of ``H^-1``, damped by 1% of its mean diagonal). The result minimises
+``||X W - X Q||`` far better than rounding each weight alone. Scales are given (per tensor, per
+output channel or per block): GPTQ only picks *which* grid value each weight takes.
+
+The algebra is float32, as in GPTQ's own implementation. Two things make it fast on a CPU:
+:func:`gptq_factor` factors H once per input (q/k/v share it) in matrix products, and
+:func:`round_stacked` rounds many weights of one shape at once (a stack over the leading axis), so
+that the row loop runs K times per stack instead of K times per weight. Stacking does not change a
+single bit of any weight's result: each is computed by the same element-wise operations and the same
+BLAS products as alone (``tests/test_gptq.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.numerics.formats import Fp8Format, round_to_grid
+
+__all__ = ["DAMP", "gptq_factor", "gptq_round", "round_stacked"]
+
+DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
+# Rows rounded before the deferred update of the rest (GPTQ's lazy batch). The update inside a block
+# costs BLOCK / 2 element-wise multiply-adds per weight, the rest runs in matrix products: 32 rounds
+# SmolLM2-135M's 30 attention inputs' q weights in 0.60 s, 128 in 1.03 s.
+BLOCK = 32
+# Rows in order of decreasing h[i, i] (GPTQ's act-order). SmolLM2-135M, --preset llm, 32,768 held-out
+# tokens: next-token accuracy 99.82% of FP16's and perplexity +1.20% with it, 99.32% and +1.33% without.
+ACT_ORDER = True
+
+
+def _inverse_lower(lower: np.ndarray) -> np.ndarray:
+    """Inverse of a lower-triangular matrix, by halves ([[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1,
+    B^-1]]): about k^3 / 3 multiply-adds, in matrix products (NumPy has no triangular inverse)."""
+    k = lower.shape[0]
+    if k <= 64:
+        return np.tril(np.linalg.inv(lower))
+    m = k // 2
+    a, b = _inverse_lower(lower[:m, :m]), _inverse_lower(lower[m:, m:])
+    out = np.zeros_like(lower)
+    out[:m, :m], out[m:, m:] = a, b
+    out[m:, :m] = -(b @ (lower[m:, :m] @ a))
+    return out
+
+
+def _cholesky(h: np.ndarray, block: int = 256) -> np.ndarray:
+    """Lower Cholesky factor of ``h`` (symmetric positive definite), by blocks of ``block`` columns
+    whose updates are matrix products: on the 2-core development machine NumPy's bundled LAPACK factor
+    is several times slower than its own matrix product (5632 x 5632 float32: 2.1 s, this 0.6 s).
+    Raises ``np.linalg.LinAlgError`` where ``h`` is not positive definite."""
+    a = np.array(h)
+    k = a.shape[0]
+    for j in range(0, k, block):
+        e = min(j + block, k)
+        a[j:e, j:e] = np.linalg.cholesky(a[j:e, j:e])
+        if e == k:
+            break
+        a[e:, j:e] = a[e:, j:e] @ _inverse_lower(a[j:e, j:e]).T
+        panel = a[e:, j:e]
+        for c in range(e, k, block):  # the lower half of the trailing matrix only
+            c2 = min(c + block, k)
+            a[c:, c:c2] -= panel[c - e :] @ panel[c - e : c2 - e].T
+    return np.tril(a)
+
+
+def gptq_factor(h: np.ndarray, damp: float = DAMP, act_order: bool = ACT_ORDER, what: str = "the input"):
+    """What GPTQ needs of ``h`` = X^T X [K, K], shared by every weight that multiplies the same input:
+    ``(order, dead, hinv)`` with ``order`` the rows in rounding order (decreasing ``h[i, i]`` with
+    ``act_order``: the inputs with the most energy first, while the most rows remain to absorb their
+    error; else None), ``dead`` the inputs that were always zero, and ``hinv`` the upper Cholesky
+    factor of the damped ``H^-1`` in that order (float32).
+
+    ``hinv`` comes without forming ``H^-1``: with P the order reversal and P H P = L L^T, H = R R^T for
+    the upper R = P L P, so H^-1 = U^T U with U = R^-1 = P L^-1 P (one Cholesky factorisation and one
+    triangular inverse, a third of the work of inverting H and factoring the inverse)."""
+    h = np.array(h, dtype=np.float32)
+    dead = np.diag(h) == 0  # inputs that were always zero: their weights do not matter
+    h[dead, dead] = 1.0
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else None
+    if order is not None:
+        h = h[order][:, order]
+    h[np.diag_indices(h.shape[0])] += np.float32(damp * np.mean(np.diag(h), dtype=np.float64))
+    try:
+        lower = _cholesky(h[::-1, ::-1])
+    except np.linalg.LinAlgError:
+        raise Fp8OnnxError(f"--weight-rounding gptq: the X^T X of {what} is not positive definite.") from None
+    del h
+    return order, dead, np.ascontiguousarray(_inverse_lower(lower)[::-1, ::-1])
+
+
+def ordered(w: np.ndarray, factor, scale) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` [K, N] and its ``scale`` (scalar, [N] or [K, N]) as :func:`round_stacked` takes them: float32
+    rows in the factor's order, the rows of dead inputs zero, the scale as [1, N] or [K, N]."""
+    order, dead, _ = factor
+    w = np.array(w, dtype=np.float32)
+    w[dead, :] = 0.0
+    scale = np.asarray(scale, np.float32)
+    scale = scale if scale.ndim == 2 else np.broadcast_to(scale, (1, w.shape[1]))
+    if order is not None:
+        w = w[order]
+        scale = scale[order] if scale.shape[0] > 1 else scale
+    return w, scale
+
+
+def restored(q: np.ndarray, factor) -> np.ndarray:
+    """A row of :func:`round_stacked`'s result back in the weight's own row order."""
+    order = factor[0]
+    if order is None:
+        return q
+    out = np.empty_like(q)
+    out[order] = q
+    return out
+
+
+def round_stacked(w: np.ndarray, hinv: np.ndarray, scale: np.ndarray, fmt: Fp8Format) -> np.ndarray:
+    """GPTQ rounding of L weights at once: ``w`` [L, K, N] (rows in rounding order, float32; changed in
+    place), ``hinv`` [L, K, K] (each weight's :func:`gptq_factor`), ``scale`` [L, 1, N] or [L, K, N];
+    returns the rounded values [L, K, N] (float32, rows in the same order)."""
+    n_stack, k, n = w.shape
+    per_row = scale.shape[1] != 1
+    # the nearest grid value, as dequantize(quantize(row, s, fmt), s) computes it (saturating)
+    fmax = np.float32(fmt.fmax)
+    q = np.empty_like(w)
+    for i1 in range(0, k, BLOCK):
+        i2 = min(i1 + BLOCK, k)
+        block, errs = w[:, i1:i2].copy(), np.empty((n_stack, i2 - i1, n), np.float32)
+        hb = hinv[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            row, s = block[:, i], scale[:, i1 + i] if per_row else scale[:, 0]
+            y = np.clip(row / s, -fmax, fmax)
+            q[:, i1 + i] = round_to_grid(y, fmt) * s
+            errs[:, i] = (row - q[:, i1 + i]) / hb[:, i, i, None]
+            block[:, i + 1 :] -= hb[:, i, i + 1 :, None] * errs[:, i, None, :]
+        w[:, i2:] -= np.matmul(hinv[:, i1:i2, i2:].transpose(0, 2, 1), errs)
+    return q
+
+
+def gptq_round(w: np.ndarray, h, scale, fmt: Fp8Format, damp: float = DAMP, act_order: bool = ACT_ORDER) -> np.ndarray:
+    """``w`` [K, N] (y = x @ w) rounded to the FP8 grid of ``scale`` (scalar, [N] per output column,
+    or [K, N] per element: block scales) by GPTQ with ``h`` = X^T X [K, K] (or its :func:`gptq_factor`);
+    returns the rounded values in float32."""
+    factor = h if isinstance(h, tuple) else gptq_factor(h, damp, act_order)
+    rows, scales = ordered(w, factor, scale)
+    return restored(round_stacked(rows[None], factor[2][None], scales[None], fmt)[0], factor)
