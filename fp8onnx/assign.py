@@ -49,6 +49,7 @@ def assign_scales(
     weights = weights or {}
     quant: dict[str, TensorQuant] = {}
     amax: dict[str, float | np.ndarray | None] = {}
+    pow2 = config.scaling is Scaling.POW2  # dynamic scales too
     for d in decisions:
         for index, kind in d.inputs:
             value = d.node.inputs[index]
@@ -58,10 +59,11 @@ def assign_scales(
                 known = weights.get(value.name)
                 quant[value.name], amax[value.name] = known or weight_quant(d.node, index, value, config)
             elif config.activations == "dynamic-per-token" and _per_token(value):
-                quant[value.name], amax[value.name] = TensorQuant(config.activation_format, None, axis=-1), None
+                quant[value.name] = TensorQuant(config.activation_format, None, axis=-1, pow2=pow2)
+                amax[value.name] = None
             elif config.activations == "dynamic-per-group" and _per_token(value):
                 group = config.group_size
-                quant[value.name] = TensorQuant(config.activation_format, None, axis=-1, block_size=group)
+                quant[value.name] = TensorQuant(config.activation_format, None, -1, group, pow2=pow2)
                 amax[value.name] = None
             else:
                 visible = in_main_graph(value, model)
@@ -146,7 +148,7 @@ def describe_source(source, what: str = "statistics") -> str:
 def activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:
     fmt = config.activation_format
     if config.activations.dynamic or (not visible and config.scaling is not Scaling.CONSTANT):
-        return TensorQuant(fmt, None)
+        return TensorQuant(fmt, None, pow2=config.scaling is Scaling.POW2)
     if config.scaling is Scaling.CONSTANT:
         return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
     amax = stats.amax[name]

@@ -91,6 +91,43 @@ def _overruled(field: str, value, explicit: dict) -> bool:
     return constant and (field in ("bias_correction", "smooth") or (field == "weight_rounding" and value == "gptq"))
 
 
+# --format mxfp8: the OCP Microscaling MXFP8 recipe as settings: E4M3 elements, one power-of-two (E8M0)
+# scale per 32 consecutive elements of the reduction axis, for the weights (blocked DequantizeLinear) and
+# the activations (in-graph scales per row and 32 channels).
+MXFP8 = {
+    "format": Fp8Format.E4M3FN,
+    "weight_block_size": 32,
+    "activations": "dynamic-per-group",
+    "group_size": 32,
+    "scaling": Scaling.POW2,
+}
+
+
+def _bundled(explicit: dict) -> dict:
+    """``explicit`` with ``format="mxfp8"`` replaced by :data:`MXFP8`'s settings, or one sentence naming
+    the option that contradicts them (weight-only MXFP8, ``activations="none"``, is allowed)."""
+    if str(getattr(explicit.get("format"), "value", explicit.get("format"))).lower() != "mxfp8":
+        return explicit
+    out = dict(explicit)
+    for field, value in MXFP8.items():
+        given = getattr(out.get(field), "value", out.get(field))
+        wanted = getattr(value, "value", value)
+        if (
+            field != "format"
+            and given is not None
+            and given != wanted
+            and not (field == "activations" and given == "none")
+        ):
+            option = "--" + field.replace("_", "-")
+            raise Fp8OnnxError(
+                f"--format mxfp8 sets {option} {wanted}; it contradicts {option} {given} (use --format e4m3fn "
+                f"with {option} {given} instead)."
+            )
+        if given is None or field == "format":
+            out[field] = value
+    return out
+
+
 class Activations(str, enum.Enum):
     """static: calibrated scales; dynamic: each batch's amax computed in the graph;
     dynamic-per-token: one scale per row (token) of the activation, its amax over the reduction
@@ -181,6 +218,11 @@ class QuantizeConfig:
     target: Target | str = "onnxruntime"
 
     def __post_init__(self):
+        if str(getattr(self.format, "value", self.format)).lower() == "mxfp8":
+            raise Fp8OnnxError(
+                "format 'mxfp8' is a bundle of settings: pass it to fp8onnx.quantize or build the config with "
+                "QuantizeConfig.for_preset(preset, format='mxfp8', ...)."
+            )
         fmt = parse_format(self.format)
         object.__setattr__(self, "format", fmt)
         object.__setattr__(self, "weight_format", parse_format(self.weight_format or fmt))
@@ -253,17 +295,24 @@ class QuantizeConfig:
             if self.scaling is not Scaling.PERCENTILE:
                 raise Fp8OnnxError("--percentile only applies to --scaling percentile.")
             check_percentile(self.percentile)
-        if self.activations.dynamic and self.scaling not in (Scaling.AMAX,):
+        if self.activations.dynamic and self.scaling not in (Scaling.AMAX, Scaling.POW2):
             raise Fp8OnnxError(
                 f"--activations {self.activations.value} computes each batch's amax in the graph; --scaling "
-                f"{self.scaling.value} needs calibration (use --scaling amax or --activations static)."
+                f"{self.scaling.value} needs calibration (use --scaling amax or pow2, or --activations static)."
+            )
+        if self.activations.dynamic and self.margin:
+            raise Fp8OnnxError(
+                f"--margin applies to calibrated scales; --activations {self.activations.value} computes its "
+                "power-of-two scales in the graph without one."
             )
 
     @classmethod
     def for_preset(cls, name: str, **explicit) -> QuantizeConfig:
         """The preset's settings (``PRESETS``), overridden by every field given in ``explicit``.
         ``auto``: the preset of the model's family, chosen when the model is read (:meth:`for_family`);
-        ``none``: no preset (plain per-tensor static amax unless ``explicit`` says otherwise)."""
+        ``none``: no preset (plain per-tensor static amax unless ``explicit`` says otherwise).
+        ``format="mxfp8"`` stands for :data:`MXFP8`'s settings."""
+        explicit = _bundled(explicit)
         if name == "auto":
             return cls(**explicit, preset="auto", explicit=tuple(explicit))
         if name == "none":

@@ -64,12 +64,15 @@ class TensorQuant:
     ``axis=-1`` one per row (token), the amax over the last axis. With ``block_size`` (weights
     only), ``scale`` has the weight's shape with ``axis`` cut into blocks of that many elements
     (the last may be shorter): one scale per block (opset 21 DequantizeLinear's ``block_size``).
+    A dynamic scale with ``block_size``: one per row and per ``block_size`` channels (per group).
+    ``pow2``: the dynamic scales rounded up to powers of two in the graph (MX-style, E8M0 values).
     """
 
     format: Fp8Format
     scale: float | np.ndarray | None
     axis: int | None = None
     block_size: int = 0
+    pow2: bool = False  # a dynamic scale (``scale`` None) rounded up to a power of two in the graph
 
     def full_scale(self, shape) -> np.ndarray:
         """The scale as a float32 array broadcasting against a weight of ``shape``: one per element
@@ -160,7 +163,26 @@ def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format,
     return b.cast(y, x.dtype, f"{prefix}/emulated")
 
 
-def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False) -> ir.Value:
+def _power_of_two_above(b: _Builder, s: ir.Value, prefix: str) -> ir.Value:
+    """The smallest power of two >= ``s`` (float32, positive), exactly: ``2^ceil(log2 s)`` from Log, then
+    one step down or up where Log's rounding put the exponent one off (at exact powers of two)."""
+    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
+    shape = s.shape
+    log2 = b.op("Mul", [b.op("Log", [s], f"{prefix}/ln", _F32, shape), b.const("const/inv_ln2", f32(1 / np.log(2)))],
+                f"{prefix}/log2", _F32, shape)  # fmt: skip
+    p = b.op("Pow", [b.const("const/two", f32(2.0)), b.op("Ceil", [log2], f"{prefix}/exponent", _F32, shape)],
+             f"{prefix}/pow2_guess", _F32, shape)  # fmt: skip
+    below = b.op("Less", [p, s], f"{prefix}/pow2_below", ir.DataType.BOOL, shape)
+    p = b.op("Where", [below, b.op("Add", [p, p], f"{prefix}/pow2_double", _F32, shape), p],
+             f"{prefix}/pow2_up", _F32, shape)  # fmt: skip
+    half = b.op("Mul", [p, b.const("const/half", f32(0.5))], f"{prefix}/pow2_half", _F32, shape)
+    enough = b.op("GreaterOrEqual", [half, s], f"{prefix}/pow2_half_enough", ir.DataType.BOOL, shape)
+    return b.op("Where", [enough, half, p], f"{prefix}/pow2", _F32, shape)
+
+
+def _dynamic_scale(
+    b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False, pow2: bool = False
+) -> ir.Value:
     f32 = lambda v: np.array(v, np.float32)  # noqa: E731
     abs_x = b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)
     if per_token:  # [..., K] -> [..., 1]: one scale per row
@@ -184,6 +206,8 @@ def _dynamic_scale(b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_to
         _F32,
         shape,
     )
+    if pow2:  # the smallest power of two at least amax / fmax: E8M0-representable, no element clipped
+        s = _power_of_two_above(b, s, prefix)
     lo, hi = _scale_range(x.dtype)
     same = x.dtype == _F32
     s = b.op(
@@ -332,7 +356,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
             tq = dataclasses.replace(tq, block_size=0)  # channels unknown or not a multiple: per row
         per_token = tq.scale is None and tq.axis is not None
         if tq.scale is None:
-            scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic", per_token=per_token)
+            scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic", per_token=per_token, pow2=tq.pow2)
         else:
             scale = b.const(f"{name}/scale", scale_array(tq.scale, value.dtype))
         if not tq.format.deployable:
@@ -370,7 +394,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
             value.dtype,
             ir.Shape([None, group]),
         )
-        scale = _dynamic_scale(b, groups, tq.format, f"{name}/dynamic", per_token=True)
+        scale = _dynamic_scale(b, groups, tq.format, f"{name}/dynamic", per_token=True, pow2=tq.pow2)
         back = _rows_rounded(b, groups, scale, tq.format, f"{name}/per_group", f"{name}/per_group")
         shape = b.op("Shape", [value], f"{name}/shape", ir.DataType.INT64)
         return b.op("Reshape", [back, shape], f"{name}/dequantized", value.dtype, value.shape)

@@ -65,10 +65,12 @@ from fp8onnx.targets import TARGETS
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(_FORMATS, case_sensitive=False),
+    type=click.Choice([*_FORMATS, "mxfp8"], case_sensitive=False),
     default="e4m3fn",
     show_default=True,
-    help="Float8 format of weights and activations (e3m4: emulated, for studies only, not deployable).",
+    help="Float8 format of weights and activations (e3m4: emulated, for studies only, not deployable). mxfp8: "
+    "OCP MXFP8 as standard ONNX: e4m3fn with one power-of-two scale per 32 elements (--weight-block-size 32, "
+    "--activations dynamic-per-group --group-size 32, --scaling pow2; --activations none for weight-only).",
 )
 @click.option(
     "--weight-format", type=click.Choice(_FORMATS, case_sensitive=False), help="Override --format for weights."
@@ -81,7 +83,8 @@ from fp8onnx.targets import TARGETS
     type=click.Choice(_SCALINGS, case_sensitive=False),
     default="amax",
     show_default=True,
-    help="amax: scale = amax/fmax; pow2: power-of-two scale from the exponent bias; percentile: clip at "
+    help="amax: scale = amax/fmax; pow2: power-of-two scales (E8M0 values, MX-style; in-graph dynamic scales "
+    "rounded up to one too); percentile: clip at "
     "--percentile of |x|; mse: clip where the quantization error is least; constant: --scale for all.",
 )
 @click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")

@@ -1,0 +1,124 @@
+"""MX-style scales: power-of-two (E8M0-representable) scales everywhere with --scaling pow2, in-graph
+dynamic scales included, and --format mxfp8 (E4M3 elements, one power-of-two scale per 32 elements
+for weights and activations) in standard ONNX; checked against NumPy bit for bit, onnx.reference and
+onnxruntime CPU at its default optimisation level, and by SQNR against the unquantized graph."""
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from test_activation_modes import FMAX, matmul, tokens
+from test_blocks import layer
+
+import fp8onnx
+from fp8onnx.cli import main
+from fp8onnx.errors import Fp8OnnxError
+
+from helpers import run_ort, run_reference, sqnr_db
+
+
+def pow2_up(s: np.ndarray) -> np.ndarray:
+    """NumPy: the smallest power of two >= s (s >= 0, float32), exactly, from the float's own exponent."""
+    mantissa, exponent = np.frexp(s)
+    p = np.where(mantissa == 0.5, s, np.ldexp(np.float32(1), exponent).astype(np.float32))
+    return np.where(s == 0, np.float32(0), p).astype(np.float32)
+
+
+def pow2_rows_reference(x: np.ndarray, group: int | None = None) -> np.ndarray:
+    """NumPy: per row (or per ``group`` channels) scale = pow2_up(amax * (1/448)), at least float32's
+    tiny; x/scale cast to E4M3 (saturating: never needed here, the scale is rounded up), times scale."""
+    rows = x.reshape(-1, group) if group else x
+    scale = pow2_up(np.abs(rows).max(-1, keepdims=True) * np.float32(1 / FMAX))
+    scale = np.clip(scale, np.finfo(np.float32).tiny, None).astype(np.float32)
+    return ((rows / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).reshape(x.shape)
+
+
+def edge_rows(rng) -> np.ndarray:
+    """[2, 8, 16]: rows whose amax / 448 is exactly a power of two, one float32 step either side of
+    one, tiny, huge and zero (where Log's rounding could put the exponent one off)."""
+    x = tokens(rng, magnitudes=(1.0, 1.0, 1.0, 1.0, 1e-30, 3e4, 0.0, 7.0))
+    exact = FMAX * np.float32(2.0**-3)  # the float32 amax whose amax * (1/448) is 2^-3 exactly
+    while exact * np.float32(1 / FMAX) > np.float32(2.0**-3):
+        exact = np.nextafter(exact, np.float32(0))
+    while exact * np.float32(1 / FMAX) < np.float32(2.0**-3):
+        exact = np.nextafter(exact, np.float32(1e9))
+    assert exact * np.float32(1 / FMAX) == np.float32(2.0**-3)
+    for i, amax in enumerate((exact, np.nextafter(exact, np.float32(0)), np.nextafter(exact, np.float32(1e9)))):
+        x[:, i] = x[:, i] / np.abs(x[:, i]).max(-1, keepdims=True) * amax
+    return x.astype(np.float32)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # onnx.reference's Log of a zero row
+@pytest.mark.parametrize("mode", ["dynamic-per-token", "dynamic-per-group"])
+def test_pow2_dynamic_scales_match_numpy_bit_for_bit(tmp_path, mode):
+    """With an identity weight (exact in E4M3 per channel), the output is the quantized activation itself."""
+    rng = np.random.default_rng(7)
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    group = 8 if mode == "dynamic-per-group" else None
+    options = {"group_size": group} if group else {}
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations=mode, scaling="pow2", provider="cpu", **options)
+    assert "pow2 scaling" in report.summary()
+    x = edge_rows(rng)
+    want = pow2_rows_reference(x, group)
+    for run in (run_ort, run_reference):
+        got = run(tmp_path / "q.onnx", {"x": x})[0]
+        assert np.array_equal(got, want), np.abs(got - want).max()
+    ops = [n.op_type for n in onnx.load(tmp_path / "q.onnx").graph.node]
+    assert {"Log", "Ceil", "Pow", "Less", "GreaterOrEqual"} <= set(ops)
+
+
+def test_pow2_dynamic_per_tensor_scale(tmp_path):
+    rng = np.random.default_rng(8)
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", scaling="pow2", provider="cpu", preset="none")
+    x = edge_rows(rng)[:1, :2]  # the batch's amax * (1/448) exactly 2^-3
+    scale = pow2_up(np.abs(x).max() * np.float32(1 / FMAX))
+    assert scale == np.float32(2.0**-3)
+    want = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    for run in (run_ort, run_reference):
+        assert np.array_equal(run(tmp_path / "q.onnx", {"x": x})[0], want)
+
+
+def test_without_pow2_the_dynamic_graph_is_unchanged(tmp_path):
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic-per-token", provider="cpu")
+    assert not {"Log", "Pow", "Ceil"} & {n.op_type for n in onnx.load(tmp_path / "q.onnx").graph.node}
+
+
+@pytest.mark.parametrize("activations", [None, "none"])
+def test_format_mxfp8_is_e4m3_with_power_of_two_scales_per_32(tmp_path, activations):
+    """Weights: blocked DequantizeLinear (block 32 along K) with power-of-two scales; activations: one
+    power-of-two scale per row and 32 channels, in the graph (or none: weight-only MXFP8)."""
+    path, x = layer(tmp_path / "m.onnx", 96, spread=3)
+    options = {"activations": activations} if activations else {}
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", format="mxfp8", preset="none", provider="cpu", **options)
+    model = onnx.load(tmp_path / "q.onnx")
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert {a.name: a.i for a in dq.attribute}["block_size"] == 32
+    scales = onnx.numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == dq.input[1]))
+    assert scales.shape == (3, 24) and np.all(np.frexp(scales)[0] == 0.5)  # every one a power of two
+    meta = report.config
+    assert (meta["weight_format"], meta["weight_block_size"], meta["scaling"]) == ("e4m3fn", 32, "pow2")
+    feed = {"x": x[:64]}
+    ref, got, reference = run_ort(path, feed)[0], run_ort(model, feed)[0], run_reference(model, feed)[0]
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    ops = {n.op_type for n in model.graph.node}
+    if activations == "none":
+        assert "Pow" not in ops and sqnr_db(ref, got) > 30  # measured 31.5 dB
+    else:
+        assert {"Pow", "Reshape"} <= ops and (meta["activations"], meta["group_size"]) == ("dynamic-per-group", 32)
+        assert sqnr_db(ref, got) > 26  # measured 28.3 dB (29.2 with amax scales, 28.4 per token)
+
+
+def test_format_mxfp8_refuses_what_contradicts_it(tmp_path):
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    with pytest.raises(Fp8OnnxError, match="--format mxfp8 sets --weight-block-size 32; it contradicts"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", format="mxfp8", weight_block_size=64)
+    with pytest.raises(Fp8OnnxError, match="bundle of settings"):
+        fp8onnx.QuantizeConfig(format="mxfp8")
+    r = CliRunner().invoke(
+        main, ["quantize", str(path), "--format", "mxfp8", "--activations", "static", "-o", str(tmp_path / "q.onnx")]
+    )
+    assert r.exit_code == 2 and "--format mxfp8 sets --activations dynamic-per-group" in r.output, r.output
+    assert not (tmp_path / "q.onnx").exists()
