@@ -85,27 +85,26 @@ def inspect(model: str | os.PathLike) -> dict:
             else None
         )
         kind = "weight" if src.const_value is not None else "activation"
+        out, granularity = node.outputs[0], _granularity(node, scale)
+        if out.name.endswith("/block_rows") and src.shape is not None:  # the per-axis form of block scales
+            out, axis = _layout_ops_after(out)
+            granularity = f"block {src.shape[1]} along axis {axis} (per-axis form, for the CUDA EP)" + (
+                granularity[granularity.index(",") :] if "," in granularity else ""
+            )
         tensors.append(
             {
-                "name": node.outputs[0].name,
+                "name": out.name,
                 "kind": kind,
                 "format": fmt,
                 "scale": None if scale is None else (float(scale) if scale.size == 1 else scale.tolist()),
-                "granularity": _granularity(node, scale),
+                "granularity": granularity,
                 "shape": None if src.shape is None else [d if isinstance(d, int) else str(d) for d in src.shape],
-                "consumers": sorted({u.node.op_type for u in node.outputs[0].uses()}),
+                "consumers": sorted({u.node.op_type for u in out.uses()}),
             }
         )
     ops = collections.Counter(n.op_type for n in ir.traversal.RecursiveGraphIterator(graph))
     matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")]
-    quantized = [
-        n
-        for n in matmuls
-        if any(
-            v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
-            for v in n.inputs[:2]
-        )
-    ]
+    quantized = [n for n in matmuls if any(v is not None and _dequantized(v) for v in n.inputs[:2])]
     fed = len(quantized)
     by_type: dict[str, int] = collections.defaultdict(int)
     for v in graph.initializers.values():
@@ -128,6 +127,28 @@ def inspect(model: str | os.PathLike) -> dict:
         # kept in float), in a float one every candidate (advice before quantizing)
         "high_risk": vocabulary_projections(m, quantized if tensors else matmuls),
     }
+
+
+_LAYOUT_OPS = ("Reshape", "Transpose", "Slice")
+
+
+def _layout_ops_after(value: ir.Value) -> tuple[ir.Value, int]:
+    """Past the Reshape/Transpose/Slice nodes that follow a per-axis block DequantizeLinear: the weight
+    they rebuild, and its blocked axis (1 where a last Transpose turns [K, N] into [N, K])."""
+    axis = 0
+    while len(value.uses()) == 1 and value.uses()[0].node.op_type in _LAYOUT_OPS:
+        node = value.uses()[0].node
+        axis = 1 if node.op_type == "Transpose" and list(node.attributes.get_ints("perm", [])) == [1, 0] else axis
+        value = node.outputs[0]
+    return value, axis
+
+
+def _dequantized(value: ir.Value) -> bool:
+    """Whether ``value`` comes from a DequantizeLinear, directly or through layout ops only."""
+    producer = value.producer()
+    while producer is not None and producer.op_type in _LAYOUT_OPS:
+        producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
+    return producer is not None and producer.op_type == "DequantizeLinear"
 
 
 def _granularity(node: ir.Node, scale) -> str:

@@ -104,8 +104,7 @@ MXFP8 = {
 
 
 def _bundled(explicit: dict) -> dict:
-    """``explicit`` with ``format="mxfp8"`` replaced by :data:`MXFP8`'s settings, or one sentence naming
-    the option that contradicts them (weight-only MXFP8, ``activations="none"``, is allowed)."""
+    """``explicit`` with ``format="mxfp8"`` as :data:`MXFP8`'s settings (weight-only MXFP8 allowed)."""
     if str(getattr(explicit.get("format"), "value", explicit.get("format"))).lower() != "mxfp8":
         return explicit
     out = dict(explicit)
@@ -261,6 +260,8 @@ class QuantizeConfig:
 
         object.__setattr__(self, "target", _choice(Target, self.target, "--target"))
         object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
+        if self.target == "onnxruntime-cuda" and not (self.weight_format.cuda_ok and self.activation_format.cuda_ok):
+            raise Fp8OnnxError("--target onnxruntime-cuda takes e4m3fn and e5m2 (the CUDA EP's float8 Q/DQ types).")
         if self.target == "tensorrt":
             if Fp8Format.E4M3FN not in (self.weight_format, self.activation_format) or (
                 self.weight_format != self.activation_format

@@ -162,7 +162,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     if shielded:
         ShieldBiasPass(shielded)(ir_model)
         prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
-    inserted = InsertQDQPass(targets, quant)(ir_model)
+    inserted = InsertQDQPass(targets, quant, per_axis_blocks=_per_axis_blocks(config, run))(ir_model)
     modified = inserted.modified
     if config.embeddings == "fp8":
         embedded = QuantizeEmbeddingsPass(config.weight_format, dequantized=inserted.dequantized)(ir_model)
@@ -227,6 +227,17 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
         lap("report")
     return result
+
+
+def _per_axis_blocks(config: QuantizeConfig, run: RunOptions) -> bool:
+    """Block-scaled weights in the per-axis form: for onnxruntime's CUDA EP, which has no blocked float8
+    DequantizeLinear (--target onnxruntime-cuda, or a run on it)."""
+    if not config.weight_block_size:
+        return False
+    cuda = config.target == "onnxruntime-cuda" or run.provider == "cuda"
+    if cuda:
+        logger.info("block scales in the per-axis form (the CUDA EP has no blocked float8 DequantizeLinear)")
+    return cuda
 
 
 def _settling(model, decisions, config: QuantizeConfig, techniques, run: RunOptions):

@@ -4,6 +4,10 @@ TensorRT (explicit quantization, FP8): float8 QuantizeLinear/DequantizeLinear in
 absent or zero; scales constant, positive and finite; activations quantized per tensor; weights
 float8 initializers with DequantizeLinear only, per tensor or per output channel; no custom-domain
 GEMMs. ``check_tensorrt`` lists every violation as "node: reason"; an empty list means none found.
+
+onnxruntime's CUDA EP (``onnxruntime-cuda``): float8 Q/DQ in E4M3FN and E5M2 only, and no blocked float8
+DequantizeLinear (its kernels implement ``block_size`` for int4 only): block-scaled weights are written in
+the per-axis form (:meth:`fp8onnx.passes.InsertQDQPass._blocks_per_axis`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from fp8onnx.passes import output_channel_axis
 
 __all__ = ["TARGETS", "check_tensorrt"]
 
-TARGETS = ("onnxruntime", "tensorrt")
+TARGETS = ("onnxruntime", "onnxruntime-cuda", "tensorrt")
 
 
 def _scale_problem(scale: ir.Value | None) -> str | None:

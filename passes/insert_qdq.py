@@ -30,15 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format, dequantize, quantize
-from ..numerics.scaling import SAFE_AMAX, amax_to_scale, expand_blocks
+from ..numerics.scaling import expand_blocks
 from ._common import derived_tensor, initializer, insert_at_definition
+from ._in_graph import (
+    NODE_PREFIX,
+    _Builder,
+    _dynamic_scale,
+    _rows_rounded,
+    emulated_rounding,
+    scale_array,
+)
 
 __all__ = [
     "NODE_PREFIX",
@@ -51,8 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-NODE_PREFIX = "fp8onnx/"
-_F32 = ir.DataType.FLOAT
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,144 +96,6 @@ def is_quantized(value: ir.Value) -> bool:
     return value.name.startswith(NODE_PREFIX) or (producer is not None and producer.op_type == "DequantizeLinear")
 
 
-def scale_array(scale, dtype: ir.DataType) -> np.ndarray:
-    """The scale in the tensor's float type, kept finite and positive in that type."""
-    lo, hi = _scale_range(dtype)
-    return np.asarray(np.clip(np.asarray(scale, np.float64), lo, hi), dtype=dtype.numpy())
-
-
-def _scale_range(dtype: ir.DataType) -> tuple[float, float]:
-    np_dtype = dtype.numpy()
-    info = np.finfo(np.float32) if np_dtype == np.dtype("bfloat16") else np.finfo(np_dtype)
-    return float(info.smallest_normal), float(info.max)
-
-
-class _Builder:
-    """Adds nodes and constants to one graph, with names under ``fp8onnx/``."""
-
-    def __init__(self, graph: ir.Graph):
-        self.graph = graph
-        self.nodes: list[ir.Node] = []
-
-    def const(self, name: str, array: np.ndarray) -> ir.Value:
-        return initializer(self.graph, f"{NODE_PREFIX}{name}", array)
-
-    def op(self, op_type: str, inputs, name: str, dtype: ir.DataType | None = None, shape=None, **attrs) -> ir.Value:
-        node = ir.node(op_type, inputs, attrs or None, name=f"{NODE_PREFIX}{name}")
-        out = node.outputs[0]
-        out.name = f"{NODE_PREFIX}{name}"
-        out.dtype = dtype
-        out.shape = shape
-        self.nodes.append(node)
-        return out
-
-    def cast(self, value: ir.Value, to: ir.DataType, name: str) -> ir.Value:
-        return value if value.dtype == to else self.op("Cast", [value], name, to, value.shape, to=int(to))
-
-    def take(self) -> list[ir.Node]:
-        nodes, self.nodes = self.nodes, []
-        return nodes
-
-
-def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, prefix: str) -> ir.Value:
-    """Float ops computing ``dequantize(quantize(x, scale, fmt), scale)`` for a format without an ONNX type.
-
-    v = clip(x / scale, +-fmax); e = max(floor(log2|v|), emin), corrected by one where log2 rounding
-    missed an exact power of two; step = 2**(e - mantissa bits); round half to even on that step.
-    """
-
-    def op(op_type: str, inputs, name: str, dtype: ir.DataType = _F32, **attrs) -> ir.Value:
-        return b.op(op_type, inputs, f"{prefix}/{name}", dtype, x.shape, **attrs)
-
-    def const(name: str, value: float) -> ir.Value:
-        return b.const(f"const/{name}", np.array(value, np.float32))
-
-    def as_float(flag: ir.Value, name: str) -> ir.Value:
-        return op("Cast", [flag], name, to=int(_F32))
-
-    xf, sf = b.cast(x, _F32, f"{prefix}/x_f32"), b.cast(scale, _F32, f"{prefix}/scale_f32")
-    two = const("two", 2.0)
-    v = op("Div", [xf, sf], "scaled")
-    v = op("Clip", [v, const(f"{fmt.value}/-fmax", -fmt.fmax), const(f"{fmt.value}/fmax", fmt.fmax)], "saturated")
-    a = op("Abs", [v], "abs")
-    e0 = op("Floor", [op("Mul", [op("Log", [a], "ln"), const("inv_ln2", 1 / math.log(2))], "log2")], "e0")
-    p = op("Pow", [two, e0], "p")
-    too_big = as_float(op("Greater", [p, a], "p_gt_a", ir.DataType.BOOL), "dec")
-    too_small = as_float(op("LessOrEqual", [op("Mul", [p, two], "2p"), a], "2p_le_a", ir.DataType.BOOL), "inc")
-    e = op("Sub", [op("Add", [e0, too_small], "e1"), too_big], "e2")
-    e = op("Max", [e, const(f"{fmt.value}/emin", fmt.min_normal_exponent)], "e")
-    step = op("Pow", [two, op("Sub", [e, const(f"{fmt.value}/mbits", fmt.mantissa_bits)], "e_step")], "step")
-    q = op("Mul", [op("Round", [op("Div", [v, step], "units")], "rounded"), step], "grid")
-    y = op("Mul", [q, sf], "emulated_f32")
-    return b.cast(y, x.dtype, f"{prefix}/emulated")
-
-
-def _power_of_two_above(b: _Builder, s: ir.Value, prefix: str) -> ir.Value:
-    """The smallest power of two >= ``s`` (float32, positive), exactly: ``2^ceil(log2 s)`` from Log, then
-    one step down or up where Log's rounding put the exponent one off (at exact powers of two)."""
-    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
-    shape = s.shape
-    log2 = b.op("Mul", [b.op("Log", [s], f"{prefix}/ln", _F32, shape), b.const("const/inv_ln2", f32(1 / np.log(2)))],
-                f"{prefix}/log2", _F32, shape)  # fmt: skip
-    p = b.op("Pow", [b.const("const/two", f32(2.0)), b.op("Ceil", [log2], f"{prefix}/exponent", _F32, shape)],
-             f"{prefix}/pow2_guess", _F32, shape)  # fmt: skip
-    below = b.op("Less", [p, s], f"{prefix}/pow2_below", ir.DataType.BOOL, shape)
-    p = b.op("Where", [below, b.op("Add", [p, p], f"{prefix}/pow2_double", _F32, shape), p],
-             f"{prefix}/pow2_up", _F32, shape)  # fmt: skip
-    half = b.op("Mul", [p, b.const("const/half", f32(0.5))], f"{prefix}/pow2_half", _F32, shape)
-    enough = b.op("GreaterOrEqual", [half, s], f"{prefix}/pow2_half_enough", ir.DataType.BOOL, shape)
-    return b.op("Where", [enough, half, p], f"{prefix}/pow2", _F32, shape)
-
-
-def _dynamic_scale(
-    b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False, pow2: bool = False
-) -> ir.Value:
-    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
-    abs_x = b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)
-    if per_token:  # [..., K] -> [..., 1]: one scale per row
-        last = b.const("const/axes_last", np.array([-1], np.int64))
-        amax = b.op("ReduceMax", [abs_x, last], f"{prefix}/amax", x.dtype, None, keepdims=1)
-    else:
-        amax = b.op("ReduceMax", [abs_x], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
-    shape = amax.shape
-    s = b.op(
-        "Mul",
-        [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
-        f"{prefix}/raw_scale",
-        _F32,
-        shape,
-    )
-    is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, shape)
-    s = b.op(
-        "Where",
-        [is_number, s, b.const(f"const/{fmt.value}/safe_scale", f32(amax_to_scale(SAFE_AMAX, fmt)))],
-        f"{prefix}/finite_scale",
-        _F32,
-        shape,
-    )
-    if pow2:  # the smallest power of two at least amax / fmax: E8M0-representable, no element clipped
-        s = _power_of_two_above(b, s, prefix)
-    lo, hi = _scale_range(x.dtype)
-    same = x.dtype == _F32
-    s = b.op(
-        "Clip",
-        [s, b.const(f"const/scale_min/{x.dtype.name}", f32(lo)), b.const(f"const/scale_max/{x.dtype.name}", f32(hi))],
-        f"{prefix}/scale" if same else f"{prefix}/scale_f32",
-        _F32,
-        shape,
-    )
-    return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
-
-
-def _rows_rounded(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, prefix: str, out: str) -> ir.Value:
-    """``x / scale`` cast to ``fmt`` (saturating), back to ``x``'s type, times ``scale``: exactly
-    QuantizeLinear/DequantizeLinear's values for a per-row ``scale`` (which is not a per-axis Q/DQ),
-    in ops every EP runs. Nodes ``<prefix>_scaled``, ``_fp8``, ``_float`` and ``out``."""
-    scaled = b.op("Div", [x, scale], f"{prefix}_scaled", x.dtype, x.shape)
-    q = b.op("Cast", [scaled], f"{prefix}_fp8", fmt.ir_type, x.shape, to=int(fmt.onnx_type), saturate=1)
-    return b.op("Mul", [b.cast(q, x.dtype, f"{prefix}_float"), scale], out, x.dtype, x.shape)
-
-
 MIN_OPSET = 21  # QuantizeLinear with output_dtype (float8 without a zero point)
 
 
@@ -242,12 +109,20 @@ class InsertQDQPass(ir.passes.InPlacePass):
     dtype at that index and a TensorQuant for it. ensures: every target input is read from a
     DequantizeLinear (or, for an emulated format, from the grid-rounding ops or a rounded weight)."""
 
-    def __init__(self, targets: Iterable[tuple[ir.Node | str, int]], quant: Mapping[str, TensorQuant]):
+    def __init__(
+        self,
+        targets: Iterable[tuple[ir.Node | str, int]],
+        quant: Mapping[str, TensorQuant],
+        per_axis_blocks: bool = False,
+    ):
         """``targets``: (node or node name, input index) pairs, in the main graph or in subgraphs;
-        ``quant``: tensor name -> TensorQuant."""
+        ``quant``: tensor name -> TensorQuant. ``per_axis_blocks``: block-scaled weights in the
+        per-axis form (:meth:`_blocks_per_axis`) instead of a blocked DequantizeLinear, for EPs
+        without blocked float8 DequantizeLinear (onnxruntime's CUDA EP)."""
         super().__init__()
         self.targets = list(targets)
         self.quant = dict(quant)
+        self.per_axis_blocks = per_axis_blocks
 
     def _resolved(self, model: ir.Model) -> list[tuple[ir.Node, int]]:
         nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
@@ -333,6 +208,8 @@ class InsertQDQPass(ir.passes.InPlacePass):
                 name,
             )
             return initializer(b.graph, name, tensor)
+        if tq.block_size and self.per_axis_blocks:
+            return self._blocks_per_axis(b, value, tq, scale, scale32)
         name = f"{NODE_PREFIX}{value.name}/fp8"
         q_value = initializer(
             b.graph,
@@ -346,6 +223,40 @@ class InsertQDQPass(ir.passes.InPlacePass):
         return b.op(
             "DequantizeLinear", [q_value, scale_value], f"{value.name}/dequantized", value.dtype, value.shape, **attrs
         )
+
+    def _blocks_per_axis(self, b: _Builder, value, tq: TensorQuant, scale: np.ndarray, scale32: np.ndarray):
+        """A block-scaled 2-D weight as a per-axis DequantizeLinear: the float8 codes stored as rows of one
+        block each ([blocks x other dim, block], K padded with zeros to whole blocks), each row with its
+        block's scale (axis 0), then Reshape, Transpose and Reshape (and Slice off the padding, Transpose
+        a [N, K] weight) back to the weight's layout. Every value is the blocked DequantizeLinear's, bit
+        for bit: each is one code times its block's scale."""
+        source, block, axis = value.const_value, int(tq.block_size), tq.axis % 2
+        k, other = int(source.shape[axis]), int(source.shape[1 - axis])
+        blocks = -(-k // block)
+
+        def rows(w):  # [K, M] padded to [blocks * block, M] -> [blocks, M, block] -> [blocks * M, block]
+            w = np.moveaxis(quantize(w, scale32, tq.format), axis, 0)
+            padded = np.zeros((blocks * block, other), w.dtype)
+            padded[:k] = w
+            return np.ascontiguousarray(padded.reshape(blocks, block, other).transpose(0, 2, 1)).reshape(-1, block)
+
+        name = f"{NODE_PREFIX}{value.name}/fp8_block_rows"
+        codes = derived_tensor(source, rows, tq.format.ir_type, [blocks * other, block], name)
+        codes = initializer(b.graph, name, codes)
+        per_row = np.ascontiguousarray(np.moveaxis(scale, axis, 0)).reshape(-1)  # [blocks, M] -> one per row
+        row_scales = b.const(f"{value.name}/block_scales", per_row)
+        x = b.op("DequantizeLinear", [codes, row_scales], f"{value.name}/block_rows", value.dtype, None, axis=0)
+        shape = lambda *d: b.const(f"const/shape_{'x'.join(map(str, d))}", np.array(d, np.int64))  # noqa: E731
+        x = b.op("Reshape", [x, shape(blocks, other, block)], f"{value.name}/blocks", value.dtype, None)
+        x = b.op("Transpose", [x], f"{value.name}/blocks_k_first", value.dtype, None, perm=[0, 2, 1])
+        x = b.op("Reshape", [x, shape(blocks * block, other)], f"{value.name}/k_by_other", value.dtype, None)
+        if blocks * block != k:
+            starts, ends = b.const("const/zero_1d", np.array([0], np.int64)), shape(k)
+            x = b.op("Slice", [x, starts, ends], f"{value.name}/unpadded", value.dtype, None)
+        if axis == 1:
+            x = b.op("Transpose", [x], f"{value.name}/k_last", value.dtype, None, perm=[1, 0])
+        x.name, x.shape = f"{NODE_PREFIX}{value.name}/dequantized", ir.Shape(source.shape)
+        return x
 
     def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         name = value.name

@@ -156,3 +156,32 @@ def test_blocks_with_bias_correction_and_sequential_calibration(tmp_path):
         blocked = [n for n in onnx.load(out).graph.node if n.op_type == "DequantizeLinear" and n.attribute]
         assert any(a.name == "block_size" for n in blocked for a in n.attribute)
     assert any("bias correction of 1 layers" in line for line in reports["bc"].prepared)
+
+
+@pytest.mark.parametrize(("k", "block"), [(64, 32), (48, 32), (96, 16)])  # 48: the last block is padded
+@pytest.mark.parametrize("gemm", [False, True])
+def test_per_axis_form_for_the_cuda_ep_is_the_blocked_form_bit_for_bit(tmp_path, k, block, gemm):
+    """--target onnxruntime-cuda: no DequantizeLinear with block_size (the CUDA EP has no blocked float8
+    DQ); a per-axis one over rows of one block, reshaped back: the same weight values, so the same
+    outputs bit for bit, on onnxruntime CPU and onnx.reference."""
+    path, x = layer(tmp_path / "m.onnx", k, gemm=gemm)
+    feed = {"x": x[:32]}
+    outs = {}
+    for target in ("onnxruntime", "onnxruntime-cuda"):
+        out = tmp_path / f"{target}.onnx"
+        fp8onnx.quantize(path, out, activations="none", preset="none", weight_block_size=block, target=target)
+        model = onnx.load(out)
+        dq = _dq(model)
+        blocked = {a.name: a.i for a in dq.attribute}.get("block_size", 0)
+        assert blocked == (block if target == "onnxruntime" else 0)
+        outs[target] = (run_ort(out, feed)[0], run_reference(out, feed)[0])
+    for a, b in zip(outs["onnxruntime"], outs["onnxruntime-cuda"]):
+        np.testing.assert_array_equal(a, b)
+    info = fp8onnx.inspect(tmp_path / "onnxruntime-cuda.onnx")
+    (weight,) = [t for t in info["float8_tensors"] if t["kind"] == "weight"]
+    assert weight["granularity"].startswith(f"block {block} along axis {1 if gemm else 0} (per-axis form")
+
+
+def test_the_cuda_target_takes_its_formats_only(tmp_path):
+    with pytest.raises(fp8onnx.Fp8OnnxError, match="onnxruntime-cuda takes e4m3fn and e5m2"):
+        fp8onnx.QuantizeConfig(format="e4m3fnuz", target="onnxruntime-cuda")

@@ -330,7 +330,7 @@ def test_recipe_choices_are_enums_that_read_as_their_names():
             "dynamic-per-group, none.",
         ),
         ("precision", "fp8", "Unknown --precision 'fp8'; choose one of model, fp16."),
-        ("target", "coreml", "Unknown --target 'coreml'; choose one of onnxruntime, tensorrt."),
+        ("target", "coreml", "Unknown --target 'coreml'; choose one of onnxruntime, onnxruntime-cuda, tensorrt."),
     ]:
         with pytest.raises(Fp8OnnxError) as info:
             QuantizeConfig(**{field: bad})

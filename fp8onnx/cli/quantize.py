@@ -116,7 +116,9 @@ from fp8onnx.targets import TARGETS
     type=click.Choice(TARGETS),
     default="onnxruntime",
     show_default=True,
-    help="tensorrt: only what TensorRT's FP8 takes (E4M3FN, constant scales), checked on the result.",
+    help="tensorrt: only what TensorRT's FP8 takes (E4M3FN, constant scales), checked on the result; "
+    "onnxruntime-cuda: what onnxruntime's CUDA EP runs (e4m3fn/e5m2; block scales as per-axis DequantizeLinear, "
+    "chosen too when the run's provider is CUDA).",
 )
 @click.option(
     "--native-gemm",
