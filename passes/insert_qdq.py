@@ -68,7 +68,8 @@ class TensorQuant:
     None for a dynamic scale computed in the graph (activations only): per tensor, or with
     ``axis=-1`` one per row (token), the amax over the last axis. With ``block_size`` (weights
     only), ``scale`` has the weight's shape with ``axis`` cut into blocks of that many elements
-    (the last may be shorter): one scale per block (opset 21 DequantizeLinear's ``block_size``).
+    (the last may be shorter): one scale per block (opset 21 DequantizeLinear's ``block_size``); a
+    Conv weight's blocks run along axis 1 of its 2-D view [M, C/group x kernel], ``scale`` [M, blocks].
     A dynamic scale with ``block_size``: one per row and per ``block_size`` channels (per group).
     ``pow2``: the dynamic scales rounded up to powers of two in the graph (MX-style, E8M0 values).
     """
@@ -83,6 +84,9 @@ class TensorQuant:
         """The scale as a float32 array broadcasting against a weight of ``shape``: one per element
         with blocks, one per channel along ``axis``, or a scalar."""
         scale = np.asarray(self.scale, np.float32)
+        if self.block_size and len(shape) > 2:  # a Conv weight's blocks: along axis 1 of [M, C x kernel]
+            flat = [shape[0], int(np.prod(shape[1:]))]
+            return expand_blocks(scale, flat, 1, self.block_size).reshape(shape)
         if self.block_size:
             return expand_blocks(scale, shape, self.axis % len(shape), self.block_size)
         if self.axis is not None:
@@ -208,34 +212,40 @@ class InsertQDQPass(ir.passes.InPlacePass):
                 name,
             )
             return initializer(b.graph, name, tensor)
+        shape = list(source.shape)
+        if tq.block_size and len(shape) > 2:  # a Conv weight: blocks of its 2-D view, reshaped back after
+            flat = [shape[0], int(np.prod(shape[1:]))]
+            x = self._dequantized(b, value, tq, scale, scale32.reshape(flat), flat, f"{value.name}/dequantized_2d")
+            target = b.const(f"{value.name}/shape", np.array(shape, np.int64))
+            return b.op("Reshape", [x, target], f"{value.name}/dequantized", value.dtype, value.shape)
+        return self._dequantized(b, value, tq, scale, scale32, shape, f"{value.name}/dequantized")
+
+    def _dequantized(self, b: _Builder, value, tq: TensorQuant, scale, scale32, shape: list, out: str) -> ir.Value:
+        """The float8 initializer of ``value`` (seen as ``shape``) and its DequantizeLinear, named ``out``."""
         if tq.block_size and self.per_axis_blocks:
-            return self._blocks_per_axis(b, value, tq, scale, scale32)
+            return self._blocks_per_axis(b, value, tq, scale, scale32, shape, out)
         name = f"{NODE_PREFIX}{value.name}/fp8"
-        q_value = initializer(
-            b.graph,
-            name,
-            derived_tensor(source, lambda w: quantize(w, scale32, tq.format), tq.format.ir_type, source.shape, name),
-        )
+        quantized = lambda w: quantize(w.reshape(shape), scale32, tq.format)  # noqa: E731
+        codes = derived_tensor(value.const_value, quantized, tq.format.ir_type, shape, name)
+        q_value = initializer(b.graph, name, codes)
         scale_value = b.const(f"{value.name}/scale", scale)
         attrs = {} if tq.axis is None else {"axis": int(tq.axis)}
         if tq.block_size:
             attrs["block_size"] = int(tq.block_size)
-        return b.op(
-            "DequantizeLinear", [q_value, scale_value], f"{value.name}/dequantized", value.dtype, value.shape, **attrs
-        )
+        return b.op("DequantizeLinear", [q_value, scale_value], out, value.dtype, ir.Shape(shape), **attrs)
 
-    def _blocks_per_axis(self, b: _Builder, value, tq: TensorQuant, scale: np.ndarray, scale32: np.ndarray):
+    def _blocks_per_axis(self, b: _Builder, value, tq: TensorQuant, scale, scale32, shape: list, out: str):
         """A block-scaled 2-D weight as a per-axis DequantizeLinear: the float8 codes stored as rows of one
         block each ([blocks x other dim, block], K padded with zeros to whole blocks), each row with its
         block's scale (axis 0), then Reshape, Transpose and Reshape (and Slice off the padding, Transpose
         a [N, K] weight) back to the weight's layout. Every value is the blocked DequantizeLinear's, bit
         for bit: each is one code times its block's scale."""
         source, block, axis = value.const_value, int(tq.block_size), tq.axis % 2
-        k, other = int(source.shape[axis]), int(source.shape[1 - axis])
+        k, other = int(shape[axis]), int(shape[1 - axis])
         blocks = -(-k // block)
 
         def rows(w):  # [K, M] padded to [blocks * block, M] -> [blocks, M, block] -> [blocks * M, block]
-            w = np.moveaxis(quantize(w, scale32, tq.format), axis, 0)
+            w = np.moveaxis(quantize(w.reshape(shape), scale32, tq.format), axis, 0)
             padded = np.zeros((blocks * block, other), w.dtype)
             padded[:k] = w
             return np.ascontiguousarray(padded.reshape(blocks, block, other).transpose(0, 2, 1)).reshape(-1, block)
@@ -246,16 +256,16 @@ class InsertQDQPass(ir.passes.InPlacePass):
         per_row = np.ascontiguousarray(np.moveaxis(scale, axis, 0)).reshape(-1)  # [blocks, M] -> one per row
         row_scales = b.const(f"{value.name}/block_scales", per_row)
         x = b.op("DequantizeLinear", [codes, row_scales], f"{value.name}/block_rows", value.dtype, None, axis=0)
-        shape = lambda *d: b.const(f"const/shape_{'x'.join(map(str, d))}", np.array(d, np.int64))  # noqa: E731
-        x = b.op("Reshape", [x, shape(blocks, other, block)], f"{value.name}/blocks", value.dtype, None)
+        dims = lambda *d: b.const(f"const/shape_{'x'.join(map(str, d))}", np.array(d, np.int64))  # noqa: E731
+        x = b.op("Reshape", [x, dims(blocks, other, block)], f"{value.name}/blocks", value.dtype, None)
         x = b.op("Transpose", [x], f"{value.name}/blocks_k_first", value.dtype, None, perm=[0, 2, 1])
-        x = b.op("Reshape", [x, shape(blocks * block, other)], f"{value.name}/k_by_other", value.dtype, None)
+        x = b.op("Reshape", [x, dims(blocks * block, other)], f"{value.name}/k_by_other", value.dtype, None)
         if blocks * block != k:
-            starts, ends = b.const("const/zero_1d", np.array([0], np.int64)), shape(k)
+            starts, ends = b.const("const/zero_1d", np.array([0], np.int64)), dims(k)
             x = b.op("Slice", [x, starts, ends], f"{value.name}/unpadded", value.dtype, None)
         if axis == 1:
             x = b.op("Transpose", [x], f"{value.name}/k_last", value.dtype, None, perm=[1, 0])
-        x.name, x.shape = f"{NODE_PREFIX}{value.name}/dequantized", ir.Shape(source.shape)
+        x.name, x.shape = f"{NODE_PREFIX}{out}", ir.Shape(shape)
         return x
 
     def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:

@@ -155,9 +155,12 @@ def weight_amax(value: ir.Value, axis: int | None = None):
 
 def block_amax(value: ir.Value, axis: int, block: int) -> np.ndarray:
     """Absolute maximum of a 2-D constant tensor per block of ``block`` elements along ``axis`` (the
-    last block may be shorter): shape of the tensor with ``axis`` divided into blocks."""
+    last block may be shorter): shape of the tensor with ``axis`` divided into blocks. A tensor of
+    more dimensions (a Conv weight) is taken as its 2-D view [dim 0, the rest] (``axis`` 1)."""
     arr = np.abs(value.const_value.numpy().astype(np.float32))
     release(value.const_value)
+    if arr.ndim > 2:
+        arr = arr.reshape(arr.shape[0], -1)
     if not np.isfinite(arr).all():
         raise Fp8OnnxError(f"Weight {value.name!r} contains NaN or Inf values; refusing to quantize a corrupt tensor.")
     moved = np.moveaxis(arr, axis, 0)

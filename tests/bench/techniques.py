@@ -46,6 +46,21 @@ TECHNIQUES = {
         "gptq",
     ],
     "weight-only + gptq": ["--calib", "{calib}", "--activations", "none", "--weight-rounding", "gptq"],
+    # granularity (issue "Finer than per-channel"): weight blocks of N along K with per-token activations,
+    # per-group activations (1 x 32 tiles) with 32-blocks, and the same with power-of-two scales (MXFP8)
+    "block 128": ["--activations", "dynamic-per-token", "--weight-block-size", "128"],
+    "block 64": ["--activations", "dynamic-per-token", "--weight-block-size", "64"],
+    "block 32": ["--activations", "dynamic-per-token", "--weight-block-size", "32"],
+    "per-group 32 + block 32": [
+        "--activations",
+        "dynamic-per-group",
+        "--group-size",
+        "32",
+        "--weight-block-size",
+        "32",
+    ],
+    "mxfp8": ["--format", "mxfp8"],
+    "mxfp8 weight-only": ["--format", "mxfp8", "--activations", "none"],
     "preset llm": ["--calib", "{calib}", "--preset", "llm"],
     "preset encoder": ["--calib", "{calib}", "--preset", "encoder"],
     "preset cnn": ["--calib", "{calib}", "--preset", "cnn"],
@@ -96,6 +111,7 @@ def bench(name, model, calib, eval_data, techniques, exclude_vocab, tmp) -> list
     result = fp8onnx.compare(model, [r["file"] for r in rows], eval_data, provider="cpu")
     by_file = {r.name: r for r in result.rows}
     fp32_bytes = size(pathlib.Path(model))
+    fp32_ms = next((r.latency_ms for r in result.rows if r.name.startswith("FP32")), None)
     base = rows[0]
     for r in rows:
         row = by_file[r["file"].name]
@@ -109,6 +125,7 @@ def bench(name, model, calib, eval_data, techniques, exclude_vocab, tmp) -> list
             time_ratio=r["seconds"] / base["seconds"],
             rss_ratio=r["rss_mib"] / base["rss_mib"],
             perplexity=row.perplexity,
+            latency_ratio=None if row.latency_ms is None or fp32_ms is None else row.latency_ms / fp32_ms,
             excluded=exclude,
         )
     fp16 = by_file.get("FP16")
@@ -140,7 +157,7 @@ def main() -> None:
             rows += bench(name, model, calib, eval_data, techniques, args.exclude_vocab, pathlib.Path(tmp))
     head = (
         f"{'model':<10} {'technique':<27} {'vs FP16':>8} {'cosine':>8} {'top-1':>6} {'ppl':>6} {'size':>5} "
-        f"{'time':>5} {'RSS':>5}"
+        f"{'time':>5} {'RSS':>5} {'CPU ms':>6}"
     )
     print(head)
     for r in rows:
@@ -148,9 +165,12 @@ def main() -> None:
             f"{r['model']:<10} {r['technique']:<27} {_f(r.get('ratio_to_fp16'), '.2%'):>8} "
             f"{_f(r.get('cosine'), '.5f'):>8} {_f(r.get('top1'), '.3f'):>6} {_f(r.get('perplexity'), '.2f'):>6} "
             f"{_f(r.get('size_ratio'), '.2f'):>5} {_f(r.get('time_ratio'), '.2f'):>5} "
-            f"{_f(r.get('rss_ratio'), '.2f'):>5}"
+            f"{_f(r.get('rss_ratio'), '.2f'):>5} {_f(r.get('latency_ratio'), '.2f'):>6}"
         )
-    print("vs FP16: headline metric / FP16's; size: file / FP32 file; time, RSS: quantize relative to plain amax")
+    print(
+        "vs FP16: headline metric / FP16's; size: file / FP32 file (scales included); time, RSS: quantize relative "
+        "to the first technique; CPU ms: onnxruntime CPU time per batch / FP32's (compare's median)"
+    )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
 
