@@ -46,21 +46,35 @@ TECHNIQUES = {
         "gptq",
     ],
     "weight-only + gptq": ["--calib", "{calib}", "--activations", "none", "--weight-rounding", "gptq"],
-    # granularity (issue "Finer than per-channel"): weight blocks of N along K with per-token activations,
-    # per-group activations (1 x 32 tiles) with 32-blocks, and the same with power-of-two scales (MXFP8)
-    "block 128": ["--activations", "dynamic-per-token", "--weight-block-size", "128"],
-    "block 64": ["--activations", "dynamic-per-token", "--weight-block-size", "64"],
-    "block 32": ["--activations", "dynamic-per-token", "--weight-block-size", "32"],
-    "per-group 32 + block 32": [
-        "--activations",
-        "dynamic-per-group",
-        "--group-size",
-        "32",
-        "--weight-block-size",
-        "32",
-    ],
-    "mxfp8": ["--format", "mxfp8"],
-    "mxfp8 weight-only": ["--format", "mxfp8", "--activations", "none"],
+    # granularity (issue "Finer than per-channel"), without a preset: static per-tensor and per-channel,
+    # per-token activations with per-channel weights or weight blocks of N along K, per-group
+    # activations (1 x 32 tiles) with 32-blocks, and MXFP8 (the same with power-of-two scales)
+    "g per-tensor": ["--preset", "none", "--calib", "{calib}"],
+    "g per-channel": ["--preset", "none", "--calib", "{calib}", "--per-channel"],
+    "g per-token": ["--preset", "none", "--activations", "dynamic-per-token"],
+    "g block 128": ["--preset", "none", "--activations", "dynamic-per-token", "--weight-block-size", "128"],
+    "g block 64": ["--preset", "none", "--activations", "dynamic-per-token", "--weight-block-size", "64"],
+    "g block 32": ["--preset", "none", "--activations", "dynamic-per-token", "--weight-block-size", "32"],
+    "g per-group 32": ["--preset", "none", "--activations", "dynamic-per-group", "--group-size", "32"]
+    + ["--weight-block-size", "32"],
+    "g mxfp8": ["--preset", "none", "--format", "mxfp8"],
+    "g mxfp8 weight-only": ["--preset", "none", "--format", "mxfp8", "--activations", "none"],
+    # the same for a CNN, Conv included (static activations; MXFP8's Conv inputs take one dynamic
+    # power-of-two scale per tensor: per-group scales run along the last axis, a Conv's W)
+    "conv per-tensor": ["--preset", "none", "--calib", "{calib}", "--op-types", "MatMul,Gemm,Conv", "--per-tensor"],
+    "conv per-channel": ["--preset", "none", "--calib", "{calib}", "--op-types", "MatMul,Gemm,Conv", "--per-channel"],
+    "conv block 32": ["--preset", "none", "--calib", "{calib}", "--op-types", "MatMul,Gemm,Conv"]
+    + ["--weight-block-size", "32"],
+    "conv block 16": ["--preset", "none", "--calib", "{calib}", "--op-types", "MatMul,Gemm,Conv"]
+    + ["--weight-block-size", "16"],
+    "conv mxfp8": ["--preset", "none", "--format", "mxfp8", "--op-types", "MatMul,Gemm,Conv"],
+    # the finest recipe with FP8 activations: a preset's techniques with per-group scales and blocks of 16
+    "encoder + group 16 + block 16": ["--calib", "{calib}", "--preset", "encoder"]
+    + ["--activations", "dynamic-per-group", "--group-size", "16", "--weight-block-size", "16"],
+    "llm + group 32 + block 32": ["--calib", "{calib}", "--preset", "llm"]
+    + ["--activations", "dynamic-per-group", "--group-size", "32", "--weight-block-size", "32"],
+    "llm + group 16 + block 16": ["--calib", "{calib}", "--preset", "llm"]
+    + ["--activations", "dynamic-per-group", "--group-size", "16", "--weight-block-size", "16"],
     "preset llm": ["--calib", "{calib}", "--preset", "llm"],
     "preset encoder": ["--calib", "{calib}", "--preset", "encoder"],
     "preset cnn": ["--calib", "{calib}", "--preset", "cnn"],
