@@ -32,7 +32,7 @@ __all__ = ["MS_DOMAIN", "LowerGemmFloat8Pass"]
 
 logger = logging.getLogger(__name__)
 MS_DOMAIN = "com.microsoft"
-_CUDA_FP8 = tuple(f.ir_type for f in Fp8Format if f.cuda_ok)
+_CUDA_FP8 = tuple(f.ir_type for f in Fp8Format if f.cuda_ok and not f.integer)
 
 
 def _dq_of(value: ir.Value) -> ir.Node | None:

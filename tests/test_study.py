@@ -25,7 +25,7 @@ def test_configs_cover_the_papers_grid():
     groups = {}
     for label, group, _ in study_configs([2.0**-4, 2.0**-2]):
         groups.setdefault(group, []).append(label)
-    assert groups["format"] == ["e4m3fn amax", "e5m2 amax", "e3m4 amax"]
+    assert groups["format"] == ["e4m3fn amax", "e5m2 amax", "e3m4 amax", "int8 amax", "int8 amax per-channel"]
     assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn percentile", "e4m3fn mse"]
     assert groups["constant"] == ["e4m3fn constant 2^-4", "e4m3fn constant 2^-2"]
     assert groups["activations"] == ["e4m3fn amax dynamic", "e4m3fn dynamic per-token", "e4m3fn weight-only"]

@@ -72,6 +72,11 @@ def study_configs(constant_scales: list[float]) -> list[tuple[str, str, Quantize
         (f"{f.value} amax", "format", QuantizeConfig(format=f))
         for f in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E3M4)
     ]
+    # the PTQ paper's baseline: symmetric int8, the same amax calibration, per tensor and per channel
+    configs += [
+        ("int8 amax", "format", QuantizeConfig(format="int8")),
+        ("int8 amax per-channel", "format", QuantizeConfig(format="int8", per_channel=True)),
+    ]
     configs += [(f"e4m3fn {s}", "scaling", QuantizeConfig(scaling=s)) for s in ("pow2", "percentile", "mse")]
     configs += [
         ("e4m3fn amax dynamic", "activations", QuantizeConfig(activations="dynamic")),

@@ -8,6 +8,11 @@ round to nearest even on the format's grid.
 E3M4 (max 15.5, one more mantissa bit than E4M3) has no ONNX type. It exists here only as an
 *emulated* format for accuracy studies: the graph rounds to its grid with float ops and no runtime
 can deploy the result (``deployable`` is False).
+
+INT8 is here for the comparison the PTQ paper makes (FP8 against INT8): symmetric int8 (zero point
+0, scale = amax / 127: ``fmax`` 127), rounded half to even and saturated to [-128, 127] like
+QuantizeLinear, with the same scales and calibration as the float8 formats. Standard int8 Q/DQ runs
+on every EP.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Fp8Format(enum.Enum):
     E4M3FNUZ = "e4m3fnuz"
     E5M2FNUZ = "e5m2fnuz"
     E3M4 = "e3m4"
+    INT8 = "int8"  # symmetric int8, the PTQ paper's baseline (not a float8 format)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -41,8 +47,13 @@ class Fp8Format(enum.Enum):
 
     @property
     def fmax(self) -> float:
-        """Largest finite value of the format."""
-        return float(ml_dtypes.finfo(_NP[self]).max)
+        """Largest finite value of the format (int8: 127, symmetric)."""
+        return 127.0 if self is Fp8Format.INT8 else float(ml_dtypes.finfo(_NP[self]).max)
+
+    @property
+    def integer(self) -> bool:
+        """True for int8: rounded to integers, no float8 grid."""
+        return self is Fp8Format.INT8
 
     @property
     def deployable(self) -> bool:
@@ -67,8 +78,8 @@ class Fp8Format(enum.Enum):
 
     @property
     def cuda_ok(self) -> bool:
-        """ORT's CUDA EP has Q/DQ kernels for the non-FNUZ formats only."""
-        return self in (Fp8Format.E4M3FN, Fp8Format.E5M2)
+        """ORT's CUDA EP has float8 Q/DQ kernels for the non-FNUZ formats only (and int8 ones)."""
+        return self in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.INT8)
 
 
 _NP = {
@@ -77,12 +88,14 @@ _NP = {
     Fp8Format.E4M3FNUZ: ml_dtypes.float8_e4m3fnuz,
     Fp8Format.E5M2FNUZ: ml_dtypes.float8_e5m2fnuz,
     Fp8Format.E3M4: ml_dtypes.float8_e3m4,
+    Fp8Format.INT8: np.int8,
 }
 _ONNX = {
     Fp8Format.E4M3FN: onnx.TensorProto.FLOAT8E4M3FN,
     Fp8Format.E5M2: onnx.TensorProto.FLOAT8E5M2,
     Fp8Format.E4M3FNUZ: onnx.TensorProto.FLOAT8E4M3FNUZ,
     Fp8Format.E5M2FNUZ: onnx.TensorProto.FLOAT8E5M2FNUZ,
+    Fp8Format.INT8: onnx.TensorProto.INT8,
 }
 
 
@@ -108,6 +121,8 @@ def quantize(x: np.ndarray, scale: float | np.ndarray, fmt: Fp8Format) -> np.nda
     """``QuantizeLinear(x, scale)`` with ``saturate=1``: returns an array of ``fmt.np_dtype``."""
     y = np.asarray(x, dtype=np.float32) / np.asarray(scale, dtype=np.float32)
     # Clamp before the cast: ml_dtypes maps overflow to NaN for the FN/FNUZ types, ONNX saturates.
+    if fmt.integer:  # half to even, saturating to int8's range as QuantizeLinear does (a weight, at most
+        return np.rint(np.clip(y, -128.0, 127.0)).astype(fmt.np_dtype)  # amax / scale = 127, never hits -128)
     y = np.clip(y, -fmt.fmax, fmt.fmax)
     return y.astype(fmt.np_dtype)
 
@@ -116,6 +131,8 @@ def round_to_grid(y: np.ndarray, fmt: Fp8Format) -> np.ndarray:
     """``y`` (float32, finite, within +-``fmt.fmax``) rounded to the nearest value of ``fmt`` (ties to
     even), in float32: ``y.astype(fmt.np_dtype).astype(np.float32)`` bit for bit, about 7x faster (the
     float32 bits are rounded to the format's mantissa; below its smallest normal, to its fixed step)."""
+    if fmt.integer:
+        return np.rint(y)
     m, emin = fmt.mantissa_bits, fmt.min_normal_exponent
     drop = 23 - m
     bits = y.view(np.uint32)

@@ -1,0 +1,68 @@
+"""Symmetric INT8 (the PTQ paper's baseline against FP8): standard int8 Q/DQ with the same
+calibration and scaling as the float8 formats; checked for structure, against onnx.reference and
+onnxruntime CPU at its default optimisation level, and by SQNR against the unquantized graph."""
+
+import numpy as np
+import onnx
+import pytest
+
+import fp8onnx
+from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.experiments.study import study_configs
+from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize, round_to_grid
+
+from helpers import mlp_data, mlp_model, run_ort, run_reference, sqnr_db
+
+
+def test_int8_numerics_are_quantizelinear_s():
+    """Half to even, saturation to [-128, 127], zero point 0; scales from amax / 127 (symmetric)."""
+    x = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 200.0, -300.0, 3.49], np.float32)
+    q = quantize(x, np.float32(1.0), Fp8Format.INT8)
+    assert q.dtype == np.int8 and q.tolist() == [0, 2, 2, 0, -2, 126, 127, -128, 3]
+    np.testing.assert_array_equal(round_to_grid(np.clip(x, -128, 127), Fp8Format.INT8), q.astype(np.float32))
+    assert dequantize(q, np.float32(0.5)).tolist() == (q.astype(np.float32) * 0.5).tolist()
+    assert Fp8Format.INT8.fmax == 127.0 and Fp8Format.INT8.deployable and Fp8Format.INT8.integer
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("activations", ["static", "dynamic"])
+def test_int8_static_and_dynamic_with_standard_qdq(tmp_path, per_channel, activations):
+    model, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "c.npz")
+    out = tmp_path / "q.onnx"
+    calib = data if activations == "static" else None
+    report = fp8onnx.quantize(
+        model, out, calib, format="int8", per_channel=per_channel, activations=activations, preset="none"
+    )
+    assert "int8" in report.summary()
+    q = onnx.load(out)
+    codes = [i for i in q.graph.initializer if i.data_type == onnx.TensorProto.INT8]
+    assert codes and all(np.abs(onnx.numpy_helper.to_array(c).astype(int)).max() <= 127 for c in codes)
+    assert {n.op_type for n in q.graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
+    x = np.load(data)["x"]
+    ref = run_ort(model, {"x": x})[0]
+    got, reference = run_ort(out, {"x": x})[0], run_reference(out, {"x": x})[0]
+    np.testing.assert_allclose(got, reference, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+    assert sqnr_db(ref, got) > 25
+
+
+def test_int8_gptq_beats_nearest_rounding(tmp_path):
+    model, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "c.npz")
+    plain, gptq = tmp_path / "n.onnx", tmp_path / "g.onnx"
+    common = {"format": "int8", "per_channel": True, "activations": "none", "preset": "none"}
+    fp8onnx.quantize(model, plain, **common)
+    fp8onnx.quantize(model, gptq, data, weight_rounding="gptq", **common)
+    x = np.load(data)["x"]
+    ref = run_ort(model, {"x": x})[0]
+    assert sqnr_db(ref, run_ort(gptq, {"x": x})[0]) > sqnr_db(ref, run_ort(plain, {"x": x})[0])
+
+
+def test_int8_refuses_what_needs_a_float8_cast(tmp_path):
+    with pytest.raises(Fp8OnnxError, match="int8 activations take static or dynamic"):
+        fp8onnx.QuantizeConfig(format="int8", activations="dynamic-per-token")
+    with pytest.raises(Fp8OnnxError, match="int8 takes standard Q/DQ only"):
+        fp8onnx.QuantizeConfig(format="int8", native_gemm=True)
+
+
+def test_study_and_zoo_have_int8_rows():
+    labels = [label for label, group, _ in study_configs([]) if group == "format"]
+    assert labels[-2:] == ["int8 amax", "int8 amax per-channel"]
