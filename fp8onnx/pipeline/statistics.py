@@ -150,7 +150,10 @@ class Sums(Statistic):
     def merge(self, summary: dict) -> None:
         for o, value in summary.items():
             v = np.asarray(value, self.dtype)
-            self.sums[o] = v if o not in self.sums else self.combine(self.sums[o], v)
+            if o in self.sums:
+                self.combine(self.sums[o], v, out=self.sums[o])  # in place: a 1B model's X^T X are GBs
+            else:
+                self.sums[o] = v if v.flags.owndata and v.flags.writeable else v.copy()  # summed into in place
 
     def value_of(self, name: str) -> list[np.ndarray]:
         """Tensor ``name``'s reduced values (complete once every batch has run the nodes computing

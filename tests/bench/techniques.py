@@ -8,7 +8,10 @@ relative to plain amax (the same model, the same calibration data); with next-to
 the eval data also each model's perplexity (from the same `compare` run), FP16's on its own row.
 
 Usage: python tests/bench/techniques.py NAME:MODEL:CALIB:EVAL [...] [--techniques amax per-token ...]
-       [--exclude-vocab] [--skip NAME:TECHNIQUE ...] [--json out.json]
+       [--exclude-vocab] [--skip NAME:TECHNIQUE ...] [--json out.json] [--timing-only]
+
+With --timing-only: no accuracy; quantize time per technique and onnxruntime CPU latency of one
+batch of 4 eval rows (median of 5 after a warm-up), against FP32's.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def quantize(model, out, calib, options, exclude) -> tuple[float, float]:
         [sys.executable, "-c", code, "quantize", str(model), "-o", str(out), *args], capture_output=True, text=True
     )
     if proc.returncode:
-        raise SystemExit(f"quantize {options} failed: {proc.stderr.strip().splitlines()[-1]}")
+        said = [x for x in proc.stderr.strip().splitlines() if not x.startswith("BENCH")]
+        raise SystemExit(f"quantize {options} failed: {said[-1] if said else proc.returncode}")
     line = next(x for x in proc.stderr.splitlines() if x.startswith("BENCH"))
     _, seconds, rss_kib = line.split()
     return float(seconds), float(rss_kib) / 1024
@@ -106,16 +110,55 @@ def size(path: pathlib.Path) -> int:
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
-def bench(name, model, calib, eval_data, techniques, exclude_vocab, tmp) -> list[dict]:
-    import fp8onnx
+def latency_ms(path, eval_data, batch: int = 4, repeat: int = 5) -> float:
+    """Median onnxruntime CPU time of one batch of the eval data (``batch`` rows) after a warm-up run,
+    with the session options compare uses (fp8onnx.runtime.make_session)."""
+    import numpy as np
+
+    from fp8onnx.runtime import make_session
+
+    session = make_session(str(path), "cpu")
+    data = np.load(eval_data)
+    names = {i.name for i in session.get_inputs()}
+    feed = {k: data[k][:batch] for k in data.files if k in names}
+    session.run(None, feed)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def timing(name, model, calib, eval_data, techniques, exclude, tmp) -> list[dict]:
+    """Quantize time (each in its own process) and CPU latency per technique, no accuracy: for a quiet
+    machine after an accuracy run. Ratios: time to the first technique's, latency to FP32's."""
+    fp32 = latency_ms(model, eval_data)
+    rows = []
+    for label in techniques:
+        out = tmp / f"{len(rows)}.onnx"
+        seconds, rss = quantize(model, out, calib, TECHNIQUES[label], exclude)
+        ms = latency_ms(out, eval_data)
+        rows.append({"model": name, "technique": label, "seconds": seconds, "rss_mib": rss, "latency_ms": ms})
+        print(f"  {name}: {label}: {seconds:.1f} s, {rss:.0f} MiB, {ms:.1f} ms", file=sys.stderr, flush=True)
+    for r in rows:
+        r.update(time_ratio=r["seconds"] / rows[0]["seconds"], latency_ratio=r["latency_ms"] / fp32, fp32_ms=fp32)
+    return rows
+
+
+def vocabulary_exclusions(model) -> list[str]:
     from fp8onnx.accuracy.sensitivity import vocabulary_projections
     from fp8onnx.graph.prepare import prepare_model
 
-    exclude = []
-    if exclude_vocab:
-        ir_model = prepare_model(model, "model")[0]
-        nodes = [n for n in ir_model.graph if n.op_type in ("MatMul", "Gemm")]
-        exclude = sorted(vocabulary_projections(ir_model, nodes))
+    ir_model = prepare_model(model, "model")[0]
+    nodes = [n for n in ir_model.graph if n.op_type in ("MatMul", "Gemm")]
+    return sorted(vocabulary_projections(ir_model, nodes))
+
+
+def bench(name, model, calib, eval_data, techniques, exclude_vocab, tmp) -> list[dict]:
+    import fp8onnx
+
+    exclude = vocabulary_exclusions(model) if exclude_vocab else []
     rows = []
     for label in techniques:
         out = tmp / f"{len(rows)}.onnx"
@@ -161,6 +204,7 @@ def main() -> None:
     ap.add_argument("--exclude-vocab", action="store_true", help="leave vocabulary projections (lm_head) in float")
     ap.add_argument("--skip", nargs="*", default=[], metavar="NAME:TECHNIQUE", help="combinations not to run")
     ap.add_argument("--json")
+    ap.add_argument("--timing-only", action="store_true", help="quantize time and CPU latency only, no accuracy")
     args = ap.parse_args()
     print(f"started {time.strftime('%Y-%m-%d %H:%M')}", file=sys.stderr)
     rows = []
@@ -168,6 +212,10 @@ def main() -> None:
         name, model, calib, eval_data = case.split(":")
         with tempfile.TemporaryDirectory() as tmp:
             techniques = [t for t in args.techniques if f"{name}:{t}" not in args.skip]
+            if args.timing_only:
+                exclude = vocabulary_exclusions(model) if args.exclude_vocab else []
+                rows += timing(name, model, calib, eval_data, techniques, exclude, pathlib.Path(tmp))
+                continue
             rows += bench(name, model, calib, eval_data, techniques, args.exclude_vocab, pathlib.Path(tmp))
     head = (
         f"{'model':<10} {'technique':<27} {'vs FP16':>8} {'cosine':>8} {'top-1':>6} {'ppl':>6} {'size':>5} "
