@@ -56,6 +56,9 @@ def check_tensorrt(model: ir.Model) -> list[str]:
         if node.attributes.get_int("block_size", 0):
             problems.append(f"{where}: block-wise scales (block_size {node.attributes.get_int('block_size', 0)})")
             continue
+        if node.outputs[0].name.endswith("/block_rows"):  # fp8onnx's per-axis form of block scales
+            problems.append(f"{where}: block-wise scales (per-axis form, block {fp8.shape[-1]})")
+            continue
         per_axis = node.inputs[1].const_value.size > 1
         is_weight = node.op_type == "DequantizeLinear" and fp8.const_value is not None
         if per_axis and not is_weight:

@@ -180,6 +180,7 @@ def test_per_axis_form_for_the_cuda_ep_is_the_blocked_form_bit_for_bit(tmp_path,
     info = fp8onnx.inspect(tmp_path / "onnxruntime-cuda.onnx")
     (weight,) = [t for t in info["float8_tensors"] if t["kind"] == "weight"]
     assert weight["granularity"].startswith(f"block {block} along axis {1 if gemm else 0} (per-axis form")
+    assert any(f"block-wise scales (per-axis form, block {block})" in p for p in info["tensorrt_problems"])
 
 
 def test_the_cuda_target_takes_its_formats_only(tmp_path):
