@@ -55,7 +55,6 @@ class Activations(str, enum.Enum):
         return self in (Activations.DYNAMIC, Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GROUP)
 
 
-_ROW_MODES = ("dynamic-per-token", "dynamic-per-group")  # in-graph scales per row: a float8 Cast
 # Activation modes whose weights are per output channel unless --per-tensor: the FP8-dynamic recipe,
 # and weight-only FP8 (on SmolLM2-135M per-tensor weights alone cost 2.6% of FP16's accuracy).
 _PER_CHANNEL_MODES = (Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GROUP, Activations.NONE)
@@ -171,11 +170,6 @@ class QuantizeConfig:
         object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
         if Fp8Format.INT8 in (self.weight_format, self.activation_format) and self.native_gemm:
             raise Fp8OnnxError("--native-gemm is onnxruntime's float8 GEMM; int8 takes standard Q/DQ only.")
-        if self.activation_format.integer and self.activations in _ROW_MODES:
-            raise Fp8OnnxError(
-                f"--activations {self.activations.value} is built for float8 (a saturating Cast); int8 activations "
-                "take static or dynamic (per-tensor) scales."
-            )
         if self.target == "onnxruntime-cuda" and not (self.weight_format.cuda_ok and self.activation_format.cuda_ok):
             raise Fp8OnnxError("--target onnxruntime-cuda takes e4m3fn and e5m2 (the CUDA EP's float8 Q/DQ types).")
         if self.target == "tensorrt":

@@ -152,7 +152,13 @@ def _dynamic_scale(
 def _rows_rounded(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, prefix: str, out: str) -> ir.Value:
     """``x / scale`` cast to ``fmt`` (saturating), back to ``x``'s type, times ``scale``: exactly
     QuantizeLinear/DequantizeLinear's values for a per-row ``scale`` (which is not a per-axis Q/DQ),
-    in ops every EP runs. Nodes ``<prefix>_scaled``, ``_fp8``, ``_float`` and ``out``."""
+    in ops every EP runs. Nodes ``<prefix>_scaled``, ``_fp8``, ``_float`` and ``out``. For int8 (a Cast
+    to int8 truncates and does not saturate): Round (half to even) and Clip to [-128, 127] instead."""
     scaled = b.op("Div", [x, scale], f"{prefix}_scaled", x.dtype, x.shape)
+    if fmt.integer:
+        rounded = b.op("Round", [scaled], f"{prefix}_round", x.dtype, x.shape)
+        lo, hi = (b.const(f"const/int8_{v}/{x.dtype.name}", np.array(v, x.dtype.numpy())) for v in (-128, 127))
+        q = b.op("Clip", [rounded, lo, hi], f"{prefix}_int8", x.dtype, x.shape)
+        return b.op("Mul", [q, scale], out, x.dtype, x.shape)
     q = b.op("Cast", [scaled], f"{prefix}_fp8", fmt.ir_type, x.shape, to=int(fmt.onnx_type), saturate=1)
     return b.op("Mul", [b.cast(q, x.dtype, f"{prefix}_float"), scale], out, x.dtype, x.shape)
