@@ -115,19 +115,12 @@ def latency_ms(path, eval_data, batch: int = 4, repeat: int = 5) -> float:
     with the session options compare uses (fp8onnx.runtime.make_session)."""
     import numpy as np
 
-    from fp8onnx.runtime import make_session
+    from fp8onnx.runtime import make_session, median_latency_ms
 
     session = make_session(str(path), "cpu")
     data = np.load(eval_data)
     names = {i.name for i in session.get_inputs()}
-    feed = {k: data[k][:batch] for k in data.files if k in names}
-    session.run(None, feed)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        session.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
+    return median_latency_ms(session, {k: data[k][:batch] for k in data.files if k in names}, warmup=1, runs=repeat)
 
 
 def timing(name, model, calib, eval_data, techniques, exclude, tmp) -> list[dict]:
