@@ -165,14 +165,6 @@ class GPTQ(Technique):
             stacks += [(xs[i : i + step], by_input) for i in range(0, len(xs), step)]
         return stacks
 
-    def _round(self, inputs: list[str], plan: dict[str, _Weight]) -> dict[str, np.ndarray]:
-        """The GPTQ rounding of every planned weight of the activations ``inputs`` (whose X^T X are
-        measured), by name, in each weight's own layout and dtype, a stack at a time."""
-        out = {}
-        for xs, by_input in self._stacks(inputs, plan):
-            out.update(self._round_stack(xs, by_input, plan))
-        return out
-
     def _round_stack(self, xs: list[str], by_input: dict[str, list[str]], plan) -> dict[str, np.ndarray]:
         factors = [gptq_factor(self.hessians.value_of(x)[0], what=f"activation {x!r}") for x in xs]
         hinv = np.stack([f[2] for f in factors])
@@ -204,7 +196,8 @@ class GPTQ(Technique):
         plan = self._plan_cache
         x = plan[name].x
         if x in self._stacked:
-            return self._round([x], plan)[name]
+            ((xs, by_input),) = self._stacks([x], plan)  # one input: one stack
+            return self._round_stack(xs, by_input, plan)[name]
         ready = [y for y in dict.fromkeys(w.x for w in plan.values()) if y not in self._stacked]
         xs, by_input = next((xs, b) for xs, b in self._stacks(ready, plan) if x in xs)
         done = self._round_stack(xs, by_input, plan)
@@ -259,17 +252,18 @@ class GPTQ(Technique):
         ]
         if not ready:
             return
-        for name, rounded in self._round(ready, plan).items():
-            w = plan[name]
-            where = os.path.join(self._folder(), f"{len(self.originals)}.npy")
-            np.save(where, rounded, allow_pickle=False)
-            self.originals[name] = w.value.const_value
-            w.value.const_value = ir.LazyTensor(
-                lambda where=where, name=name: ir.tensor(np.load(where, allow_pickle=False), name=name),
-                dtype=w.value.dtype,
-                shape=ir.Shape(w.value.shape),
-                name=name,
-            )
+        for xs, by_input in self._stacks(ready, plan):  # written a stack at a time: memory holds one stack
+            for name, rounded in self._round_stack(xs, by_input, plan).items():
+                w = plan[name]
+                where = os.path.join(self._folder(), f"{len(self.originals)}.npy")
+                np.save(where, rounded, allow_pickle=False)
+                self.originals[name] = w.value.const_value
+                w.value.const_value = ir.LazyTensor(
+                    lambda where=where, name=name: ir.tensor(np.load(where, allow_pickle=False), name=name),
+                    dtype=w.value.dtype,
+                    shape=ir.Shape(w.value.shape),
+                    name=name,
+                )
         for x in ready:
             self.hessians.drop(x)  # every weight it rounds is rounded: free its K x K sums
 
