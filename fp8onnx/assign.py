@@ -238,8 +238,7 @@ def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeCon
     amax = weight_amax(value, axis)
     if axis is None:
         return TensorQuant(fmt, amax_to_scale(amax, fmt, method, margin=config.margin, constant=config.scale)), amax
-    scales = np.array([amax_to_scale(a, fmt, method, margin=config.margin) for a in amax], dtype=np.float64)
-    return TensorQuant(fmt, scales, axis), amax
+    return TensorQuant(fmt, amax_to_scales(amax, fmt, method, margin=config.margin), axis), amax
 
 
 def tensor_report(name: str, kind: str, quant: dict[str, TensorQuant], amax: dict) -> TensorReport:

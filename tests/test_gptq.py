@@ -1,5 +1,7 @@
 """GPTQ on the FP8 grid: the same scales, values on the grid, less output error than plain rounding."""
 
+import itertools
+
 import numpy as np
 import onnx
 import pytest
@@ -8,6 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 import fp8onnx
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
+from fp8onnx.pipeline import statistics
+from fp8onnx.runtime import RunOptions
+from fp8onnx.techniques.gptq import _column_blocks, _hessians, assembled
 from fp8onnx.techniques.gptq_rounding import _cholesky, _inverse_lower, gptq_factor, gptq_round, ordered, round_stacked
 
 from helpers import run_ort, run_reference, sqnr_db
@@ -77,6 +82,57 @@ def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(k):
     np.testing.assert_allclose(_inverse_lower(lower) @ lower, np.eye(k), atol=1e-9)
     with pytest.raises(Fp8OnnxError, match="X\\^T X of layer7 is not positive definite"):
         gptq_factor(-np.eye(k, dtype=np.float32), what="layer7")
+
+
+@pytest.mark.parametrize("k", [7, 512, 600, 1100, 5000])
+def test_x_t_x_is_measured_by_blocks_on_and_above_the_diagonal(tmp_path, k):
+    """The in-graph X^T X: column blocks of at most ~512 (at most 8 of them, covering K once), only
+    the pairs on and above the diagonal computed, put together symmetric and equal to NumPy's X^T X
+    over every batch (float32 sums)."""
+    import onnx_ir as ir
+
+    cols = _column_blocks(k)
+    assert cols[0][0] == 0 and cols[-1][1] == k and all(a[1] == b[0] for a, b in itertools.pairwise(cols))
+    assert len(cols) == min(8, -(-k // 512))
+    if k > 1100:
+        return  # the sizes alone: a 5000-wide X^T X is not worth a test's time
+    rng = np.random.default_rng(k)
+    w = rng.standard_normal((k, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 3])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    feeds = [{"x": rng.standard_normal((2, 4, k)).astype(np.float32)} for _ in range(3)]
+    sums = _hessians({"x": k})
+    statistics.measure(ir.load(tmp_path / "m.onnx"), [sums], feeds, RunOptions(batch_size=2), "hessians")
+    h = assembled(sums.value_of("x"), k)
+    x = np.concatenate([f["x"].reshape(-1, k) for f in feeds]).astype(np.float64)
+    assert h.dtype == np.float32 and np.array_equal(h, h.T)
+    np.testing.assert_allclose(h, x.T @ x, rtol=0, atol=1e-4 * np.abs(x.T @ x).max())
+
+
+def test_nested_lazy_blocks_round_as_the_textbook_row_loop():
+    """round_stacked's nested blocks (matrix products between blocks) against GPTQ's textbook loop in
+    float64 (every row's error spread over all later rows at once): the same grid values but for a
+    rare weight whose value sits near the middle between two grid points (float32 sums in another
+    order)."""
+    rng = np.random.default_rng(11)
+    k, n = 300, 48
+    x = correlated(rng, k=k)
+    factor = gptq_factor(x.T @ x)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    s = (np.abs(w).max(0) / 448).astype(np.float32)
+    rows, _ = ordered(w, factor, s)
+    hinv, work, expected = factor[2].astype(np.float64), rows.astype(np.float64), np.empty((k, n))
+    for i in range(k):
+        expected[i] = dequantize(quantize(work[i], s, Fp8Format.E4M3FN), s)
+        work[i + 1 :] -= np.outer(hinv[i, i + 1 :], (work[i] - expected[i]) / hinv[i, i])
+    got = round_stacked(rows[None].copy(), factor[2][None], s[None, None], Fp8Format.E4M3FN)[0]
+    assert np.mean(got != expected) < 2e-3
 
 
 @pytest.mark.parametrize("blocks", [False, True])

@@ -131,8 +131,8 @@ def test_sequential_calibration_measures_each_layer_on_the_quantized_layers_befo
 
 def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatch):
     """Over the weight budget, GPTQ rounds a layer as soon as the segment computing its X^T X has run
-    (written to a scratch folder, its sums dropped): the same bytes as rounding them all at the end,
-    and no temporary file left."""
+    (written to a scratch folder, its sums dropped), but for the last segment's, rounded when the
+    model is written: the same bytes as rounding them all at the end, and no temporary file left."""
     import sys
 
     from fp8onnx.models.build_llama import build, write_data
@@ -145,9 +145,9 @@ def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatc
     early = []
     real = gptq.GPTQ.round_ready
 
-    def spy(self, quant, measured):
+    def spy(self, quant, measured, **kwargs):
         before = set(self.originals)
-        real(self, quant, measured)
+        real(self, quant, measured, **kwargs)
         early.extend((name, len(self.hessians.dropped)) for name in sorted(set(self.originals) - before))
 
     monkeypatch.setattr(gptq.GPTQ, "round_ready", spy)
@@ -157,7 +157,7 @@ def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatc
     monkeypatch.setattr("tempfile.tempdir", None)
     (tmp_path / "streamed").mkdir()
     fp8onnx.quantize(path, tmp_path / "streamed" / "q.onnx", calib, **options)
-    assert len({name for name, _ in early}) == 2 * 7 + 1 and early[-1][1] > 0  # the lm_head too; sums dropped
+    assert 0 < len({name for name, _ in early}) < 2 * 7 + 1 and early[-1][1] > 0  # sums dropped
     assert list(scratch.iterdir()) == []
     monkeypatch.setattr(sys.modules["fp8onnx.quantize"], "_settling", lambda *args: ({}, None))
     (tmp_path / "at_the_end").mkdir()

@@ -153,7 +153,9 @@ class Sums(Statistic):
             if o in self.sums:
                 self.combine(self.sums[o], v, out=self.sums[o])  # in place: a 1B model's X^T X are GBs
             else:
-                self.sums[o] = v if v.flags.owndata and v.flags.writeable else v.copy()  # summed into in place
+                # summed into in place: a batch's own array is taken as it is (onnxruntime's outputs own
+                # their memory through a base object; a read-only one, e.g. from Ray's store, is copied)
+                self.sums[o] = v if v.flags.writeable else v.copy()
 
     def value_of(self, name: str) -> list[np.ndarray]:
         """Tensor ``name``'s reduced values (complete once every batch has run the nodes computing

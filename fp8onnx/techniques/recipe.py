@@ -106,7 +106,7 @@ def settling(decisions: list[Decision], quant: dict, techniques: list[Technique]
     if not sequential:
         if gptq is None:
             return None
-        return list(layers), lambda names, measured: gptq.round_ready(quant, measured) or {}
+        return list(layers), lambda names, measured: gptq.round_ready(quant, measured, last_when_written=True) or {}
     done: set[str] = set()
 
     def settle(names: list[str], measured: set[str]) -> dict:
