@@ -92,3 +92,34 @@ def test_cli_writes_json_csv_and_plot_and_refuses_bad_input(tmp_path):
     onto = runner.invoke(main, [*args, "--plot", str(folder / "mlp0.onnx")])
     assert onto.exit_code == 2 and "mlp0.onnx" in onto.output
     assert runner.invoke(main, ["zoo", "--list", str(folder), "-o", str(out)]).output.count("\n") == len(zoo_configs())
+
+
+def test_a_sidecar_gives_the_family_and_options_every_configuration_of_that_model_takes(tmp_path):
+    """``NAME.zoo.json`` (or ``zoo.json`` in an export folder): the model's task family, counted in a
+    pass table per family, and QuantizeConfig fields applied to each of its configurations (here
+    per-channel weights for one MLP only); its cells are stale once its options change. A bad
+    sidecar is refused in one sentence naming the file."""
+    folder, out = small_zoo(tmp_path / "zoo"), tmp_path / "out"
+    (folder / "mlp0.zoo.json").write_text(json.dumps({"family": "mlp", "options": {"per_channel": True}}))
+    (folder / "decoder" / "zoo.json").write_text(json.dumps({"family": "language modelling", "metric": "next byte"}))
+    models = {m.name: m for m in find_models(folder)}
+    assert models["mlp0"].family == "mlp" and models["mlp0"].options == {"per_channel": True}
+    assert models["decoder"].family == "language modelling" and models["mlp1"].family == ""
+    result = zoo(folder, out, configs=CONFIGS[:1], provider="cpu")
+    cells = {m["name"]: m["cells"]["e4m3fn amax"] for m in result.models}
+    assert cells["mlp0"]["config"]["per_channel"] is True and cells["mlp1"]["config"]["per_channel"] is False
+    families = result.configs[0]["families"]
+    assert {f: v["models"] for f, v in families.items()} == {"-": 1, "language modelling": 1, "mlp": 1}
+    assert sum(v["passes_ptq"] for v in families.values()) == result.configs[0]["passes_ptq"]
+    assert "family (within 1% rel)" in result.table() and "family" in result.to_csv().splitlines()[0]
+    (folder / "mlp0.zoo.json").write_text(json.dumps({"family": "mlp", "options": {"per_channel": False}}))
+    assert zoo(folder, out, configs=CONFIGS[:1], provider="cpu").ran == 1  # mlp0 again: its options changed
+    for text, message in (
+        ("{nope", "is not readable JSON"),
+        (json.dumps({"options": {"colour": "red"}}), "'colour' is not a quantize option"),
+        (json.dumps({"options": {"op_types": ["Softmax"]}}), "mlp0.zoo.json"),
+        (json.dumps(["a list"]), "must be an object"),
+    ):
+        (folder / "mlp0.zoo.json").write_text(text)
+        with pytest.raises(Fp8OnnxError, match=message):
+            find_models(folder)

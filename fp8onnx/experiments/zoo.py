@@ -13,6 +13,12 @@ else ``calib.npz`` (or ``.txt``/``.jsonl``/a folder ``calib/``) in the model's o
 evaluation data the same with ``eval``. So a folder of export folders works as it is when each
 holds ``model.onnx``, ``calib.npz`` and ``eval.npz``.
 
+A model may also have ``NAME.zoo.json`` beside it (or ``zoo.json`` in its folder): ``{"family":
+"segmentation", "metric": "pixel accuracy", "options": {"op_types": ["MatMul", "Gemm", "Conv",
+"ConvTranspose"]}}``: its task family (the pass rates are also counted per family) and
+:class:`~fp8onnx.config.QuantizeConfig` fields applied to every configuration of that model (e.g.
+Conv and ConvTranspose opted in for a convolutional model).
+
 Each model is one unit of work: one calibration pass, its configurations quantized, and one
 ``compare`` pass over all of them (the FP32 reference runs once). With ``workers`` > 1 or an
 ``address``, models are independent Ray tasks (retried when a worker dies); otherwise they run in
@@ -59,12 +65,48 @@ class ZooModel:
     model: str
     calib: str
     data: str
+    family: str = ""  # the task family (zoo.json), "" when not given
+    options: dict = dataclasses.field(default_factory=dict)  # QuantizeConfig fields for every configuration
+
+    def configured(self, config: QuantizeConfig) -> QuantizeConfig:
+        """``config`` with this model's options applied."""
+        return dataclasses.replace(config, **self.options) if self.options else config
 
 
-def _sidecar(folder: pathlib.Path, stem: str | None, kind: str) -> pathlib.Path | None:
+def _sidecar_json(path: pathlib.Path | None) -> tuple[str, dict]:
+    """(family, options) of a zoo.json sidecar; options checked against QuantizeConfig."""
+    if path is None:
+        return "", {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise Fp8OnnxError(f"Zoo sidecar {str(path)!r} is not readable JSON ({exc}).") from None
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("family", ""), str)
+        or not isinstance(doc.get("options", {}), dict)
+    ):
+        raise Fp8OnnxError(
+            f"Zoo sidecar {str(path)!r} must be an object with a 'family' string and an 'options' object."
+        )
+    options = doc.get("options", {})
+    fields = {f.name for f in dataclasses.fields(QuantizeConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise Fp8OnnxError(
+            f"Zoo sidecar {str(path)!r}: {unknown[0]!r} is not a quantize option (a QuantizeConfig field)."
+        )
+    try:
+        QuantizeConfig(**options)
+    except (TypeError, ValueError, Fp8OnnxError) as exc:
+        raise Fp8OnnxError(f"Zoo sidecar {str(path)!r}: {exc}") from None
+    return doc.get("family", ""), options
+
+
+def _sidecar(folder: pathlib.Path, stem: str | None, kind: str, suffixes=_DATA) -> pathlib.Path | None:
     names = ([f"{stem}.{kind}"] if stem else []) + [kind]
     for name in names:
-        for suffix in _DATA:
+        for suffix in suffixes:
             path = folder / f"{name}{suffix}"
             if path.is_dir() if suffix == "" else path.is_file():
                 return path
@@ -76,9 +118,11 @@ def _entry(path: pathlib.Path) -> ZooModel:
         if not (path / "model.onnx").is_file():
             raise Fp8OnnxError(f"Zoo entry {str(path)!r} is a folder without model.onnx.")
         found = {k: _sidecar(path, None, k) or _sidecar(path.parent, path.name, k) for k in ("calib", "eval")}
+        about = _sidecar(path, None, "zoo", (".json",)) or _sidecar(path.parent, path.name, "zoo", (".json",))
         name = path.name
     elif path.is_file():
         found = {k: _sidecar(path.parent, path.stem, k) for k in ("calib", "eval")}
+        about = _sidecar(path.parent, path.stem, "zoo", (".json",))
         name = path.stem if path.stem != "model" else path.parent.name
     else:
         raise Fp8OnnxError(f"Zoo model {str(path)!r} does not exist.")
@@ -89,7 +133,8 @@ def _entry(path: pathlib.Path) -> ZooModel:
                 f"Zoo model {str(path)!r} has no {kind} data: expected {stem}.{kind}.npz (or .txt/.jsonl) beside it "
                 f"or {kind}.npz in its folder."
             )
-    return ZooModel(name, str(path), str(found["calib"]), str(found["eval"]))
+    family, options = _sidecar_json(about)
+    return ZooModel(name, str(path), str(found["calib"]), str(found["eval"]), family, options)
 
 
 def find_models(source: str | os.PathLike) -> list[ZooModel]:
@@ -140,6 +185,7 @@ def run_model(model: ZooModel, configs: list[tuple[str, str, QuantizeConfig]], r
         built = []
         for label, group, config in configs:
             try:
+                config = model.configured(config)
                 _run_config(model.model, tmp, (label, group, config), stats, quiet, reports, model.calib)
                 built.append(label)
             except Fp8OnnxError as exc:
@@ -191,8 +237,8 @@ def _load_done(out: pathlib.Path, model: ZooModel) -> tuple[dict | None, dict[st
     """(the model's saved summary or None, its saved cells by label)."""
     folder = _model_dir(out, model.name)
     head, cells = _read(folder / "model.json"), {}
-    if head is None or head.get("model") != model.model:  # none yet, or another model of that name
-        return None, {}
+    if head is None or head.get("model") != model.model or head.get("options", {}) != model.options:
+        return None, {}  # none yet, another model of that name, or other options (its cells are stale)
     for path in folder.glob("*.cell.json"):
         cell = _read(path)
         if cell is not None and isinstance(cell.get("label"), str):
@@ -216,7 +262,8 @@ def _save(out: pathlib.Path, model: ZooModel, result: dict) -> None:
     folder = _model_dir(out, model.name)
     folder.mkdir(parents=True, exist_ok=True)
     head = {k: v for k, v in result.items() if k != "cells"}
-    write_text_atomic(folder / "model.json", json.dumps({"model": model.model, **head}, indent=1) + "\n")
+    doc = {"model": model.model, "options": model.options, **head}
+    write_text_atomic(folder / "model.json", json.dumps(doc, indent=1) + "\n")
     for label, cell in result["cells"].items():
         if not cell.get("error"):  # an error is not a result: the next run tries the cell again
             write_text_atomic(
@@ -283,12 +330,15 @@ def _summary(models, configs, out, errors, ran: int) -> ZooResult:
     for m in models:
         head, cells = _load_done(out, m)
         if head is None:
-            rows.append({"name": m.name, "path": m.model, "error": errors.get(m.name, "not run"), "cells": {}})
+            error = errors.get(m.name, "not run")
+            rows.append({"name": m.name, "path": m.model, "family": m.family, "error": error, "cells": {}})
             continue
         rows.append(
             {
                 "name": m.name,
                 "path": m.model,
+                "family": m.family,
+                "options": m.options,
                 "fp32": head.get("fp32"),
                 "fp16": head.get("fp16"),
                 "metric": head.get("metric"),
@@ -299,6 +349,12 @@ def _summary(models, configs, out, errors, ran: int) -> ZooResult:
     summary = []
     for label, group, _ in configs:
         evaluated = [r["cells"][label] for r in rows if label in r["cells"]]
+        families: dict[str, list[int]] = {}  # family -> [models, passes within 1%]
+        for r in rows:
+            if label in r["cells"]:
+                counts = families.setdefault(r["family"] or "-", [0, 0])
+                counts[0] += 1
+                counts[1] += bool(r["cells"][label].get("passes_ptq"))
         summary.append(
             {
                 "label": label,
@@ -306,6 +362,7 @@ def _summary(models, configs, out, errors, ran: int) -> ZooResult:
                 "models": len(evaluated),
                 "passes_ptq": sum(1 for c in evaluated if c.get("passes_ptq")),
                 "passes_llm": sum(1 for c in evaluated if c.get("passes_llm")),
+                "families": {f: {"models": n, "passes_ptq": p} for f, (n, p) in sorted(families.items())},
             }
         )
     return ZooResult(rows, summary, ran)

@@ -26,13 +26,14 @@ class ZooResult:
 
     def to_csv(self) -> str:
         buf = io.StringIO()
-        fields = ["model", "configuration", "group", "metric", "value", "ratio_to_fp16", "rel_loss_vs_fp16"]
+        fields = ["model", "family", "configuration", "group", "metric", "value", "ratio_to_fp16", "rel_loss_vs_fp16"]
         fields += ["passes_llm", "passes_ptq", "error"]
         writer = csv.DictWriter(buf, fieldnames=fields)
         writer.writeheader()
         for m in self.models:
             for label, cell in m["cells"].items():
-                writer.writerow({"model": m["name"], "configuration": label, **{k: cell.get(k) for k in fields[2:]}})
+                head = {"model": m["name"], "family": m.get("family", ""), "configuration": label}
+                writer.writerow({**head, **{k: cell.get(k) for k in fields[3:]}})
         return buf.getvalue()
 
     def table(self) -> str:
@@ -46,6 +47,11 @@ class ZooResult:
         lines += _columns(head, rows)
         lines.append("")
         labels = [c["label"] for c in self.configs]
+        families = sorted({f for c in self.configs for f in c.get("families", {})})
+        if len(families) > 1:  # within 1% relative loss, per task family
+            rows = [[f, *(_family(c.get("families", {}).get(f)) for c in self.configs)] for f in families]
+            lines += _columns(["family (within 1% rel)", *labels], rows)
+            lines.append("")
         head = ["model", "metric", "FP16", *labels]
         rows = []
         for m in self.models:
@@ -65,6 +71,10 @@ class ZooResult:
 
 def _share(count: int, total: int) -> str:
     return f"{count}/{total} ({count / total:.0%})" if total else "-"
+
+
+def _family(counts: dict | None) -> str:
+    return "-" if not counts else f"{counts['passes_ptq']}/{counts['models']}"
 
 
 def _f(v, spec):
