@@ -1,6 +1,8 @@
-"""Assemble a zoo of six models built here, for ``fp8onnx zoo`` (see docs/scale-out.md).
+"""Assemble a zoo of twelve models built here, for ``fp8onnx zoo`` (see docs/scale-out.md).
 
-Writes ``models/zoo/`` (not committed) and the list ``models/zoo/zoo.txt``:
+Writes ``models/zoo/`` (not committed) and the list ``models/zoo/zoo.txt``; each model's folder has a
+``zoo.json`` with its task family (and the options the zoo quantizes it with). Six come from
+elsewhere:
 
 - ``decoder``: the sample decoder (``models/decoder``: CPython-docs text, next-byte labels);
 - ``minilm``: all-MiniLM-L6-v2 with its real weights (``models/minilm``, from
@@ -12,7 +14,10 @@ Writes ``models/zoo/`` (not committed) and the list ``models/zoo/zoo.txt``:
 - ``bert-dynamo``: the exporter corpus's BERT-style encoder through ``torch.onnx.export(dynamo=True)``.
 
 The three generated ones get seeded random inputs (64 to calibrate, 256 to evaluate, different
-seeds), so their metric is agreement with FP32, not a task. Needs torch (the ``[wild]`` extra).
+seeds), so their metric is agreement with FP32, not a task. The other six are trained here by
+``models/build_tasks.py`` (translator, segmenter, detector, diffusion UNet, text and audio
+classifiers; built when their folder has no model.onnx yet, about 3 minutes on 2 cores). Needs torch
+(the ``[wild]`` extra) and scikit-learn.
 
 Usage: python models/build_zoo.py [--out models/zoo]
 """
@@ -20,6 +25,7 @@ Usage: python models/build_zoo.py [--out models/zoo]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -60,6 +66,22 @@ def random_data(path: pathlib.Path, count: int, seed: int, vocab: int = 256) -> 
     return feed
 
 
+# name -> (task family, what its metric is, quantize options for every configuration)
+FAMILIES = {
+    "decoder": ("language modelling", "next-byte accuracy (trained on CPython's docs)", {}),
+    "minilm": ("text encoder", "mean cosine to FP32 (real weights)", {}),
+    "cnn": ("classification", "digit accuracy (trained)", {"op_types": ["MatMul", "Gemm", "Conv", "ConvTranspose"]}),
+    "vit": ("classification", "top-1 agreement with FP32 (random weights)", {}),
+    "bert-dynamo": ("text encoder", "mean cosine to FP32 (random weights)", {}),
+    "llama-small": ("text generation", "top-1 agreement with FP32 (random weights)", {}),
+}
+
+
+def _about(folder: pathlib.Path, family: str, metric: str, options: dict) -> None:
+    doc = {"family": family, "metric": metric, "options": options}
+    (folder / "zoo.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def _link(target: pathlib.Path, link: pathlib.Path) -> None:
     if link.is_symlink() or link.exists():
         link.unlink()
@@ -86,6 +108,7 @@ def main() -> None:
         _link(folder / model, dest / "model.onnx")
         _link(folder / "calib.npz", dest / "calib.npz")
         _link(folder / evals, dest / "eval.npz")
+        _about(dest, *FAMILIES[name])
         entries.append(f"{name}/model.onnx")
 
     import corpus  # tests/wild: the exporter corpus
@@ -97,6 +120,7 @@ def main() -> None:
         onnx.save(onnx.load(path), dest / "model.onnx")  # one self-contained file
         np.savez(dest / "calib.npz", **random_data(dest / "model.onnx", 64, seed=1))
         np.savez(dest / "eval.npz", **random_data(dest / "model.onnx", 256, seed=2))
+        _about(dest, *FAMILIES[name])
         entries.append(f"{name}/model.onnx")
 
     import build_llama
@@ -104,7 +128,17 @@ def main() -> None:
     dest = out / "llama-small"
     build_llama.build(dest, layers=2, dim=256, heads=4, ffn=704, vocab=4096)
     build_llama.write_data(dest, 4096, 64, 32, 64)
+    _about(dest, *FAMILIES["llama-small"])
     entries.append("llama-small/llama-small.onnx")
+
+    import build_tasks
+
+    for name, builder in build_tasks.BUILDERS.items():
+        dest = out / name
+        if not (dest / "model.onnx").is_file():
+            dest.mkdir(exist_ok=True)
+            builder(dest, 1.0)  # writes its own zoo.json
+        entries.append(f"{name}/model.onnx")
     (out / "zoo.txt").write_text("# models/build_zoo.py\n" + "\n".join(entries) + "\n")
     print(f"wrote {out / 'zoo.txt'}: {len(entries)} models")
 
