@@ -212,12 +212,14 @@ def keep_conv_bias_in_int32_range(decisions: list[Decision], quant: dict[str, Te
 def block_axis(node: ir.Node, index: int, rank: int) -> int | None:
     """The reduction axis (K) of a MatMul/Gemm weight, along which its block scales run; for a Conv
     weight [M, C/group, *kernel], axis 1 of its view as [M, C/group x kernel] (the reduction of each
-    output channel: its input channels times the kernel, flattened); None for others
-    (ConvTranspose keeps its scales) and for a MatMul/Gemm weight that is not 2-D."""
+    output channel: its input channels times the kernel, flattened); for a ConvTranspose weight
+    [C, M/group, *kernel], axis 0 of its view as [C, M/group x kernel] (blocks of input channels, the
+    reduction, at each output channel and kernel tap); None for others and for a MatMul/Gemm weight
+    that is not 2-D."""
     if index != 1:
         return None
-    if node.op_type == "Conv" and rank >= 3:
-        return 1
+    if node.op_type in ("Conv", "ConvTranspose") and rank >= 3:
+        return 1 if node.op_type == "Conv" else 0
     if rank != 2 or node.op_type not in ("MatMul", "Gemm"):
         return None
     return 1 if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else 0

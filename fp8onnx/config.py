@@ -104,7 +104,7 @@ class QuantizeConfig:
     percentile: float | None = None
     activations: Activations | str = Activations.STATIC
     per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
-    weight_block_size: int = 0  # MatMul/Gemm weights: one scale per this many elements along K (0: off)
+    weight_block_size: int = 0  # one weight scale per this many elements along the reduction axis (0: off)
     group_size: int = 128  # --activations dynamic-per-group: channels per in-graph scale
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()

@@ -35,7 +35,7 @@ def describe_config(cfg: dict) -> str:
     elif cfg.get("per_channel"):
         how += ", per-channel weights"
     if cfg.get("weight_block_size"):
-        how += f", one weight scale per {cfg['weight_block_size']} elements of K (MatMul/Gemm)"
+        how += f", one weight scale per {cfg['weight_block_size']} elements of each weight's reduction axis"
     if cfg.get("weight_rounding") == "gptq":
         how += ", GPTQ weight rounding"
     if cfg.get("smooth") is not None:

@@ -69,7 +69,9 @@ class TensorQuant:
     ``axis=-1`` one per row (token), the amax over the last axis. With ``block_size`` (weights
     only), ``scale`` has the weight's shape with ``axis`` cut into blocks of that many elements
     (the last may be shorter): one scale per block (opset 21 DequantizeLinear's ``block_size``); a
-    Conv weight's blocks run along axis 1 of its 2-D view [M, C/group x kernel], ``scale`` [M, blocks].
+    weight of more than two dimensions is blocked as its 2-D view [dim 0, the rest] along ``axis`` of
+    that view: a Conv's [M, C/group x kernel] along 1 (``scale`` [M, blocks]), a ConvTranspose's
+    [C, M/group x kernel] along 0 (``scale`` [blocks, M/group x kernel]).
     A dynamic scale with ``block_size``: one per row and per ``block_size`` channels (per group).
     ``pow2``: the dynamic scales rounded up to powers of two in the graph (MX-style, E8M0 values).
     """
@@ -84,9 +86,9 @@ class TensorQuant:
         """The scale as a float32 array broadcasting against a weight of ``shape``: one per element
         with blocks, one per channel along ``axis``, or a scalar."""
         scale = np.asarray(self.scale, np.float32)
-        if self.block_size and len(shape) > 2:  # a Conv weight's blocks: along axis 1 of [M, C x kernel]
+        if self.block_size and len(shape) > 2:  # a Conv/ConvTranspose weight's blocks: its 2-D view's
             flat = [shape[0], int(np.prod(shape[1:]))]
-            return expand_blocks(scale, flat, 1, self.block_size).reshape(shape)
+            return expand_blocks(scale, flat, self.axis, self.block_size).reshape(shape)
         if self.block_size:
             return expand_blocks(scale, shape, self.axis % len(shape), self.block_size)
         if self.axis is not None:
@@ -213,7 +215,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
             )
             return initializer(b.graph, name, tensor)
         shape = list(source.shape)
-        if tq.block_size and len(shape) > 2:  # a Conv weight: blocks of its 2-D view, reshaped back after
+        if tq.block_size and len(shape) > 2:  # Conv/ConvTranspose: blocks of its 2-D view, reshaped back
             flat = [shape[0], int(np.prod(shape[1:]))]
             x = self._dequantized(b, value, tq, scale, scale32.reshape(flat), flat, f"{value.name}/dequantized_2d")
             target = b.const(f"{value.name}/shape", np.array(shape, np.int64))

@@ -164,7 +164,8 @@ from fp8onnx.targets import TARGETS
     metavar="N",
     help="Block-wise weight scales: one scale per N consecutive elements along each MatMul/Gemm weight's reduction "
     "axis (K) and output channel, stored with opset 21's blocked DequantizeLinear (32, 64, 128 usual; 0: off). "
-    "Conv weights: blocks of their filters flattened (input channels x kernel); ConvTranspose keeps its scales. "
+    "Conv weights: blocks of their filters flattened (input channels x kernel); ConvTranspose weights: blocks of "
+    "input channels at each output channel and kernel tap. "
     "Each block adds one float scale: 4/N bytes per element in float32.",
 )
 @click.option(
