@@ -117,6 +117,7 @@ def test_a_sidecar_gives_the_family_and_options_every_configuration_of_that_mode
     for text, message in (
         ("{nope", "is not readable JSON"),
         (json.dumps({"options": {"colour": "red"}}), "'colour' is not a quantize option"),
+        (json.dumps({"options": {"preset": "cnn"}}), "'preset' is not a quantize option"),
         (json.dumps({"options": {"op_types": ["Softmax"]}}), "mlp0.zoo.json"),
         (json.dumps(["a list"]), "must be an object"),
     ):

@@ -91,10 +91,11 @@ def _sidecar_json(path: pathlib.Path | None) -> tuple[str, dict]:
         )
     options = doc.get("options", {})
     fields = {f.name for f in dataclasses.fields(QuantizeConfig)}
-    unknown = sorted(set(options) - fields)
+    unknown = sorted(set(options) - fields) + (["preset"] if "preset" in options else [])
     if unknown:
         raise Fp8OnnxError(
-            f"Zoo sidecar {str(path)!r}: {unknown[0]!r} is not a quantize option (a QuantizeConfig field)."
+            f"Zoo sidecar {str(path)!r}: {unknown[0]!r} is not a quantize option (a QuantizeConfig field; a "
+            "preset is a zoo configuration, not a model's option)."
         )
     try:
         QuantizeConfig(**options)
