@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# power-of-two dynamic scales computed in the graph: rounded up (pow2) or OCP MX's rule (mx)
+_POW2_MODE = {Scaling.POW2: True, Scaling.MX: "mx"}
 
 
 def assign_scales(
@@ -49,7 +51,7 @@ def assign_scales(
     weights = weights or {}
     quant: dict[str, TensorQuant] = {}
     amax: dict[str, float | np.ndarray | None] = {}
-    pow2 = config.scaling is Scaling.POW2  # dynamic scales too
+    pow2 = _POW2_MODE.get(config.scaling, False)  # dynamic scales too
     for d in decisions:
         for index, kind in d.inputs:
             value = d.node.inputs[index]
@@ -148,7 +150,7 @@ def describe_source(source, what: str = "statistics") -> str:
 def activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, visible: bool) -> TensorQuant:
     fmt = config.activation_format
     if config.activations.dynamic or (not visible and config.scaling is not Scaling.CONSTANT):
-        return TensorQuant(fmt, None, pow2=config.scaling is Scaling.POW2)
+        return TensorQuant(fmt, None, pow2=_POW2_MODE.get(config.scaling, False))
     if config.scaling is Scaling.CONSTANT:
         return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
     amax = stats.amax[name]
@@ -230,7 +232,7 @@ def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeCon
     ``--weight-block-size``, per block of K (MatMul/Gemm)."""
     fmt = config.weight_format
     # Weights know their every value: percentile/mse clip activations only, weights keep their max.
-    method = config.scaling if config.scaling in (Scaling.POW2, Scaling.CONSTANT) else Scaling.AMAX
+    method = config.scaling if config.scaling in (Scaling.POW2, Scaling.MX, Scaling.CONSTANT) else Scaling.AMAX
     axis = block_axis(node, index, len(value.shape)) if config.weight_block_size else None
     if axis is not None:
         amax = block_amax(value, axis, config.weight_block_size)

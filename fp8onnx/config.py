@@ -206,10 +206,10 @@ class QuantizeConfig:
             if self.scaling is not Scaling.PERCENTILE:
                 raise Fp8OnnxError("--percentile only applies to --scaling percentile.")
             check_percentile(self.percentile)
-        if self.activations.dynamic and self.scaling not in (Scaling.AMAX, Scaling.POW2):
+        if self.activations.dynamic and self.scaling not in (Scaling.AMAX, Scaling.POW2, Scaling.MX):
             raise Fp8OnnxError(
                 f"--activations {self.activations.value} computes each batch's amax in the graph; --scaling "
-                f"{self.scaling.value} needs calibration (use --scaling amax or pow2, or --activations static)."
+                f"{self.scaling.value} needs calibration (use --scaling amax, pow2 or mx, or --activations static)."
             )
         if self.activations.dynamic and self.margin:
             raise Fp8OnnxError(

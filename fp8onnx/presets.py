@@ -81,7 +81,8 @@ MXFP8 = {
 
 
 def bundled(explicit: dict) -> dict:
-    """``explicit`` with ``format="mxfp8"`` as :data:`MXFP8`'s settings (weight-only MXFP8 allowed)."""
+    """``explicit`` with ``format="mxfp8"`` as :data:`MXFP8`'s settings (weight-only MXFP8 allowed, and
+    ``--scaling mx``: the OCP rule for the shared scale instead of rounding it up)."""
     if str(getattr(explicit.get("format"), "value", explicit.get("format"))).lower() != "mxfp8":
         return explicit
     out = dict(explicit)
@@ -93,6 +94,7 @@ def bundled(explicit: dict) -> dict:
             and given is not None
             and given != wanted
             and not (field == "activations" and given == "none")
+            and not (field == "scaling" and given == "mx")  # OCP MX's own rounding of the shared scale
         ):
             option = "--" + field.replace("_", "-")
             raise Fp8OnnxError(

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format
-from ..numerics.scaling import SAFE_AMAX, amax_to_scale
+from ..numerics.scaling import SAFE_AMAX, amax_to_scale, mx_emax
 from ._common import initializer
 
 __all__ = ["NODE_PREFIX", "emulated_rounding", "scale_array"]
@@ -109,8 +109,18 @@ def _power_of_two_above(b: _Builder, s: ir.Value, prefix: str) -> ir.Value:
     return b.op("Where", [enough, half, p], f"{prefix}/pow2", _F32, shape)
 
 
+def _power_of_two_at_most(b: _Builder, a: ir.Value, prefix: str) -> ir.Value:
+    """The largest power of two <= ``a`` (float32, positive), exactly: the smallest one >= ``a``, halved
+    where it is above ``a``."""
+    shape = a.shape
+    p = _power_of_two_above(b, a, prefix)
+    above = b.op("Greater", [p, a], f"{prefix}/pow2_above_amax", ir.DataType.BOOL, shape)
+    half = b.op("Mul", [p, b.const("const/half", np.array(0.5, np.float32))], f"{prefix}/pow2_floor_half", _F32, shape)
+    return b.op("Where", [above, half, p], f"{prefix}/pow2_floor", _F32, shape)
+
+
 def _dynamic_scale(
-    b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False, pow2: bool = False
+    b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False, pow2: bool | str = False
 ) -> ir.Value:
     f32 = lambda v: np.array(v, np.float32)  # noqa: E731
     abs_x = b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)
@@ -120,13 +130,18 @@ def _dynamic_scale(
     else:
         amax = b.op("ReduceMax", [abs_x], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
     shape = amax.shape
-    s = b.op(
-        "Mul",
-        [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
-        f"{prefix}/raw_scale",
-        _F32,
-        shape,
-    )
+    if pow2 == "mx":  # OCP MX: 2^(floor(log2 amax) - emax); values above fmax * scale saturate in the cast
+        floor = _power_of_two_at_most(b, b.cast(amax, _F32, f"{prefix}/amax_f32"), prefix)
+        emax = b.const(f"const/{fmt.value}/mx_inv_2_emax", f32(2.0 ** -mx_emax(fmt)))
+        s = b.op("Mul", [floor, emax], f"{prefix}/raw_scale", _F32, shape)
+    else:
+        s = b.op(
+            "Mul",
+            [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
+            f"{prefix}/raw_scale",
+            _F32,
+            shape,
+        )
     is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, shape)
     s = b.op(
         "Where",
@@ -135,7 +150,7 @@ def _dynamic_scale(
         _F32,
         shape,
     )
-    if pow2:  # the smallest power of two at least amax / fmax: E8M0-representable, no element clipped
+    if pow2 and pow2 != "mx":  # the smallest power of two at least amax / fmax: E8M0-representable, no element clipped
         s = _power_of_two_above(b, s, prefix)
     lo, hi = _scale_range(x.dtype)
     same = x.dtype == _F32

@@ -73,14 +73,15 @@ class TensorQuant:
     that view: a Conv's [M, C/group x kernel] along 1 (``scale`` [M, blocks]), a ConvTranspose's
     [C, M/group x kernel] along 0 (``scale`` [blocks, M/group x kernel]).
     A dynamic scale with ``block_size``: one per row and per ``block_size`` channels (per group).
-    ``pow2``: the dynamic scales rounded up to powers of two in the graph (MX-style, E8M0 values).
+    ``pow2``: the dynamic scales rounded up to powers of two in the graph (MX-style, E8M0 values), or
+    ``"mx"``: OCP MX's rule, 2^(floor(log2 amax) - emax of the format), values above fmax saturating.
     """
 
     format: Fp8Format
     scale: float | np.ndarray | None
     axis: int | None = None
     block_size: int = 0
-    pow2: bool = False  # a dynamic scale (``scale`` None) rounded up to a power of two in the graph
+    pow2: bool | str = False  # a dynamic scale (``scale`` None) as a power of two in the graph: True up, "mx" OCP
 
     def full_scale(self, shape) -> np.ndarray:
         """The scale as a float32 array broadcasting against a weight of ``shape``: one per element

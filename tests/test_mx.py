@@ -122,3 +122,70 @@ def test_format_mxfp8_refuses_what_contradicts_it(tmp_path):
     )
     assert r.exit_code == 2 and "--format mxfp8 sets --activations dynamic-per-group" in r.output, r.output
     assert not (tmp_path / "q.onnx").exists()
+
+
+def mx_rows_reference(x: np.ndarray, group: int | None = None) -> np.ndarray:
+    """NumPy, OCP MX's rule: per row (or ``group`` channels) scale = 2^(floor(log2 amax) - 8) (E4M3's
+    emax), at least float32's tiny; x / scale saturated to +-448, cast to E4M3, times scale."""
+    rows = x.reshape(-1, group) if group else x
+    _, exponent = np.frexp(np.abs(rows).max(-1, keepdims=True))  # amax = m * 2^e, m in [0.5, 1)
+    scale = np.ldexp(np.float32(1), exponent - 1 - 8).astype(np.float32)
+    scale = np.clip(scale, np.finfo(np.float32).tiny, None).astype(np.float32)
+    q = np.clip(rows / scale, -FMAX, FMAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (q * scale).reshape(x.shape)
+
+
+def test_mx_scaling_is_ocp_rule_for_static_scales():
+    """--scaling mx: scale = 2^(floor(log2 amax) - emax), emax the exponent of the format's largest
+    value; the same in the per-element form (block scales)."""
+    from fp8onnx.numerics.formats import Fp8Format
+    from fp8onnx.numerics.scaling import Scaling, amax_to_scale, amax_to_scales, mx_emax
+
+    assert [mx_emax(f) for f in (Fp8Format.E4M3FN, Fp8Format.E5M2, Fp8Format.E4M3FNUZ, Fp8Format.INT8)] == [8, 15, 7, 6]
+    e4m3 = Fp8Format.E4M3FN
+    for amax, scale in ((1.0, 2.0**-8), (1.9, 2.0**-8), (np.nextafter(2.0, 0), 2.0**-8), (2.0, 2.0**-7), (448, 1.0)):
+        assert amax_to_scale(amax, e4m3, Scaling.MX) == scale
+    # against pow2 (rounded up): the same but where amax's mantissa is above fmax's (1.75): then half of it
+    assert amax_to_scale(1.5, e4m3, Scaling.POW2) == 2.0**-8 and amax_to_scale(1.9, e4m3, Scaling.POW2) == 2.0**-7
+    rng = np.random.default_rng(0)
+    amax = np.abs(rng.standard_normal(1000)) * 10.0 ** rng.integers(-9, 9, 1000)
+    want = np.array([amax_to_scale(a, e4m3, Scaling.MX) for a in amax])
+    assert np.array_equal(amax_to_scales(amax, e4m3, Scaling.MX), want)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # onnx.reference's Log of a zero row
+@pytest.mark.parametrize("mode", ["dynamic-per-token", "dynamic-per-group"])
+def test_mx_dynamic_scales_match_numpy_bit_for_bit_and_saturate(tmp_path, mode):
+    """In-graph OCP MX scales (the largest power of two at most amax, over 2^8): bit for bit NumPy's on
+    ORT CPU and onnx.reference, for rows whose amax is a power of two, one float32 step either side of
+    one, has a mantissa above 1.75 (its largest values saturate at 448), is tiny, huge or zero."""
+    rng = np.random.default_rng(9)
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    group = 8 if mode == "dynamic-per-group" else None
+    options = {"group_size": group} if group else {}
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations=mode, scaling="mx", provider="cpu", **options)
+    assert "mx scaling" in report.summary()
+    x = edge_rows(rng)
+    x[:, 3] *= np.float32(1.9) / np.abs(x[:, 3]).max(-1, keepdims=True)  # amax 1.9: saturates
+    for i, amax in enumerate((np.float32(2.0), np.nextafter(np.float32(2.0), np.float32(0)))):
+        x[:, 4 + i] *= amax / np.abs(x[:, 4 + i]).max(-1, keepdims=True)
+    want = mx_rows_reference(x, group)
+    assert np.abs(want[:, 3]).max() < np.abs(x[:, 3]).max()  # the row's largest value was saturated
+    for run in (run_ort, run_reference):
+        got = run(tmp_path / "q.onnx", {"x": x})[0]
+        assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+def test_format_mxfp8_takes_the_ocp_rule(tmp_path):
+    """--format mxfp8 --scaling mx: MXFP8 with OCP's scales (block weights and per-group activations)."""
+    path, x = layer(tmp_path / "m.onnx", 96, spread=3)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", format="mxfp8", scaling="mx", preset="none", provider="cpu")
+    assert (report.config["scaling"], report.config["weight_block_size"]) == ("mx", 32)
+    model = onnx.load(tmp_path / "q.onnx")
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    scales = onnx.numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == dq.input[1]))
+    assert np.all(np.frexp(scales)[0] == 0.5)
+    feed = {"x": x[:64]}
+    ref, got = run_ort(path, feed)[0], run_ort(model, feed)[0]
+    np.testing.assert_allclose(got, run_reference(model, feed)[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert sqnr_db(ref, got) > 26

@@ -84,7 +84,8 @@ from fp8onnx.targets import TARGETS
     default="amax",
     show_default=True,
     help="amax: scale = amax/fmax; pow2: power-of-two scales (E8M0 values, MX-style; in-graph dynamic scales "
-    "rounded up to one too); percentile: clip at "
+    "rounded up to one too); mx: OCP Microscaling's rule, 2^(floor(log2 amax) - emax of the format), the values "
+    "above fmax saturating; percentile: clip at "
     "--percentile of |x|; mse: clip where the quantization error is least; constant: --scale for all.",
 )
 @click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")

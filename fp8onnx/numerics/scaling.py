@@ -12,9 +12,12 @@ Methods:
   ``mse``        amax replaced by the clipping threshold that minimises the squared quantization
                  error of the calibration histogram under the chosen format, then as ``amax``.
   ``constant``   one user-given scale for every tensor (the paper's FP8-CSCALE baseline).
+  ``mx``         OCP Microscaling's rule: scale = 2**(floor(log2(amax)) - emax), emax the exponent of
+                 the format's largest value (E4M3: 8), so amax / scale lands in [2**emax, 2**(emax+1)):
+                 a power of two like ``pow2`` but rounded down, values above fmax saturate.
 
 ``percentile`` and ``mse`` need a histogram; they apply to activations. Weights, whose every value
-is known, keep their max (``amax``, or ``pow2`` when chosen).
+is known, keep their max (``amax``, or ``pow2`` / ``mx`` when chosen).
 
 An amax of 0 (a tensor that never left zero), NaN or Inf never yields a zero, NaN or Inf scale.
 """
@@ -41,6 +44,7 @@ __all__ = [
     "clipping_amax",
     "expand_blocks",
     "mse_amax",
+    "mx_emax",
     "parse_scaling",
 ]
 
@@ -60,6 +64,7 @@ class Scaling(enum.Enum):
     PERCENTILE = "percentile"
     MSE = "mse"
     CONSTANT = "constant"
+    MX = "mx"
 
     @property
     def needs_histogram(self) -> bool:
@@ -78,6 +83,12 @@ def parse_scaling(name: str | Scaling) -> Scaling:
 
 def _usable(amax: float) -> bool:
     return math.isfinite(amax) and amax > 0.0
+
+
+def mx_emax(fmt: Fp8Format) -> int:
+    """The exponent of ``fmt``'s largest value (E4M3FN 8, E5M2 15, E4M3FNUZ 7, E3M4 3; int8 6, as
+    MXINT8's 1.6 fixed point): OCP MX's emax_elem."""
+    return math.floor(math.log2(fmt.fmax))
 
 
 def amax_to_scale(
@@ -104,6 +115,8 @@ def amax_to_scale(
     elif method is Scaling.POW2:
         bias = math.floor(math.log2(fmt.fmax / amax)) - int(margin)
         scale = 2.0 ** (-bias)
+    elif method is Scaling.MX:
+        scale = 2.0 ** (math.floor(math.log2(amax)) - mx_emax(fmt))
     else:  # pragma: no cover - the enum is closed
         raise Fp8OnnxError(f"Unknown scaling method {method!r}.")
     return float(min(max(scale, _MIN_SCALE), _MAX_SCALE))
@@ -111,13 +124,15 @@ def amax_to_scale(
 
 def amax_to_scales(amax: np.ndarray, fmt: Fp8Format, method: Scaling = Scaling.AMAX, *, margin: int = 0) -> np.ndarray:
     """:func:`amax_to_scale`'s formula on every element of ``amax`` at once (block scales: thousands per
-    weight), float64; amax and pow2 (clipping and constant scaling have no per-block form here)."""
+    weight), float64; amax, pow2 and mx (clipping and constant scaling have no per-block form here)."""
     amax = np.asarray(amax, np.float64)
     amax = np.where(np.isfinite(amax) & (amax > 0), amax, SAFE_AMAX)
     if method in (Scaling.AMAX, Scaling.PERCENTILE, Scaling.MSE):
         scale = amax / fmt.fmax
     elif method is Scaling.POW2:
         scale = 2.0 ** -(np.floor(np.log2(fmt.fmax / amax)) - int(margin))
+    elif method is Scaling.MX:
+        scale = 2.0 ** (np.floor(np.log2(amax)) - mx_emax(fmt))
     else:
         raise Fp8OnnxError(f"Scaling {method.value!r} has no per-block form.")
     return np.clip(scale, _MIN_SCALE, _MAX_SCALE)
