@@ -26,7 +26,7 @@ def test_configs_cover_the_papers_grid():
     for label, group, _ in study_configs([2.0**-4, 2.0**-2]):
         groups.setdefault(group, []).append(label)
     assert groups["format"] == ["e4m3fn amax", "e5m2 amax", "e3m4 amax", "int8 amax", "int8 amax per-channel"]
-    assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn percentile", "e4m3fn mse"]
+    assert groups["scaling"] == ["e4m3fn pow2", "e4m3fn mx", "e4m3fn percentile", "e4m3fn mse"]
     assert groups["constant"] == ["e4m3fn constant 2^-4", "e4m3fn constant 2^-2"]
     assert groups["activations"] == ["e4m3fn amax dynamic", "e4m3fn dynamic per-token", "e4m3fn weight-only"]
     assert groups["weights"] == ["e4m3fn amax per-channel", "e4m3fn amax + fp8 embeddings"]

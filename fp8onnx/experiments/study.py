@@ -4,7 +4,7 @@ One calibration pass (amax and |x| histograms) serves every configuration; every
 is then evaluated in one ``compare`` pass over the data (the FP32 reference runs once per batch):
 
 * formats E4M3FN / E5M2 / E3M4 (emulated), amax scaling - the PTQ paper's format comparison;
-* scaling amax / pow2 / percentile / mse, and ``constant`` over a sweep of powers of two across the
+* scaling amax / pow2 / mx (OCP MX) / percentile / mse, and ``constant`` over a sweep of powers of two across the
   range the calibration saw - the FP8 LLM paper's FP8-AMAX versus FP8-CSCALE comparison;
 * static versus dynamic (per tensor, per token) activation scales, and weight-only FP8; per-tensor
   versus per-channel weight scales;
@@ -77,7 +77,7 @@ def study_configs(constant_scales: list[float]) -> list[tuple[str, str, Quantize
         ("int8 amax", "format", QuantizeConfig(format="int8")),
         ("int8 amax per-channel", "format", QuantizeConfig(format="int8", per_channel=True)),
     ]
-    configs += [(f"e4m3fn {s}", "scaling", QuantizeConfig(scaling=s)) for s in ("pow2", "percentile", "mse")]
+    configs += [(f"e4m3fn {s}", "scaling", QuantizeConfig(scaling=s)) for s in ("pow2", "mx", "percentile", "mse")]
     configs += [
         ("e4m3fn amax dynamic", "activations", QuantizeConfig(activations="dynamic")),
         ("e4m3fn dynamic per-token", "activations", QuantizeConfig(activations="dynamic-per-token")),
