@@ -167,6 +167,29 @@ def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatc
         assert a.exists() == b.exists() and (not a.exists() or a.read_bytes() == b.read_bytes())
 
 
+def test_layer_by_layer_gptq_with_the_last_segment_rounded_when_written(tmp_path, monkeypatch):
+    """The default recipe for a decoder (GPTQ, lm_head in float) over the weight budget: the last
+    segment's weights are rounded when the model is written, in stacks with weights of the same shape
+    that earlier segments rounded already (their X^T X dropped); the same bytes as rounding them all
+    at the end (a regression: the stack once reached for the dropped sums)."""
+    import sys
+
+    from fp8onnx.models.build_llama import build, write_data
+
+    path = build(tmp_path / "tiny", layers=3, dim=64, heads=4, ffn=160, vocab=3000)
+    write_data(tmp_path / "tiny", vocab=3000, seq=16, calib=8, evals=4)
+    calib = tmp_path / "tiny" / "calib.npz"
+    (tmp_path / "streamed").mkdir()
+    report = fp8onnx.quantize(path, tmp_path / "streamed" / "q.onnx", calib, weight_memory=100_000)
+    assert report.config["preset"] == "llm-weight-only" and report.config["weight_rounding"] == "gptq"
+    monkeypatch.setattr(sys.modules["fp8onnx.quantize"], "_settling", lambda *args: ({}, None))
+    (tmp_path / "at_the_end").mkdir()
+    fp8onnx.quantize(path, tmp_path / "at_the_end" / "q.onnx", calib, weight_memory=100_000)
+    for suffix in ("", ".data"):
+        a, b = (tmp_path / n / f"q.onnx{suffix}" for n in ("streamed", "at_the_end"))
+        assert a.exists() == b.exists() and (not a.exists() or a.read_bytes() == b.read_bytes())
+
+
 def test_gptq_after_smoothing_measures_the_smoothed_inputs(tmp_path, monkeypatch):
     """Smoothing inserts a Mul where it cannot fold 1/s (a graph input, a Relu): GPTQ's X^T X is of
     what the layers read after it (``<x>/smoothed``), not of the input before smoothing."""

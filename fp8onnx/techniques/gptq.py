@@ -233,7 +233,8 @@ class GPTQ(Technique):
         if x in self._stacked:
             ((xs, by_input),) = self._stacks([x], plan)  # one input: one stack
             return self._round_stack(xs, by_input, plan)[name]
-        ready = [y for y in dict.fromkeys(w.x for w in plan.values()) if y not in self._stacked]
+        dropped = self.hessians.dropped  # rounded during a layer-by-layer pass already (round_ready)
+        ready = [y for y in dict.fromkeys(w.x for w in plan.values()) if y not in self._stacked and y not in dropped]
         xs, by_input = next((xs, b) for xs, b in self._stacks(ready, plan) if x in xs)
         done = self._round_stack(xs, by_input, plan)
         self._stacked.update(xs)
