@@ -130,18 +130,13 @@ def _dynamic_scale(
     else:
         amax = b.op("ReduceMax", [abs_x], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
     shape = amax.shape
+    amax32 = b.cast(amax, _F32, f"{prefix}/amax_f32")
     if pow2 == "mx":  # OCP MX: 2^(floor(log2 amax) - emax); values above fmax * scale saturate in the cast
-        floor = _power_of_two_at_most(b, b.cast(amax, _F32, f"{prefix}/amax_f32"), prefix)
-        emax = b.const(f"const/{fmt.value}/mx_inv_2_emax", f32(2.0 ** -mx_emax(fmt)))
-        s = b.op("Mul", [floor, emax], f"{prefix}/raw_scale", _F32, shape)
+        base, factor, what = _power_of_two_at_most(b, amax32, prefix), 2.0 ** -mx_emax(fmt), "mx_inv_2_emax"
     else:
-        s = b.op(
-            "Mul",
-            [b.cast(amax, _F32, f"{prefix}/amax_f32"), b.const(f"const/{fmt.value}/inv_fmax", f32(1 / fmt.fmax))],
-            f"{prefix}/raw_scale",
-            _F32,
-            shape,
-        )
+        base, factor, what = amax32, 1 / fmt.fmax, "inv_fmax"
+    factor = b.const(f"const/{fmt.value}/{what}", f32(factor))
+    s = b.op("Mul", [base, factor], f"{prefix}/raw_scale", _F32, shape)
     is_number = b.op("Equal", [s, s], f"{prefix}/not_nan", ir.DataType.BOOL, shape)
     s = b.op(
         "Where",

@@ -33,8 +33,8 @@ DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
 # GPTQ's lazy batch, nested: the rows are rounded in blocks of BLOCKS[0] rows, whose errors reach the
 # later rows in one matrix product; inside a block, in blocks of BLOCKS[1] rows, and so on; inside the
 # innermost block, row by row (BLOCKS[-1] / 2 element-wise multiply-adds per weight). On the 2-core
-# development machine, 30 stacked weights of each of SmolLM2-135M's shapes round in 1.7 s so, 2.6 s in
-# blocks of 32 rows alone.
+# development machine, 30 stacked weights of each of SmolLM2-135M's shapes round in 1.7 s, against 2.6 s
+# in blocks of 32 rows alone.
 BLOCKS = (128, 32, 8)
 THREADS = min(4, os.cpu_count() or 1)  # parts of a stack rounded side by side (round_stacked)
 # Rows in order of decreasing h[i, i] (GPTQ's act-order). SmolLM2-135M, --preset llm, 32,768 held-out
@@ -95,7 +95,7 @@ def gptq_factor(h: np.ndarray, damp: float = DAMP, act_order: bool = ACT_ORDER, 
     rows = order if order is not None else np.arange(len(diag))
     back = rows[::-1]
     h = np.asarray(h, np.float32).take(back, 0).take(back, 1)  # P H P (P the reversal) in the rounding order
-    h[np.diag_indices(len(diag))] = diag[rows[::-1]] + np.float32(damp * np.mean(diag[rows], dtype=np.float64))
+    h[np.diag_indices(len(diag))] = diag[back] + np.float32(damp * np.mean(diag[rows], dtype=np.float64))
     try:
         lower = _cholesky(h, overwrite=True)
     except np.linalg.LinAlgError:
