@@ -220,6 +220,29 @@ def spread_conv(path, group: int = 1):
     return path, x.astype(np.float32)
 
 
+def block_forms(tmp_path, path, x, op_type: str, block: int):
+    """``path`` quantized with ``--weight-block-size block`` on ``op_type`` only, static activations from
+    ``x``: (the blocked model, its weight's DequantizeLinear, its output on ORT CPU, the CUDA EP's
+    per-axis form's output on ORT CPU); and weight-only (the activations' own spread would hide the
+    weights' error) the SQNR in dB of blocks and of per-channel scales against the float model."""
+    feed = {"x": x}
+    np.savez(tmp_path / "c.npz", x=x)
+    common = {"op_types": (op_type,), "preset": "none", "provider": "cpu", "calib": tmp_path / "c.npz"}
+    results = {}
+    for target in ("onnxruntime", "onnxruntime-cuda"):
+        out = tmp_path / f"{target}.onnx"
+        fp8onnx.quantize(path, out, weight_block_size=block, target=target, **common)
+        results[target] = run_ort(out, feed)[0]
+    model = onnx.load(tmp_path / "onnxruntime.onnx")
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[1].endswith("w/scale")]
+    weight_only = {**common, "activations": "none", "calib": None}
+    fp8onnx.quantize(path, tmp_path / "c.onnx", per_channel=True, **weight_only)
+    fp8onnx.quantize(path, tmp_path / "b.onnx", weight_block_size=block, **weight_only)
+    ref = run_ort(path, feed)[0]
+    per_channel, blocks = (sqnr_db(ref, run_ort(tmp_path / f"{n}.onnx", feed)[0]) for n in ("c", "b"))
+    return model, dq, results["onnxruntime"], results["onnxruntime-cuda"], blocks, per_channel
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_conv_block_scales_run_along_input_channels_times_kernel(tmp_path, group):
     """--weight-block-size on Conv: the weight [M, C/group, kh, kw] stored as float8 [M, C/group x kh x kw]
@@ -227,29 +250,14 @@ def test_conv_block_scales_run_along_input_channels_times_kernel(tmp_path, group
     beat per-channel scales where input channels differ in range, and the CUDA EP's per-axis form
     gives the same values bit for bit."""
     path, x = spread_conv(tmp_path / "m.onnx", group)
-    feed = {"x": x}
-    ref = run_ort(path, feed)[0]
-    np.savez(tmp_path / "c.npz", x=x)
-    common = {"op_types": ("Conv",), "preset": "none", "provider": "cpu", "calib": tmp_path / "c.npz"}
-    results = {}
-    for target in ("onnxruntime", "onnxruntime-cuda"):
-        out = tmp_path / f"{target}.onnx"
-        fp8onnx.quantize(path, out, weight_block_size=18, target=target, **common)
-        results[target] = run_ort(out, feed)[0]
-    model = onnx.load(tmp_path / "onnxruntime.onnx")
-    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[1].endswith("w/scale")]
+    model, dq, got, cuda_form, blocks_db, per_channel_db = block_forms(tmp_path, path, x, "Conv", 18)
     codes = next(i for i in model.graph.initializer if i.name == dq.input[0])
     assert list(codes.dims) == [8, 16 // group * 9] and {a.name: a.i for a in dq.attribute}["block_size"] == 18
     ops = [n.op_type for n in model.graph.node]
     assert ops == ["DequantizeLinear", "Reshape", "QuantizeLinear", "DequantizeLinear", "Conv"], ops
-    np.testing.assert_allclose(run_reference(model, feed)[0], results["onnxruntime"], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(results["onnxruntime"], results["onnxruntime-cuda"])
-    # weight-only (the activations' own spread would hide the weights' error): blocks against per-channel
-    weight_only = {**common, "activations": "none", "calib": None}
-    fp8onnx.quantize(path, tmp_path / "c.onnx", per_channel=True, **weight_only)
-    fp8onnx.quantize(path, tmp_path / "b.onnx", weight_block_size=18, **weight_only)
-    per_channel, blocks = (run_ort(tmp_path / f"{n}.onnx", feed)[0] for n in ("c", "b"))
-    assert sqnr_db(ref, blocks) > sqnr_db(ref, per_channel) + 6  # measured 32.7 vs 23.4 dB
+    np.testing.assert_allclose(run_reference(model, {"x": x})[0], got, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got, cuda_form)
+    assert blocks_db > per_channel_db + 6  # weight-only, measured 32.7 vs 23.4 dB
 
 
 def spread_conv_transpose(path, group: int = 1):
@@ -282,17 +290,7 @@ def test_conv_transpose_block_scales_run_along_input_channels(tmp_path, group):
     groups) and ORT CPU agree, the CUDA EP's per-axis form gives the same values bit for bit, and
     blocks beat per-channel scales where input channels differ in range."""
     path, x = spread_conv_transpose(tmp_path / "m.onnx", group)
-    feed = {"x": x}
-    ref = run_ort(path, feed)[0]
-    np.savez(tmp_path / "c.npz", x=x)
-    common = {"op_types": ("ConvTranspose",), "preset": "none", "provider": "cpu", "calib": tmp_path / "c.npz"}
-    results = {}
-    for target in ("onnxruntime", "onnxruntime-cuda"):
-        out = tmp_path / f"{target}.onnx"
-        fp8onnx.quantize(path, out, weight_block_size=4, target=target, **common)
-        results[target] = run_ort(out, feed)[0]
-    model = onnx.load(tmp_path / "onnxruntime.onnx")
-    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[1].endswith("w/scale")]
+    model, dq, got, cuda_form, blocks_db, per_channel_db = block_forms(tmp_path, path, x, "ConvTranspose", 4)
     codes = next(i for i in model.graph.initializer if i.name == dq.input[0])
     scales = next(i for i in model.graph.initializer if i.name == dq.input[1])
     attrs = {a.name: a.i for a in dq.attribute}
@@ -300,10 +298,6 @@ def test_conv_transpose_block_scales_run_along_input_channels(tmp_path, group):
     ops = [n.op_type for n in model.graph.node]
     assert ops == ["DequantizeLinear", "Reshape", "QuantizeLinear", "DequantizeLinear", "ConvTranspose"], ops
     if group == 1:
-        np.testing.assert_allclose(run_reference(model, feed)[0], results["onnxruntime"], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(results["onnxruntime"], results["onnxruntime-cuda"])
-    weight_only = {**common, "activations": "none", "calib": None}
-    fp8onnx.quantize(path, tmp_path / "c.onnx", per_channel=True, **weight_only)
-    fp8onnx.quantize(path, tmp_path / "b.onnx", weight_block_size=4, **weight_only)
-    per_channel, blocks = (run_ort(tmp_path / f"{n}.onnx", feed)[0] for n in ("c", "b"))
-    assert sqnr_db(ref, blocks) > sqnr_db(ref, per_channel) + 6  # measured 33.7 vs 20.5 dB (group 1)
+        np.testing.assert_allclose(run_reference(model, {"x": x})[0], got, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got, cuda_form)
+    assert blocks_db > per_channel_db + 6  # weight-only, measured 33.7 vs 20.5 dB (group 1)
