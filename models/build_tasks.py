@@ -268,23 +268,29 @@ class Segmenter(nn.Module):
         return F.cross_entropy(self(images).reshape(-1, 3), masks.reshape(-1))
 
 
-def build_segmenter(out: pathlib.Path, scale: float) -> None:
-    rng = np.random.default_rng(10)
-    torch.manual_seed(10)
-    model = Segmenter()
+def build_shapes_task(out, scale, make_model, seed, steps, labels_of, output, family, metric) -> None:
+    """Train ``make_model()`` on :func:`shapes` images (seeded by ``seed``) against ``labels_of(masks,
+    objects)`` and write it with 64 calibration and 256 held-out images (Conv/ConvTranspose opted in)."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = make_model()
 
     def batch(_):
-        images, masks, _ = shapes(32, rng)
-        return torch.from_numpy(images), torch.from_numpy(masks)
+        images, masks, objects = shapes(32, rng)
+        return torch.from_numpy(images), torch.from_numpy(labels_of(masks, objects))
 
-    train(model, batch, int(600 * scale), 5e-3, "segmenter")
-    calib, _, _ = shapes(64, np.random.default_rng(11))
-    images, masks, _ = shapes(256, np.random.default_rng(12))
-    print(f"segmenter: held-out pixel accuracy {accuracy(model, {'i': images}, masks):.4f}")
-    export(model, (torch.from_numpy(calib[:2]),), ["image"], ["scores"], out / "model.onnx")
-    write(
-        out, "segmentation", "pixel accuracy", {"image": calib}, {"image": images, "labels": masks}, {"op_types": CONV}
-    )
+    train(model, batch, int(steps * scale), 5e-3, out.name)
+    calib, _, _ = shapes(64, np.random.default_rng(seed + 1))
+    images, masks, objects = shapes(256, np.random.default_rng(seed + 2))
+    labels = labels_of(masks, objects)
+    print(f"{out.name}: held-out {metric} {accuracy(model, {'i': images}, labels):.4f}")
+    export(model, (torch.from_numpy(calib[:2]),), ["image"], [output], out / "model.onnx")
+    write(out, family, metric, {"image": calib}, {"image": images, "labels": labels}, {"op_types": CONV})
+
+
+def build_segmenter(out: pathlib.Path, scale: float) -> None:
+    labels = lambda masks, _: masks  # noqa: E731
+    build_shapes_task(out, scale, Segmenter, 10, 600, labels, "scores", "segmentation", "pixel accuracy")
 
 
 def centres(objects, count: int, grid: int = 4, size: int = 32) -> np.ndarray:
@@ -318,28 +324,10 @@ class Detector(nn.Module):
 
 
 def build_detector(out: pathlib.Path, scale: float) -> None:
-    rng = np.random.default_rng(20)
-    torch.manual_seed(20)
-    model = Detector()
+    def cells(_, objects):
+        return centres(objects, len(objects))
 
-    def batch(_):
-        images, _, objects = shapes(32, rng)
-        return torch.from_numpy(images), torch.from_numpy(centres(objects, 32))
-
-    train(model, batch, int(800 * scale), 5e-3, "detector")
-    calib, _, _ = shapes(64, np.random.default_rng(21))
-    images, _, objects = shapes(256, np.random.default_rng(22))
-    cells = centres(objects, 256)
-    print(f"detector: held-out per-cell accuracy {accuracy(model, {'i': images}, cells):.4f}")
-    export(model, (torch.from_numpy(calib[:2]),), ["image"], ["cells"], out / "model.onnx")
-    write(
-        out,
-        "detection",
-        "per-cell accuracy (object centres)",
-        {"image": calib},
-        {"image": images, "labels": cells},
-        {"op_types": CONV},
-    )
+    build_shapes_task(out, scale, Detector, 20, 800, cells, "cells", "detection", "per-cell accuracy (object centres)")
 
 
 # --- diffusion: a DDPM UNet on scikit-learn's digits -------------------------------------------------
