@@ -66,17 +66,19 @@ def test_an_input_that_is_always_zero_does_not_break_it():
 
 
 @pytest.mark.parametrize("k", [5, 64, 300, 700])
-def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(k):
-    """gptq_factor's hinv (one Cholesky factorisation by blocks and one triangular inverse, float32)
-    against NumPy's float64 cholesky(inv(H)).T; its pieces against NumPy too."""
+def test_the_gain_is_gptqs_inverse_factor_scaled_by_its_diagonal(k):
+    """gptq_factor's gain (one Cholesky factorisation by blocks, float32) against NumPy's float64
+    -U^-1 diag(U), U = cholesky(inv(H)).T the factor of GPTQ's own form; its pieces against NumPy too."""
     rng = np.random.default_rng(k)
     x = rng.standard_normal((2 * k + 50, k))
     h = x.T @ x
-    order, dead, hinv = gptq_factor(h.astype(np.float32), damp=0.01, act_order=True)
+    order, dead, gain = gptq_factor(h.astype(np.float32), damp=0.01, act_order=True)
     damped = h[np.ix_(order, order)] + 0.01 * np.mean(np.diag(h)) * np.eye(k)
-    expected = np.linalg.cholesky(np.linalg.inv(damped)).T
-    assert hinv.dtype == np.float32 and not dead.any() and np.array_equal(hinv, np.triu(hinv))
-    np.testing.assert_allclose(hinv, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+    upper = np.linalg.cholesky(np.linalg.inv(damped)).T
+    expected = -np.linalg.inv(upper) * np.diag(upper)[None, :]
+    assert gain.dtype == np.float32 and not dead.any() and np.array_equal(gain, np.triu(gain))
+    np.testing.assert_allclose(gain, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+    np.testing.assert_array_equal(np.diag(gain), -1.0)
     lower = _cholesky(damped, block=64)
     np.testing.assert_allclose(lower, np.linalg.cholesky(damped), rtol=1e-10, atol=1e-12 * np.abs(lower).max())
     np.testing.assert_allclose(_inverse_lower(lower) @ lower, np.eye(k), atol=1e-9)
@@ -116,10 +118,10 @@ def test_x_t_x_is_measured_by_blocks_on_and_above_the_diagonal(tmp_path, k):
 
 
 def test_nested_lazy_blocks_round_as_the_textbook_row_loop():
-    """round_stacked's nested blocks (matrix products between blocks) against GPTQ's textbook loop in
-    float64 (every row's error spread over all later rows at once): the same grid values but for a
-    rare weight whose value sits near the middle between two grid points (float32 sums in another
-    order)."""
+    """round_stacked (no inverse; nested blocks, matrix products between blocks) against GPTQ's
+    textbook loop in float64 (U the upper Cholesky factor of the damped H^-1, every row's error spread
+    over all later rows at once): the same grid values but for a rare weight whose value sits near the
+    middle between two grid points (float32 sums in another order)."""
     rng = np.random.default_rng(11)
     k, n = 300, 48
     x = correlated(rng, k=k)
@@ -127,10 +129,13 @@ def test_nested_lazy_blocks_round_as_the_textbook_row_loop():
     w = rng.standard_normal((k, n)).astype(np.float32)
     s = (np.abs(w).max(0) / 448).astype(np.float32)
     rows, _ = ordered(w, factor, s)
-    hinv, work, expected = factor[2].astype(np.float64), rows.astype(np.float64), np.empty((k, n))
+    h = (x.T @ x).astype(np.float32).astype(np.float64)[np.ix_(factor[0], factor[0])]
+    h[np.diag_indices(k)] += 0.01 * np.mean(np.diag(h))
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T
+    work, expected = rows.astype(np.float64), np.empty((k, n))
     for i in range(k):
         expected[i] = dequantize(quantize(work[i], s, Fp8Format.E4M3FN), s)
-        work[i + 1 :] -= np.outer(hinv[i, i + 1 :], (work[i] - expected[i]) / hinv[i, i])
+        work[i + 1 :] -= np.outer(upper[i, i + 1 :], (work[i] - expected[i]) / upper[i, i])
     got = round_stacked(rows[None].copy(), factor[2][None], s[None, None], Fp8Format.E4M3FN)[0]
     assert np.mean(got != expected) < 2e-3
 

@@ -204,7 +204,7 @@ class GPTQ(Technique):
 
     def _round_stack(self, xs: list[str], by_input: dict[str, list[str]], plan) -> dict[str, np.ndarray]:
         factors = [gptq_factor(self._hessian(x), what=f"activation {x!r}") for x in xs]
-        hinv = np.stack([f[2] for f in factors])
+        gains = np.stack([f[2] for f in factors])
         out = {}
         for j in range(len(by_input[xs[0]])):  # the j-th weight of every input: one shape
             names = [by_input[x][j] for x in xs]
@@ -216,7 +216,7 @@ class GPTQ(Technique):
                 scales.append(ordered(values.T if w.transposed else values, factor, w.scale, out=rows[i])[1])
                 del values
                 release(source)
-            q = round_stacked(rows, hinv, np.stack(scales), plan[names[0]].format)
+            q = round_stacked(rows, gains, np.stack(scales), plan[names[0]].format)
             for name, factor, qi in zip(names, factors, q):
                 w = plan[name]
                 qi = restored(qi, factor)

@@ -2,11 +2,15 @@
 
 Plain rounding puts every weight on its nearest FP8 value independently. GPTQ rounds one input row
 of ``W`` [K, N] at a time and spreads that row's rounding error over the rows not yet rounded, in
-proportion to how the inputs correlate: with ``H = X^T X`` of the layer's input X [rows, K], row i's
-error ``e = (w_i - q_i) / Hinv[i, i]`` is subtracted as ``Hinv[i, i+1:]^T e`` (``Hinv`` the upper
-Cholesky factor of ``H^-1``, damped by 1% of its mean diagonal). The result minimises
-``||X W - X Q||`` far better than rounding each weight alone. Scales are given (per tensor, per
-output channel or per block): GPTQ only picks *which* grid value each weight takes.
+proportion to how the inputs correlate. In GPTQ's own form, with ``H = X^T X`` of the layer's input
+X [rows, K] (damped by 1% of its mean diagonal) and ``U`` the upper Cholesky factor of ``H^-1``, row
+i's error ``e = (w_i - q_i) / U[i, i]`` is subtracted from the later rows as ``U[i, i+1:]^T e``. The
+result minimises ``||X W - X Q||`` far better than rounding each weight alone. Scales are given (per
+tensor, per output channel or per block): GPTQ only picks *which* grid value each weight takes.
+
+The same rounding needs no inverse. Row i, when its turn comes, is ``w_i + sum_{j<i} G[j, i] (w_j -
+q_j)`` with the rows' *original* values ``w_j`` and ``G = U^-1 diag(U)``, and ``U^-1`` is a Cholesky
+factor of H itself (see :func:`gptq_factor`): one factorisation, no triangular inverse.
 
 The algebra is float32, as in GPTQ's own implementation. Two things make it fast on a CPU:
 :func:`gptq_factor` factors H once per input (q/k/v share it) in matrix products, and
@@ -80,14 +84,15 @@ def _cholesky(h: np.ndarray, block: int = 256, overwrite: bool = False) -> np.nd
 
 def gptq_factor(h: np.ndarray, damp: float = DAMP, act_order: bool = ACT_ORDER, what: str = "the input"):
     """What GPTQ needs of ``h`` = X^T X [K, K], shared by every weight that multiplies the same input:
-    ``(order, dead, hinv)`` with ``order`` the rows in rounding order (decreasing ``h[i, i]`` with
+    ``(order, dead, gain)`` with ``order`` the rows in rounding order (decreasing ``h[i, i]`` with
     ``act_order``: the inputs with the most energy first, while the most rows remain to absorb their
-    error; else None), ``dead`` the inputs that were always zero, and ``hinv`` the upper Cholesky
-    factor of the damped ``H^-1`` in that order (float32).
+    error; else None), ``dead`` the inputs that were always zero, and ``gain`` [K, K] (float32, upper
+    triangular, rows and columns in that order): row i's error ``w_i - q_i`` (its original value less
+    its grid value) is subtracted from each later row j times ``gain[i, j]``.
 
-    ``hinv`` comes without forming ``H^-1``: with P the order reversal and P H P = L L^T, H = R R^T for
-    the upper R = P L P, so H^-1 = U^T U with U = R^-1 = P L^-1 P (one Cholesky factorisation and one
-    triangular inverse, a third of the work of inverting H and factoring the inverse)."""
+    ``gain = -U^-1 diag(U)``, with U the upper Cholesky factor of the damped ``H^-1`` that GPTQ's own
+    form uses, comes from one Cholesky factorisation and a column scaling: with P the order reversal and
+    P H P = L L^T, H^-1 = U^T U for U = P L^-1 P, so ``U^-1 diag(U) = P (L diag(L)^-1) P``."""
     diag = np.diag(h).astype(np.float32)
     dead = diag == 0  # inputs that were always zero: their weights do not matter
     diag[dead] = 1.0
@@ -100,7 +105,8 @@ def gptq_factor(h: np.ndarray, damp: float = DAMP, act_order: bool = ACT_ORDER, 
         lower = _cholesky(h, overwrite=True)
     except np.linalg.LinAlgError:
         raise Fp8OnnxError(f"--weight-rounding gptq: the X^T X of {what} is not positive definite.") from None
-    return order, dead, np.ascontiguousarray(_inverse_lower(lower)[::-1, ::-1])
+    lower /= -np.diag(lower).copy()  # -L diag(L)^-1: the columns scaled, the diagonal -1
+    return order, dead, np.ascontiguousarray(lower[::-1, ::-1])
 
 
 def ordered(w: np.ndarray, factor, scale, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -136,60 +142,63 @@ def restored(q: np.ndarray, factor) -> np.ndarray:
     return out
 
 
-def round_stacked(w: np.ndarray, hinv: np.ndarray, scale: np.ndarray, fmt: Fp8Format) -> np.ndarray:
-    """GPTQ rounding of L weights at once: ``w`` [L, K, N] (rows in rounding order, float32; changed in
-    place), ``hinv`` [L, K, K] (each weight's :func:`gptq_factor`), ``scale`` [L, 1, N] or [L, K, N];
-    returns the rounded values [L, K, N] (float32, rows in the same order).
+def round_stacked(w: np.ndarray, gain: np.ndarray, scale: np.ndarray, fmt: Fp8Format) -> np.ndarray:
+    """GPTQ rounding of L weights at once: ``w`` [L, K, N] (rows in rounding order, float32; overwritten:
+    it holds the rows' errors when this returns), ``gain`` [L, K, K] (each weight's :func:`gptq_factor`),
+    ``scale`` [L, 1, N] or [L, K, N]; returns the rounded values [L, K, N] (float32, rows in the same
+    order).
 
     The stack is cut in :data:`THREADS` parts rounded side by side: NumPy's element-wise steps use one
     core each (its matrix products all of them), and no weight's result depends on the others'."""
     q = np.empty_like(w)
     parts = min(THREADS, w.shape[0])
     if parts <= 1:
-        _round_part(w, hinv, scale, fmt, q)
+        _round_part(w, gain, scale, fmt, q)
         return q
     cuts = [i * w.shape[0] // parts for i in range(parts + 1)]
     with concurrent.futures.ThreadPoolExecutor(parts) as pool:
         done = [
-            pool.submit(_round_part, w[a:b], hinv[a:b], scale[a:b], fmt, q[a:b]) for a, b in itertools.pairwise(cuts)
+            pool.submit(_round_part, w[a:b], gain[a:b], scale[a:b], fmt, q[a:b]) for a, b in itertools.pairwise(cuts)
         ]
         for future in done:
             future.result()
     return q
 
 
-def _round_part(w, hinv, scale, fmt, q) -> None:
+def _round_part(w, gain, scale, fmt, q) -> None:
+    """Blocks of ``BLOCKS[0]`` rows in turn, each first given the errors of all rows before it in one
+    matrix product (the rows already rounded hold their errors in ``w`` by then), then rounded."""
     k, top = w.shape[1], BLOCKS[0]
-    errs = np.empty((w.shape[0], min(top, k), w.shape[2]), np.float32)  # a top block's scaled errors
+    orig = np.empty((w.shape[0], min(top, k), w.shape[2]), np.float32)  # a block's rows as they came
     for j1 in range(0, k, top):
         j2 = min(j1 + top, k)
-        _round_rows(w, hinv, scale, fmt, q, errs, j1, j1, j2, 1)
-        if j2 < k:
-            w[:, j2:] -= np.matmul(hinv[:, j1:j2, j2:].transpose(0, 2, 1), errs[:, : j2 - j1])
+        orig[:, : j2 - j1] = w[:, j1:j2]
+        if j1:
+            w[:, j1:j2] -= np.matmul(gain[:, :j1, j1:j2].transpose(0, 2, 1), w[:, :j1])
+        _round_rows(w, gain, scale, fmt, q, orig, j1, j1, j2, 1)
 
 
-def _round_rows(w, hinv, scale, fmt, q, errs, base: int, i1: int, i2: int, level: int) -> None:
-    """Rows ``i1:i2`` of ``w`` rounded into ``q`` (their scaled errors into ``errs`` from row ``base``
-    on), each row's error spread over the later rows of ``i1:i2`` only: by blocks of
-    ``BLOCKS[level]`` rows, whose errors reach the rows after them in one matrix product; row by row
-    in the innermost block."""
+def _round_rows(w, gain, scale, fmt, q, orig, base: int, i1: int, i2: int, level: int) -> None:
+    """Rows ``i1:i2`` of ``w`` rounded into ``q`` (each row's error ``orig - q`` written over it; ``orig``
+    holds the rows from ``base`` on as they came), each row's error spread over the later rows of
+    ``i1:i2`` only: by blocks of ``BLOCKS[level]`` rows, whose errors reach the rows after them in one
+    matrix product; row by row in the innermost block."""
     if level == len(BLOCKS):
         fmax, per_row = np.float32(fmt.fmax), scale.shape[1] != 1
         for i in range(i1, i2):
             row, s = w[:, i], scale[:, i] if per_row else scale[:, 0]
             # the nearest grid value, as dequantize(quantize(row, s, fmt), s) computes it (saturating)
             q[:, i] = round_to_grid(np.clip(row / s, -fmax, fmax), fmt) * s
-            err = errs[:, i - base]
-            np.divide(row - q[:, i], hinv[:, i, i, None], out=err)
+            np.subtract(orig[:, i - base], q[:, i], out=row)
             if i + 1 < i2:
-                w[:, i + 1 : i2] -= hinv[:, i, i + 1 : i2, None] * err[:, None, :]
+                w[:, i + 1 : i2] -= gain[:, i, i + 1 : i2, None] * row[:, None, :]
         return
     step = BLOCKS[level]
     for j1 in range(i1, i2, step):
         j2 = min(j1 + step, i2)
-        _round_rows(w, hinv, scale, fmt, q, errs, base, j1, j2, level + 1)
+        _round_rows(w, gain, scale, fmt, q, orig, base, j1, j2, level + 1)
         if j2 < i2:
-            w[:, j2:i2] -= np.matmul(hinv[:, j1:j2, j2:i2].transpose(0, 2, 1), errs[:, j1 - base : j2 - base])
+            w[:, j2:i2] -= np.matmul(gain[:, j1:j2, j2:i2].transpose(0, 2, 1), w[:, j1:j2])
 
 
 def gptq_round(w: np.ndarray, h, scale, fmt: Fp8Format, damp: float = DAMP, act_order: bool = ACT_ORDER) -> np.ndarray:
