@@ -38,7 +38,9 @@ operator changelog; each is tested by running the old and the upgraded graph on 
   18     Split without split input           num_outputs = number of outputs
   refused: Scan-8, BatchNormalization spatial=0, Crop, GivenTensorFill, ConstantFill, GRUUnit, ATen
 Then onnxscript's converter relabels every node and runs its three adapters (DFT-20 axis input,
-GridSample-20 mode names, GroupNormalization-21 per-channel scale). onnx's own C++ converter is not
+GridSample-20 mode names, GroupNormalization-21 per-channel scale). Where no node needs one of those
+three, :func:`relabel` does the same steps with onnx_ir's passes alone (inline, relabel, remove what is
+unused) and onnxscript is not imported (0.15-0.4 s of a run's start-up). onnx's own C++ converter is not
 used: it serialises the whole model (< 2 GB) and gets Hardmax-13, Upsample/Resize coordinates and
 Pad/Clip constants of float16 models wrong (checked by running its output).
 
@@ -60,11 +62,18 @@ import logging
 
 import onnx
 import onnx_ir as ir
-import onnxscript.version_converter as version_converter
 
 from .opset_adapters import ADAPTERS, MIN_IR_VERSION, TARGET_OPSET, UpgradeError, default_opset, describe
 
-__all__ = ["TARGET_OPSET", "UpgradeError", "UpgradeOpsetPass", "UpgradeResult", "check_schemas", "default_opset"]
+__all__ = [
+    "TARGET_OPSET",
+    "UpgradeError",
+    "UpgradeOpsetPass",
+    "UpgradeResult",
+    "check_schemas",
+    "default_opset",
+    "relabel",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +111,54 @@ def adapt(model: ir.Model, target: int = TARGET_OPSET) -> int:
                     if node.graph is None:  # replaced by nodes already in the new form
                         break
     return rewritten
+
+
+# The nodes onnxscript's version converter rewrites (op -> the first opset of the new form); every other
+# node it only relabels.
+_CONVERTER_ADAPTERS = {"DFT": 20, "GridSample": 20, "GroupNormalization": 21}
+
+
+def _nodes_in(graph):
+    """Every node of ``graph`` (a graph or function) and of its subgraphs."""
+    for node in graph:
+        yield node
+        for attr in node.attributes.values():
+            if attr.is_ref():
+                continue
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from _nodes_in(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield from _nodes_in(sub)
+
+
+def relabel(model: ir.Model, target: int = TARGET_OPSET) -> None:
+    """onnxscript's ``convert_version(model, target)`` (0.7: inline the model's functions, drop unused
+    functions and opsets, relabel every default-domain node, run its adapters, drop unused nodes), with
+    onnx_ir's passes alone where none of its adapters applies; else onnxscript's converter itself."""
+    common = ir.passes.common
+    ir.passes.Sequential(common.InlinePass(), common.RemoveUnusedFunctionsPass(), common.RemoveUnusedOpsetsPass())(
+        model
+    )
+    current = model.opset_imports.get("")
+    if current != target:
+        graphs = [model.graph, *model.functions.values()]
+        nodes = [n for g in graphs for n in _nodes_in(g) if n.domain == ""]
+        if any(
+            (n.version or current or target) < _CONVERTER_ADAPTERS.get(n.op_type, 0) <= target for n in nodes
+        ) or any(attr.is_ref() for n in nodes for attr in n.attributes.values()):
+            import onnxscript.version_converter  # 0.15-0.4 s to import: only where needed
+
+            onnxscript.version_converter.convert_version(model, target)
+            return
+        for node in nodes:
+            node.version = target
+        for function in model.functions.values():
+            function.opset_imports[""] = target
+        model.opset_imports[""] = target
+    ir.passes.Sequential(
+        common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(), common.RemoveUnusedOpsetsPass()
+    )(model)
 
 
 def check_schemas(model: ir.Model, target: int = TARGET_OPSET) -> None:
@@ -157,7 +214,7 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             model.opset_imports[""] = self.target
         else:
             rewritten = adapt(model, self.target)
-            version_converter.convert_version(model, self.target)
+            relabel(model, self.target)
         model.ir_version = max(model.ir_version or 0, MIN_IR_VERSION)
         logger.info("upgraded default opset %s -> %d (%d nodes rewritten)", current, self.target, rewritten)
         return UpgradeResult(model, True, current, rewritten)

@@ -246,7 +246,7 @@ def test_table_covers_every_listed_change():
     assert set(ADAPTERS) - refused <= ops, set(ADAPTERS) - refused - ops
 
 
-def test_subgraphs_and_functions_are_upgraded():
+def _subgraphs_and_functions() -> onnx.ModelProto:
     then = helper.make_graph(
         [n("ReduceMean", ["a"], ["t"], axes=[1])], "then", [], [helper.make_tensor_value_info("t", F, None)]
     )
@@ -270,12 +270,16 @@ def test_subgraphs_and_functions_are_upgraded():
         [helper.make_tensor_value_info("c", TensorProto.BOOL, []), helper.make_tensor_value_info("a", F, [2, 3])],
         [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("w", F, None)],
     )
-    proto = helper.make_model(
+    return helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", 15), helper.make_opsetid("local", 1)],
         functions=[fn],
         ir_version=8,
     )
+
+
+def test_subgraphs_and_functions_are_upgraded():
+    proto = _subgraphs_and_functions()
     feed = {"c": np.array(True), "a": x(2, 3)}
     expected = _run(proto, feed)
     upgraded = _upgrade(proto)
@@ -288,6 +292,29 @@ def test_subgraphs_and_functions_are_upgraded():
         if any(a.name == "axes" for a in node.attribute)
     ]
     assert leftover == []
+
+
+@pytest.mark.parametrize("case", [*CASES, None], ids=[*(c.name for c in CASES), "subgraphs-and-functions"])
+def test_relabel_is_onnxscripts_converter(case, monkeypatch):
+    """relabel (onnx_ir's passes alone where onnxscript's three adapters do not apply) gives the very
+    model onnxscript's convert_version gives, after the same adapters: byte for byte; and it imports
+    onnxscript only for DFT, GridSample or GroupNormalization below their new forms."""
+    import sys
+
+    import onnxscript.version_converter as converter
+
+    from fp8onnx.passes.upgrade_opset import adapt, relabel
+
+    proto = _subgraphs_and_functions() if case is None else case.model()
+    ours, theirs = ir.from_proto(proto), ir.from_proto(proto)
+    adapt(ours), adapt(theirs)
+    needs = case is not None and case.nodes[0].op_type in ("DFT", "GridSample", "GroupNormalization")
+    monkeypatch.delitem(sys.modules, "onnxscript.version_converter")
+    monkeypatch.delattr(sys.modules["onnxscript"], "version_converter")
+    relabel(ours)
+    assert ("onnxscript.version_converter" in sys.modules) == needs
+    converter.convert_version(theirs, TARGET_OPSET)
+    assert ir.to_proto(ours).SerializeToString() == ir.to_proto(theirs).SerializeToString()
 
 
 @pytest.mark.parametrize(
