@@ -247,8 +247,4 @@ def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeCon
 
 def tensor_report(name: str, kind: str, quant: dict[str, TensorQuant], amax: dict) -> TensorReport:
     tq = quant[name]
-    return TensorReport(name, kind, tq.format.value, _jsonable(tq.scale), _jsonable(amax[name]), tq.axis)
-
-
-def _jsonable(x):
-    return x.tolist() if isinstance(x, np.ndarray) else x
+    return TensorReport(name, kind, tq.format.value, tq.scale, amax[name], tq.axis, tq.block_size)

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from fp8onnx.numerics.formats import EMULATED_NOTE
 
 __all__ = ["NodeReport", "QuantizeReport", "TensorReport", "describe_config"]
+
+
+def _json_dict(items) -> dict:
+    """Arrays as lists; a tensor's block scales and maxima as their shape, min and max (every one of
+    them would make a report several times the size of the float8 weights; the model holds them)."""
+    out = dict(items)
+    blocked = bool(out.get("block_size"))
+    for k, v in out.items():
+        if isinstance(v, np.ndarray):
+            out[k] = {"blocks": list(v.shape), "min": float(v.min()), "max": float(v.max())} if blocked else v.tolist()
+    return out
 
 
 def describe_config(cfg: dict) -> str:
@@ -62,9 +75,12 @@ class TensorReport:
     name: str
     kind: str  # "weight" | "activation"
     format: str
-    scale: float | list[float] | None  # a list per channel; None when computed in the graph (dynamic)
-    amax: float | list[float] | None
-    axis: int | None = None  # per-channel axis
+    # An array per channel or block (a list in to_json(): a model's block scales as Python floats would
+    # take several times the memory of its float8 weights); None when computed in the graph (dynamic)
+    scale: float | np.ndarray | None
+    amax: float | np.ndarray | None
+    axis: int | None = None  # per-channel axis (the blocked axis with block_size)
+    block_size: int = 0  # weights with block scales: elements per block along axis (0: none)
 
 
 @dataclasses.dataclass
@@ -105,7 +121,7 @@ class QuantizeReport:
         return [n for n in self.nodes if not n.quantized]
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self, dict_factory=_json_dict)
 
     def summary(self) -> str:
         cfg = self.config

@@ -204,31 +204,36 @@ class InsertQDQPass(ir.passes.InPlacePass):
     def _weight(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         source = value.const_value
         scale = scale_array(tq.scale, value.dtype)
-        scale32 = dataclasses.replace(tq, scale=scale).full_scale(list(source.shape)).astype(np.float32)
+        shape, stored = list(source.shape), dataclasses.replace(tq, scale=scale)
+
+        def scale32() -> np.ndarray:
+            # float32 scales broadcastable to the weight (block scales at full size), computed when the
+            # weight is: all of a model's at once would take as much memory as its float32 weights
+            return stored.full_scale(shape).astype(np.float32)
+
         if not tq.format.deployable:
             name = f"{NODE_PREFIX}{value.name}/{tq.format.value}_emulated"
-            tensor = derived_tensor(
-                source,
-                lambda w: dequantize(quantize(w, scale32, tq.format), scale32, value.dtype.numpy()),
-                value.dtype,
-                source.shape,
-                name,
-            )
-            return initializer(b.graph, name, tensor)
-        shape = list(source.shape)
+
+            def emulated(w):
+                s = scale32()
+                return dequantize(quantize(w, s, tq.format), s, value.dtype.numpy())
+
+            return initializer(b.graph, name, derived_tensor(source, emulated, value.dtype, source.shape, name))
         if tq.block_size and len(shape) > 2:  # Conv/ConvTranspose: blocks of its 2-D view, reshaped back
             flat = [shape[0], int(np.prod(shape[1:]))]
-            x = self._dequantized(b, value, tq, scale, scale32.reshape(flat), flat, f"{value.name}/dequantized_2d")
+            flat_scale = lambda: scale32().reshape(flat)  # noqa: E731
+            x = self._dequantized(b, value, tq, scale, flat_scale, flat, f"{value.name}/dequantized_2d")
             target = b.const(f"{value.name}/shape", np.array(shape, np.int64))
             return b.op("Reshape", [x, target], f"{value.name}/dequantized", value.dtype, value.shape)
         return self._dequantized(b, value, tq, scale, scale32, shape, f"{value.name}/dequantized")
 
     def _dequantized(self, b: _Builder, value, tq: TensorQuant, scale, scale32, shape: list, out: str) -> ir.Value:
-        """The float8 initializer of ``value`` (seen as ``shape``) and its DequantizeLinear, named ``out``."""
+        """The float8 initializer of ``value`` (seen as ``shape``) and its DequantizeLinear, named ``out``
+        (``scale32()``: the float32 scales broadcastable to ``shape``)."""
         if tq.block_size and self.per_axis_blocks:
             return self._blocks_per_axis(b, value, tq, scale, scale32, shape, out)
         name = f"{NODE_PREFIX}{value.name}/fp8"
-        quantized = lambda w: quantize(w.reshape(shape), scale32, tq.format)  # noqa: E731
+        quantized = lambda w: quantize(w.reshape(shape), scale32(), tq.format)  # noqa: E731
         codes = derived_tensor(value.const_value, quantized, tq.format.ir_type, shape, name)
         q_value = initializer(b.graph, name, codes)
         scale_value = b.const(f"{value.name}/scale", scale)
@@ -248,7 +253,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         blocks = -(-k // block)
 
         def rows(w):  # [K, M] padded to [blocks * block, M] -> [blocks, M, block] -> [blocks * M, block]
-            w = np.moveaxis(quantize(w.reshape(shape), scale32, tq.format), axis, 0)
+            w = np.moveaxis(quantize(w.reshape(shape), scale32(), tq.format), axis, 0)
             padded = np.zeros((blocks * block, other), w.dtype)
             padded[:k] = w
             return np.ascontiguousarray(padded.reshape(blocks, block, other).transpose(0, 2, 1)).reshape(-1, block)

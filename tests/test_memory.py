@@ -24,10 +24,15 @@ def test_calibration_memory_is_flat_in_sample_count(command, samples):
 # the whole FP32 model (544 MB here; the budget is 64 MiB of weights at a time; some 250 MiB of it are
 # the interpreter, onnxruntime and the libraries). Plain amax (--preset none) peaked at 0.75x the
 # model, the default recipe for a decoder (GPTQ, weight-only) at 0.89-0.97x (2026-12-02, AMD EPYC):
-# the bound for GPTQ is 1.0x.
+# the bound for GPTQ is 1.0x. With blocks of 32 (GPTQ on each block's grid) it measured
+# 0.96-1.01x (2.97x before block scales were expanded one weight at a time and reported as a summary).
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, bound", [("none", 0.8), (None, 1.0)])
-def test_layer_by_layer_quantize_stays_below_the_fp32_size(tmp_path, preset, bound):
+@pytest.mark.parametrize(
+    "options, bound",
+    [(["--preset", "none"], 0.8), ([], 1.0), (["--weight-block-size", "32"], 1.1)],
+    ids=["plain", "default", "gptq-blocks"],
+)
+def test_layer_by_layer_quantize_stays_below_the_fp32_size(tmp_path, options, bound):
     from fp8onnx.models.build_llama import build, write_data
 
     path = build(tmp_path / "m", layers=8, dim=1024, heads=8, ffn=2816, vocab=16000)
@@ -39,7 +44,7 @@ def test_layer_by_layer_quantize_stays_below_the_fp32_size(tmp_path, preset, bou
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
     )
     args = ["quantize", str(path), "-o", str(tmp_path / "q.onnx"), "--calib", str(tmp_path / "m" / "calib.npz")]
-    args += ["--preset", preset] if preset else []
+    args += options
     out = subprocess.run(
         [sys.executable, "-c", code, *args, "--weight-memory", "64"], capture_output=True, text=True, check=True
     ).stdout

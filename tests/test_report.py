@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.report import NodeReport, QuantizeReport, TensorReport, describe_config
 
@@ -62,8 +64,23 @@ def test_json_round_trips_every_field():
         "scale": 0.002,
         "amax": 0.896,
         "axis": None,
+        "block_size": 0,
     }
     assert doc["calibration"]["source"] == "calib.npz" and doc["prepared"][0].startswith("upgraded")
+
+
+def test_json_lists_channel_scales_and_summarises_block_scales():
+    """Per-channel scales are listed; block scales (one per 32 weights: a report the size of the
+    float8 weights) are given as their shape, min and max."""
+    channels = TensorReport("w", "weight", "e4m3fn", np.array([0.5, 0.25], np.float32), np.array([224.0, 112.0]), 1)
+    blocks = np.arange(1, 7, dtype=np.float32).reshape(2, 3) / 64
+    blocked = TensorReport("v", "weight", "e4m3fn", blocks, blocks * 448, 0, 32)
+    node = NodeReport("fc", "MatMul", True, None, [channels, blocked])
+    doc = json.loads(json.dumps(_report([node]).to_json()))
+    first, second = doc["nodes"][0]["tensors"]
+    assert first["scale"] == [0.5, 0.25] and first["amax"] == [224.0, 112.0] and first["block_size"] == 0
+    assert second["scale"] == {"blocks": [2, 3], "min": 1 / 64, "max": 6 / 64} and second["block_size"] == 32
+    assert second["amax"] == {"blocks": [2, 3], "min": 7.0, "max": 42.0}
 
 
 def test_describe_config_names_every_choice():

@@ -113,19 +113,35 @@ def assembled(blocks: list[np.ndarray], k: int) -> np.ndarray:
 
 @dataclass
 class _Weight:
-    """A weight GPTQ rounds: its value, the activation ``x`` whose X^T X rounds it, and its ``scale``
-    as GPTQ sees the weight ([K, N], y = x @ w): scalar, [N] per output column or [K, N] per element."""
+    """A weight GPTQ rounds: its value, the activation ``x`` whose X^T X rounds it, and its scales
+    (``quant``), whose :meth:`scale` is what GPTQ takes."""
 
     value: ir.Value
     x: str
     transposed: bool
-    scale: np.ndarray
+    quant: TensorQuant
     format: Fp8Format
 
     @property
     def shape(self) -> tuple[int, int]:
         k, n = (int(d) for d in self.value.shape)
         return (n, k) if self.transposed else (k, n)
+
+    @property
+    def blocked(self) -> bool:
+        return bool(self.quant.block_size)
+
+    def scale(self) -> np.ndarray:
+        """The scale as GPTQ sees the weight ([K, N], y = x @ w): scalar, [N] per output column, or [K, N]
+        per element for block scales (computed here, when the weight's stack is rounded: a model's
+        block scales at full size would take as much memory as its float32 weights)."""
+        tq = self.quant
+        if tq.block_size:
+            full = tq.full_scale(list(self.value.shape))
+            return full.T if self.transposed else full
+        if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
+            return np.asarray(tq.scale, np.float32).reshape(-1)
+        return np.float32(tq.scale)
 
 
 class GPTQ(Technique):
@@ -174,14 +190,7 @@ class GPTQ(Technique):
                 if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in plan:
                     continue
                 transposed = bool(node.op_type == "Gemm" and node.attributes.get_int("transB", 0))
-                if tq.block_size:  # one scale per element, [K, N] as GPTQ sees the weight
-                    full = tq.full_scale(list(value.shape))
-                    scale = full.T if transposed else full
-                elif tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
-                    scale = np.asarray(tq.scale, np.float32).reshape(-1)
-                else:
-                    scale = np.float32(tq.scale)
-                plan[value.name] = _Weight(value, x, transposed, scale, tq.format)
+                plan[value.name] = _Weight(value, x, transposed, tq, tq.format)
         return plan
 
     def _stacks(self, inputs: list[str], plan: dict[str, _Weight]) -> list[tuple[list[str], dict[str, list[str]]]]:
@@ -193,12 +202,13 @@ class GPTQ(Technique):
                 by_input.setdefault(w.x, []).append(name)
         kinds: dict[tuple, list[str]] = {}  # the shapes of an input's weights -> those inputs
         for x, names in by_input.items():
-            key = tuple((plan[n].shape, np.ndim(plan[n].scale) == 2, plan[n].format) for n in names)
+            key = tuple((plan[n].shape, plan[n].blocked, plan[n].format) for n in names)
             kinds.setdefault(key, []).append(x)
         stacks = []
         for key, xs in kinds.items():
             k = key[0][0][0]
-            step = max(1, STACK_BYTES // (4 * (k * k + sum(shape[0] * shape[1] for shape, _, _ in key))))
+            per_input = k * k + sum(shape[0] * shape[1] * (2 if blocked else 1) for shape, blocked, _ in key)
+            step = max(1, STACK_BYTES // (4 * per_input))  # X^T X, weights and block scales
             stacks += [(xs[i : i + step], by_input) for i in range(0, len(xs), step)]
         return stacks
 
@@ -208,15 +218,17 @@ class GPTQ(Technique):
         out = {}
         for j in range(len(by_input[xs[0]])):  # the j-th weight of every input: one shape
             names = [by_input[x][j] for x in xs]
-            rows, scales = np.empty((len(names), *plan[names[0]].shape), np.float32), []
+            k, n = plan[names[0]].shape
+            rows = np.empty((len(names), k, n), np.float32)
+            scales = np.empty((len(names), k if plan[names[0]].blocked else 1, n), np.float32)
             for i, (name, factor) in enumerate(zip(names, factors)):
                 w = plan[name]
                 source = self.originals[name] if name in self.originals else w.value.const_value
                 values = source.numpy()
-                scales.append(ordered(values.T if w.transposed else values, factor, w.scale, out=rows[i])[1])
+                scales[i] = ordered(values.T if w.transposed else values, factor, w.scale(), out=rows[i])[1]
                 del values
                 release(source)
-            q = round_stacked(rows, gains, np.stack(scales), plan[names[0]].format)
+            q = round_stacked(rows, gains, scales, plan[names[0]].format)
             for name, factor, qi in zip(names, factors, q):
                 w = plan[name]
                 qi = restored(qi, factor)
