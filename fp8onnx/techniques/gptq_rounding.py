@@ -30,11 +30,12 @@ from fp8onnx.numerics.formats import Fp8Format, round_to_grid
 __all__ = ["DAMP", "gptq_factor", "gptq_round", "round_stacked"]
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (GPTQ's default)
-# GPTQ's lazy batch, nested: the rows are rounded in blocks of BLOCKS[0] rows, whose errors reach the
-# later rows in one matrix product; inside a block, in blocks of BLOCKS[1] rows, and so on; inside the
-# innermost block, row by row (BLOCKS[-1] / 2 element-wise multiply-adds per weight). On the 2-core
-# development machine, 30 stacked weights of each of SmolLM2-135M's shapes round in 1.7 s, against 2.6 s
-# in blocks of 32 rows alone.
+# GPTQ's lazy batch, nested: the rows are rounded in blocks of BLOCKS[0] rows, each of which first takes
+# the errors of all rows before it in one matrix product; inside a block, in blocks of BLOCKS[1] rows,
+# whose errors reach the block's later rows in one matrix product, and so on; inside the innermost block,
+# row by row (BLOCKS[-1] / 2 element-wise multiply-adds per weight). On the 2-core development machine,
+# 30 stacked weights of each of SmolLM2-135M's shapes round in 1.7 s, against 2.6 s in blocks of 32 rows
+# alone.
 BLOCKS = (128, 32, 8)
 # Rows in order of decreasing h[i, i] (GPTQ's act-order). SmolLM2-135M, --preset llm, 32,768 held-out
 # tokens: next-token accuracy 99.82% of FP16's and perplexity +1.20% with it, 99.32% and +1.33% without.
@@ -147,13 +148,8 @@ def round_stacked(w: np.ndarray, gain: np.ndarray, scale: np.ndarray, fmt: Fp8Fo
     core each) measured slower on the 2-core development machine, 2.5 s against 1.85 s for SmolLM2-135M's
     210 weights, since the matrix products already use every core."""
     q = np.empty_like(w)
-    _round_part(w, gain, scale, fmt, q)
-    return q
-
-
-def _round_part(w, gain, scale, fmt, q) -> None:
-    """Blocks of ``BLOCKS[0]`` rows in turn, each first given the errors of all rows before it in one
-    matrix product (the rows already rounded hold their errors in ``w`` by then), then rounded."""
+    # Blocks of BLOCKS[0] rows in turn, each first given the errors of all rows before it in one matrix
+    # product (the rows already rounded hold their errors in ``w`` by then), then rounded.
     k, top = w.shape[1], BLOCKS[0]
     orig = np.empty((w.shape[0], min(top, k), w.shape[2]), np.float32)  # a block's rows as they came
     for j1 in range(0, k, top):
@@ -162,6 +158,7 @@ def _round_part(w, gain, scale, fmt, q) -> None:
         if j1:
             w[:, j1:j2] -= np.matmul(gain[:, :j1, j1:j2].transpose(0, 2, 1), w[:, :j1])
         _round_rows(w, gain, scale, fmt, q, orig, j1, j1, j2, 1)
+    return q
 
 
 def _round_rows(w, gain, scale, fmt, q, orig, base: int, i1: int, i2: int, level: int) -> None:
