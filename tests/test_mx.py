@@ -49,17 +49,24 @@ def edge_rows(rng) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def identity_quantized(tmp_path, mode: str, scaling: str) -> int | None:
+    """tmp_path/q.onnx: a MatMul with an identity weight (exact in E4M3 per channel), quantized with
+    in-graph activation scales (``mode``, groups of 8 for per-group) by ``scaling``; returns the group
+    size (None per token). Its output is the quantized activation itself."""
+    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
+    group = 8 if mode == "dynamic-per-group" else None
+    options = {"group_size": group} if group else {}
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations=mode, scaling=scaling, provider="cpu", **options)
+    assert f"{scaling} scaling" in report.summary()
+    return group
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # onnx.reference's Log of a zero row
 @pytest.mark.parametrize("mode", ["dynamic-per-token", "dynamic-per-group"])
 def test_pow2_dynamic_scales_match_numpy_bit_for_bit(tmp_path, mode):
     """With an identity weight (exact in E4M3 per channel), the output is the quantized activation itself."""
-    rng = np.random.default_rng(7)
-    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
-    group = 8 if mode == "dynamic-per-group" else None
-    options = {"group_size": group} if group else {}
-    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations=mode, scaling="pow2", provider="cpu", **options)
-    assert "pow2 scaling" in report.summary()
-    x = edge_rows(rng)
+    group = identity_quantized(tmp_path, mode, "pow2")
+    x = edge_rows(np.random.default_rng(7))
     want = pow2_rows_reference(x, group)
     for run in (run_ort, run_reference):
         got = run(tmp_path / "q.onnx", {"x": x})[0]
@@ -159,13 +166,8 @@ def test_mx_dynamic_scales_match_numpy_bit_for_bit_and_saturate(tmp_path, mode):
     """In-graph OCP MX scales (the largest power of two at most amax, over 2^8): bit for bit NumPy's on
     ORT CPU and onnx.reference, for rows whose amax is a power of two, one float32 step either side of
     one, has a mantissa above 1.75 (its largest values saturate at 448), is tiny, huge or zero."""
-    rng = np.random.default_rng(9)
-    path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
-    group = 8 if mode == "dynamic-per-group" else None
-    options = {"group_size": group} if group else {}
-    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations=mode, scaling="mx", provider="cpu", **options)
-    assert "mx scaling" in report.summary()
-    x = edge_rows(rng)
+    group = identity_quantized(tmp_path, mode, "mx")
+    x = edge_rows(np.random.default_rng(9))
     x[:, 3] *= np.float32(1.9) / np.abs(x[:, 3]).max(-1, keepdims=True)  # amax 1.9: saturates
     for i, amax in enumerate((np.float32(2.0), np.nextafter(np.float32(2.0), np.float32(0)))):
         x[:, 4 + i] *= amax / np.abs(x[:, 4 + i]).max(-1, keepdims=True)
