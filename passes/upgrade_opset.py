@@ -118,20 +118,6 @@ def adapt(model: ir.Model, target: int = TARGET_OPSET) -> int:
 _CONVERTER_ADAPTERS = {"DFT": 20, "GridSample": 20, "GroupNormalization": 21}
 
 
-def _nodes_in(graph):
-    """Every node of ``graph`` (a graph or function) and of its subgraphs."""
-    for node in graph:
-        yield node
-        for attr in node.attributes.values():
-            if attr.is_ref():
-                continue
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from _nodes_in(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield from _nodes_in(sub)
-
-
 def relabel(model: ir.Model, target: int = TARGET_OPSET) -> None:
     """onnxscript's ``convert_version(model, target)`` (0.7: inline the model's functions, drop unused
     functions and opsets, relabel every default-domain node, run its adapters, drop unused nodes), with
@@ -142,8 +128,7 @@ def relabel(model: ir.Model, target: int = TARGET_OPSET) -> None:
     )
     current = model.opset_imports.get("")
     if current != target:
-        graphs = [model.graph, *model.functions.values()]
-        nodes = [n for g in graphs for n in _nodes_in(g) if n.domain == ""]
+        nodes = [n for graph, _ in _graphs(model) for n in graph if n.domain == ""]
         if any(
             (n.version or current or target) < _CONVERTER_ADAPTERS.get(n.op_type, 0) <= target for n in nodes
         ) or any(attr.is_ref() for n in nodes for attr in n.attributes.values()):
