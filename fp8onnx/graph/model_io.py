@@ -66,8 +66,11 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     if not path.is_file():
         raise Fp8OnnxError(f"Model path {str(path)!r} is not a regular file.")
     parsed = externalized(path) or path  # a large single file: its weights moved to a side file first
+    fmt = onnx.serialization.registry.get_format_from_file_extension(parsed.suffix) or "protobuf"
     try:
-        model = ir.load(parsed)
+        blob = parsed.read_bytes()  # read once, for the parse here and onnx.checker below
+        model = ir.serde.deserialize_model(onnx.load_model_from_string(blob, format=fmt))
+        ir.external_data.set_base_dir(model.graph, parsed.parent)  # as ir.load: external data beside the file
     except Exception as exc:
         _explain_graph(path)
         raise Fp8OnnxError(
@@ -75,9 +78,13 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         ) from None
     _check_names(model, path)
     check_external_data(model, parsed)
-    model.meta[EXTERNAL_META] = parsed == path and any(True for _ in _external_tensors(model))
+    external = any(True for _ in _external_tensors(model))
+    model.meta[EXTERNAL_META] = parsed == path and external
     check_memory(model, path)
-    check_onnx(parsed, f"Model file {str(path)!r}")
+    # The checker finds external data through the file's path; a model without any it parses from the bytes read.
+    checked = blob if fmt == "protobuf" and not external else parsed
+    del blob
+    check_onnx(checked, f"Model file {str(path)!r}")
     model.meta[SOURCE_META] = str(path)
     return model
 
