@@ -278,7 +278,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
 
     def _activation(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
         name = value.name
-        if tq.scale is None and tq.block_size and tq.format.deployable:
+        if tq.scale is None and tq.block_size:
             grouped = self._per_group(b, value, tq)
             if grouped is not None:
                 return grouped
@@ -324,6 +324,9 @@ class InsertQDQPass(ir.passes.InPlacePass):
             ir.Shape([None, group]),
         )
         scale = _dynamic_scale(b, groups, tq.format, f"{name}/dynamic", per_token=True, pow2=tq.pow2)
-        back = _rows_rounded(b, groups, scale, tq.format, f"{name}/per_group", f"{name}/per_group")
+        if tq.format.deployable:
+            back = _rows_rounded(b, groups, scale, tq.format, f"{name}/per_group", f"{name}/per_group")
+        else:
+            back = emulated_rounding(b, groups, scale, tq.format, f"{name}/per_group/{tq.format.value}")
         shape = b.op("Shape", [value], f"{name}/shape", ir.DataType.INT64)
         return b.op("Reshape", [back, shape], f"{name}/dequantized", value.dtype, value.shape)
