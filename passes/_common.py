@@ -63,6 +63,28 @@ def release(tensor) -> None:
             logger.debug("tensor %r is still referenced; left mapped", tensor.name)
 
 
+def channels(value: ir.Value) -> int | None:
+    """The size of ``value``'s last axis: from its shape, else from a MatMul/Gemm that multiplies it by a
+    2-D weight (y = x W: the weight's K), which shape inference often cannot see through (e.g. an
+    attention output after a Reshape to a computed shape); None where neither tells."""
+    dims = value.shape
+    if dims is not None and len(dims) and isinstance(dims[-1], int):
+        return dims[-1]
+    for node, index in value.uses():
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        if index != 0 or w is None or w.shape is None or len(w.shape) != 2:
+            continue
+        if node.op_type == "MatMul":
+            k = w.shape[0]
+        elif node.op_type == "Gemm" and not node.attributes.get_int("transA", 0):
+            k = w.shape[1 if node.attributes.get_int("transB", 0) else 0]
+        else:
+            continue
+        if isinstance(k, int):
+            return k
+    return None
+
+
 def output_channel_axis(node: ir.Node, index: int, rank: int) -> int | None:
     """The output-channel axis of weight input ``index`` of a MatMul/Gemm/Conv/ConvTranspose (the axis
     of per-channel scales), or None for a vector or a non-weight input."""

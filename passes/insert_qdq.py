@@ -37,7 +37,7 @@ import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format, dequantize, quantize
 from ..numerics.scaling import expand_blocks
-from ._common import derived_tensor, initializer, insert_at_definition
+from ._common import channels, derived_tensor, initializer, insert_at_definition
 from ._in_graph import (
     NODE_PREFIX,
     _Builder,
@@ -310,10 +310,9 @@ class InsertQDQPass(ir.passes.InPlacePass):
         """One in-graph scale per row and per ``tq.block_size`` consecutive channels of the last axis:
         the rows of ``Reshape(x, [-1, G])`` are quantized per row (per token's ops), then reshaped
         back; None where the last axis is not a known multiple of G."""
-        channels = value.shape[-1] if value.shape is not None and len(value.shape) else None
-        group = tq.block_size
-        if not isinstance(channels, int) or channels % group:
-            logger.info("%r: %s channels are not groups of %d; one scale per row instead", value.name, channels, group)
+        group, count = tq.block_size, channels(value)
+        if count is None or count % group:
+            logger.warning("%r: %s channels are not groups of %d; one scale per row instead", value.name, count, group)
             return None
         name = value.name
         groups = b.op(

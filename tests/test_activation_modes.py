@@ -197,6 +197,34 @@ def test_per_group_activations_match_numpy_bit_for_bit(tmp_path, group):
         assert sqnr_db(x[..., small], want[..., small]) > sqnr_db(x[..., small], per_token[..., small]) + 10
 
 
+def test_per_group_sees_the_channels_through_a_reshape_to_a_computed_shape(tmp_path):
+    """An attention output reshaped to a computed shape has no static last dim; the MatMul's weight
+    tells its channels (an LLM's o_proj input once fell back to one scale per row)."""
+    rng = np.random.default_rng(7)
+    nodes = [
+        helper.make_node("Reshape", ["x", "target"], ["r"], name="reshape"),
+        helper.make_node("MatMul", ["r", "w"], ["y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 16]),
+            helper.make_tensor_value_info("target", TensorProto.INT64, [3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 16])],
+        [numpy_helper.from_array(np.eye(16, dtype=np.float32), "w")],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic-per-group", group_size=4, provider="cpu")
+    assert any(n.op_type == "Reshape" and n.name.endswith("/groups") for n in onnx.load(tmp_path / "q.onnx").graph.node)
+    x = tokens(rng) * np.logspace(-6, 0, 16, dtype=np.float32)
+    for run in (run_ort, run_reference):
+        got = run(tmp_path / "q.onnx", {"x": x, "target": np.array(x.shape, np.int64)})[0]
+        np.testing.assert_array_equal(got, per_group_reference(x, 4))
+
+
 def test_per_group_activations_in_an_emulated_format_are_per_group(tmp_path):
     """E3M4 (no ONNX type: float ops round to its grid) per group of 4 channels, bit for bit against
     ml_dtypes; it once got one scale per row (per token) while the summary said per group."""
