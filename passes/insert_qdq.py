@@ -172,6 +172,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         for node, index in self.targets:
             wanted.setdefault(node, set()).add(index)
         builder = _Builder(graph)  # constants live in the main graph, visible from every subgraph
+        self._per_row: list[tuple[str, int | None, int]] = []  # per-group activations that fell back to per row
         replaced: dict[str, ir.Value] = {}  # tensor name -> what its quantized consumers read
         weights: list[str] = []
         rewired = 0
@@ -198,6 +199,10 @@ class InsertQDQPass(ir.passes.InPlacePass):
                 del graph.initializers[name]
         if rewired:
             logger.info("quantized %d node inputs (%d tensors)", rewired, len(replaced))
+        if self._per_row:
+            (name, count, group), more = self._per_row[0], len(self._per_row) - 1
+            also = f" and {more} more activations" if more else ""
+            logger.warning("%r%s: %s channels are not groups of %d; one scale per row there", name, also, count, group)
         dequantized = {name: replaced[name] for name in weights}
         return QDQResult(model, modified=bool(rewired), dequantized=dequantized)
 
@@ -312,7 +317,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         back; None where the last axis is not a known multiple of G."""
         group, count = tq.block_size, channels(value)
         if count is None or count % group:
-            logger.warning("%r: %s channels are not groups of %d; one scale per row instead", value.name, count, group)
+            self._per_row.append((value.name, count, group))  # said once, after the pass
             return None
         name = value.name
         groups = b.op(

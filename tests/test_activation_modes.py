@@ -248,9 +248,11 @@ def test_per_group_activations_in_an_emulated_format_are_per_group(tmp_path):
         assert np.array_equal(got, want), np.abs(got - want).max()
 
 
-def test_per_group_falls_back_to_per_row_where_channels_are_not_groups(tmp_path):
+def test_per_group_falls_back_to_per_row_where_channels_are_not_groups(tmp_path, caplog):
     rng = np.random.default_rng(4)
     path = matmul(tmp_path / "m.onnx", np.eye(16, dtype=np.float32))
-    fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic-per-group", group_size=5, provider="cpu")
+    with caplog.at_level("WARNING"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic-per-group", group_size=5, provider="cpu")
+    assert "'x': 16 channels are not groups of 5; one scale per row there" in caplog.text
     x = tokens(rng)
     assert np.array_equal(run_ort(tmp_path / "q.onnx", {"x": x})[0], per_token_reference(x))
