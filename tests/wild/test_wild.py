@@ -109,6 +109,32 @@ def test_model_from_the_wild_quantizes_with_defaults(name, tmp_path_factory):
     assert row["ratio"] < 1.0, row
 
 
+@pytest.mark.wild
+@pytest.mark.parametrize("name", ["torch-llama-o17", "torch-llama-dynamo", "hf-llama-past", "genai-llama"])
+def test_per_group_activations_are_per_group_in_every_llm_export(name, tmp_path, caplog):
+    """Every activation of an exported LLM (all its widths are multiples of 8) gets its groups of 8:
+    shape inference loses the attention output's width after a Reshape to a computed shape in torch's
+    export, which once sent those activations to one scale per row."""
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+
+    if not available(name):
+        pytest.skip(f"needs {', '.join(CASES[name].requires)} (pip install -e .[wild])")
+    model, data = build(name, tmp_path)
+    out = tmp_path / "g8.onnx"
+    args = ["quantize", str(model), "--activations", "dynamic-per-group", "--group-size", "8", "-o", str(out)]
+    with caplog.at_level("WARNING"):
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "one scale per row" not in caplog.text
+    nodes = [n for g in proto_graphs(onnx.load(str(out), load_external_data=False).graph) for n in g.node]
+    groups = sum(n.op_type == "Reshape" and n.name.endswith("/groups") for n in nodes)
+    assert groups > 0 and not any(n.name.endswith("/per_token_scaled") for n in nodes), groups
+    for outputs in run_onnxruntime(out, data, CASES[name].layout):
+        assert all(np.all(np.isfinite(o)) for o in outputs if o.dtype.kind == "f")
+
+
 def main(folder: str) -> None:
     root = pathlib.Path(folder)
     root.mkdir(parents=True, exist_ok=True)
