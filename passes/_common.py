@@ -63,26 +63,29 @@ def release(tensor) -> None:
             logger.debug("tensor %r is still referenced; left mapped", tensor.name)
 
 
+def reduction_size(node: ir.Node) -> int | None:
+    """K of a MatMul/Gemm ``y = x W`` with a 2-D weight: the rows of a [K, N] weight (the columns of a
+    transposed Gemm's [N, K]); None for anything else (a Gemm with transA, a weight of unknown shape)."""
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is None or w.shape is None or len(w.shape) != 2:
+        return None
+    if node.op_type == "MatMul":
+        k = w.shape[0]
+    elif node.op_type == "Gemm" and not node.attributes.get_int("transA", 0):
+        k = w.shape[1 if node.attributes.get_int("transB", 0) else 0]
+    else:
+        return None
+    return k if isinstance(k, int) else None
+
+
 def channels(value: ir.Value) -> int | None:
     """The size of ``value``'s last axis: from its shape, else from a MatMul/Gemm that multiplies it by a
-    2-D weight (y = x W: the weight's K), which shape inference often cannot see through (e.g. an
+    2-D weight (:func:`reduction_size`), which shape inference often cannot see through (e.g. an
     attention output after a Reshape to a computed shape); None where neither tells."""
     dims = value.shape
     if dims is not None and len(dims) and isinstance(dims[-1], int):
         return dims[-1]
-    for node, index in value.uses():
-        w = node.inputs[1] if len(node.inputs) > 1 else None
-        if index != 0 or w is None or w.shape is None or len(w.shape) != 2:
-            continue
-        if node.op_type == "MatMul":
-            k = w.shape[0]
-        elif node.op_type == "Gemm" and not node.attributes.get_int("transA", 0):
-            k = w.shape[1 if node.attributes.get_int("transB", 0) else 0]
-        else:
-            continue
-        if isinstance(k, int):
-            return k
-    return None
+    return next((k for node, index in value.uses() if index == 0 and (k := reduction_size(node)) is not None), None)
 
 
 def output_channel_axis(node: ir.Node, index: int, rank: int) -> int | None:

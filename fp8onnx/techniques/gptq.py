@@ -27,7 +27,7 @@ import onnx_ir as ir
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.passes import TensorQuant
-from fp8onnx.passes._common import derived_tensor, release
+from fp8onnx.passes._common import derived_tensor, reduction_size, release
 from fp8onnx.pipeline.statistics import F32, Sums
 from fp8onnx.scratch import scratch_folder
 from fp8onnx.techniques.base import Technique
@@ -49,20 +49,11 @@ def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple
         node = d.node
         if node.op_type not in ("MatMul", "Gemm") or dict(d.inputs).get(1) != "weight":
             continue
-        if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
-            continue
-        x, w = node.inputs[0], node.inputs[1]
-        if x is None or not in_main_graph(x, model) or w.shape is None or len(w.shape) != 2:
+        x = node.inputs[0]
+        if x is None or not in_main_graph(x, model) or reduction_size(node) is None:  # e.g. a Gemm with transA
             continue
         out.setdefault(x.name, []).append((node, 1))
     return out
-
-
-def _reduction_size(node: ir.Node) -> int:
-    """K of y = x W: the rows of a [K, N] weight (the columns of a transposed Gemm's [N, K]); the
-    activation's own last dim is often unknown to shape inference (e.g. after a Reshape)."""
-    transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-    return int(node.inputs[1].shape[1 if transposed else 0])
 
 
 def _column_blocks(k: int) -> list[tuple[int, int]]:
@@ -158,7 +149,7 @@ class GPTQ(Technique):
 
     def __init__(self, model: ir.Model, decisions: list[Decision]):
         self.model, self.targets = model, _targets(decisions, model)
-        self.sizes = {x: _reduction_size(nodes[0][0]) for x, nodes in self.targets.items()}
+        self.sizes = {x: reduction_size(nodes[0][0]) for x, nodes in self.targets.items()}
         self.hessians = _hessians(self.sizes) if self.sizes else None
         self.originals: dict[str, ir.TensorProtocol] = {}  # weight name -> its float values
         self.folder: str | None = None  # where weights rounded during the pass wait to be written
