@@ -14,6 +14,7 @@ import logging
 
 __version__ = "0.1.0"
 
+from fp8onnx import _deferred  # noqa: F401  (first: sympy, through onnx_ir, imported on first use)
 from fp8onnx.accuracy.compare import compare
 from fp8onnx.accuracy.fallback import TargetNotMet, quantize_to_target, sensitivity
 from fp8onnx.api import calibrate, convert_fp16, inspect
