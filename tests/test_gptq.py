@@ -111,7 +111,9 @@ def test_x_t_x_is_measured_by_blocks_on_and_above_the_diagonal(tmp_path, k):
     feeds = [{"x": rng.standard_normal((2, 4, k)).astype(np.float32)} for _ in range(3)]
     sums = _hessians({"x": k})
     statistics.measure(ir.load(tmp_path / "m.onnx"), [sums], feeds, RunOptions(batch_size=2), "hessians")
-    h = assembled(sums.value_of("x"), k)
+    *blocks, rows = sums.value_of("x")
+    assert rows.reshape(-1).tolist() == [3 * 2 * 4]  # the rows X^T X summed: 3 batches of 2 x 4
+    h = assembled(blocks, k)
     x = np.concatenate([f["x"].reshape(-1, k) for f in feeds]).astype(np.float64)
     assert h.dtype == np.float32 and np.array_equal(h, h.T)
     np.testing.assert_allclose(h, x.T @ x, rtol=0, atol=1e-4 * np.abs(x.T @ x).max())
@@ -211,6 +213,21 @@ def test_quantize_with_gptq_has_less_error_on_held_out_inputs(tmp_path, activati
     assert report.config["weight_rounding"] == "gptq"
     assert sqnr_db(ref, got["gptq"]) > sqnr_db(ref, got["nearest"]) + 1
     assert np.allclose(run_reference(tmp_path / "gptq.onnx", held_out)[0], got["gptq"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [256, 1024])
+def test_too_few_calibration_rows_for_gptq_are_said(tmp_path, caplog, rows):
+    """One warning, naming the input and its rows per channel, below 16 rows a channel (K = 64 here)."""
+    rng = np.random.default_rng(4)
+    path = two_layers(tmp_path / "m.onnx", rng)
+    np.savez(tmp_path / "calib.npz", x=correlated(rng, rows=rows))
+    with caplog.at_level("WARNING", logger="fp8onnx"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "calib.npz", activations="none", weight_rounding="gptq")
+    said = [r.getMessage() for r in caplog.records if "rows of its" in r.getMessage()]
+    if rows < 16 * 64:
+        assert len(said) == 1 and f"sums {rows} rows of its 64 channels (4.0 a channel)" in said[0]
+    else:
+        assert said == []
 
 
 def test_gptq_needs_calibration_data(tmp_path):

@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 # SmolLM2-135M layer's attention input (q, k, v) takes 3.5 MB, its MLP input (gate, up) 8.4 MB.
 STACK_BYTES = 128 << 20
 XTX_COLUMNS = 512  # columns of X in one block of X^T X (see _hessians)
+# Fewer rows of X per channel than this, and GPTQ fits the calibration data more than new data: a warning.
+# SmolLM2-135M, weight-only E4M3 with blocks of 16, 32,768 held-out tokens: top-1 agreement with FP32 0.966,
+# 0.966, 0.968, 0.970 and 0.969 from 4k, 8k, 16k, 32k and 62k calibration tokens (2.7 to 40 rows per
+# channel of its widest input, 1,536), next-token accuracy 99.6% -> 99.9% of FP32's from 4k to 32k.
+MIN_ROWS_PER_CHANNEL = 16
 
 
 def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
@@ -78,12 +83,14 @@ def _hessians(sizes: dict[str, int]) -> Sums:
             parts = [add("Slice", [x2, np.array([a]), np.array([b]), np.array([1])], "cols") for a, b in cols]
         else:
             parts = [x2]
-        return [
+        blocks = [
             add("Gemm", [parts[i], parts[j]], "xtx", dtype=F32, shape=[b1 - a1, b2 - a2], transA=1)
             for i, (a1, b1) in enumerate(cols)
             for j, (a2, b2) in enumerate(cols)
             if j >= i
         ]
+        rows = add("Cast", [add("Shape", [x2], "rows", dtype=ir.DataType.INT64, shape=[1], end=1)], "n", to=int(F32))
+        return [*blocks, rows]  # the rows summed (tokens, for a language model): see MIN_ROWS_PER_CHANNEL
 
     # float32 sums: a 1B model's X^T X matrices (16 layers x up to 5632^2) would take 5.6 GB in float64
     return Sums({name: xtx for name in sizes}, "hessians", dtype=np.float32)
@@ -156,12 +163,27 @@ class GPTQ(Technique):
         self._plan_for, self._plan_cache = None, {}
         self._waiting: dict[str, np.ndarray] = {}  # rounded with a stack, not yet read (lazy rounding)
         self._stacked: set[str] = set()  # activations whose weights a stack has rounded (lazy rounding)
+        self._warned = False  # about too few calibration rows (once a run)
 
     def statistics(self) -> list[Sums]:
         return [self.hessians] if self.hessians else []
 
     def _hessian(self, x: str) -> np.ndarray:
-        return assembled(self.hessians.value_of(x), self.sizes[x])
+        *blocks, rows = self.hessians.value_of(x)
+        k, rows = self.sizes[x], int(rows.reshape(-1)[0])
+        if rows < MIN_ROWS_PER_CHANNEL * k and not self._warned:
+            self._warned = True
+            logger.warning(
+                "GPTQ: the X^T X of %r sums %d rows of its %d channels (%.1f a channel); below %d a channel "
+                "GPTQ fits the calibration data more than new data: give more --calib data (SmolLM2-135M: "
+                "4k -> 32k calibration tokens, held-out top-1 agreement with FP32 0.966 -> 0.970)",
+                x,
+                rows,
+                k,
+                rows / k,
+                MIN_ROWS_PER_CHANNEL,
+            )
+        return assembled(blocks, k)
 
     def apply(self, quant: dict[str, TensorQuant]) -> str | None:
         rounded = self.round(quant)
