@@ -63,6 +63,24 @@ def test_quantizing_an_externalized_model_gives_the_same_bytes(tmp_path, monkeyp
     assert report.model == str(path)
 
 
+def test_no_room_for_the_side_file_is_a_warning_and_the_same_output(tmp_path, monkeypatch, caplog):
+    """Where the weights cannot be moved out (a full TMPDIR), the model is loaded whole: the same
+    output, and one warning saying what it costs and what to do."""
+    path, data = mlp_model(tmp_path / "m.onnx", hidden=512), mlp_data(tmp_path / "c.npz")
+    fp8onnx.quantize(path, tmp_path / "whole.onnx", data, preset="none")
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(embedded, "EMBEDDED_BYTES", 0)
+    monkeypatch.setattr(embedded, "externalize", full)
+    with caplog.at_level("WARNING", logger="fp8onnx"):
+        fp8onnx.quantize(path, tmp_path / "full.onnx", data, preset="none")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "No space left on device" in said[0] and "TMPDIR" in said[0]
+    assert (tmp_path / "whole.onnx").read_bytes() == (tmp_path / "full.onnx").read_bytes()
+
+
 def test_a_truncated_file_is_refused_in_one_sentence(tmp_path, monkeypatch):
     path = mlp_model(tmp_path / "m.onnx", hidden=512)
     path.write_bytes(path.read_bytes()[:-100])

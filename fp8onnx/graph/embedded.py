@@ -167,7 +167,13 @@ def externalized(path: pathlib.Path) -> pathlib.Path | None:
         with phase("move embedded weights to a side file"):
             copy = externalize(path, folder)
     except (OSError, ValueError) as exc:  # no room in TMPDIR, or not protobuf: parsed as it is (and explained)
-        logger.info("loading %s whole: its weights could not be moved to %s (%s)", path, folder, exc)
+        logger.warning(
+            "loading %s whole, which takes about 3x its size in memory: its weights could not be moved to a "
+            "side file in %s (%s); point TMPDIR at a folder with room for them",
+            path,
+            folder,
+            exc,
+        )
         return None
     if copy is not None:
         logger.info("%s: embedded weights moved to %s (memory-mapped from there)", path, folder)
