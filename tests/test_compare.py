@@ -9,7 +9,7 @@ import fp8onnx
 from fp8onnx.accuracy.metrics import _OutputStats
 from fp8onnx.errors import Fp8OnnxError
 
-from helpers import mlp_data, mlp_model
+from helpers import mlp_data, mlp_model, run_ort
 
 
 def test_output_stats_metrics():
@@ -56,6 +56,12 @@ def test_accuracy_with_labels_and_criteria(tmp_path):
     assert bad.accuracy < 0.8 and bad.passes_llm is False and bad.passes_ptq is False
     assert result.samples == 200 and result.batches == 4
     assert "FAIL" in result.table() and "pass" in result.table()
+    # the accuracy's noise against FP32's: sqrt(positions where exactly one of the two is right) / positions
+    ref_hit = run_ort(ref, {"x": x})[0].argmax(-1) == labels
+    bad_hit = run_ort(noisy, {"x": x})[0].argmax(-1) == labels
+    assert fp32.accuracy_noise is None and (ref_hit != bad_hit).sum() > 10
+    assert bad.accuracy_noise == pytest.approx(np.sqrt((ref_hit != bad_hit).sum()) / 200)
+    assert f"{bad.accuracy:.4f} ±{bad.accuracy_noise:.4f}" in result.table() and "McNemar" in result.table()
     logits = (x @ w).astype(np.float64)  # perplexity: exp of the mean cross-entropy at the labels
     log_softmax = logits - logits.max(1, keepdims=True)
     log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))

@@ -6,7 +6,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from fp8onnx.accuracy.metrics import LLM_RATIO, PTQ_REL_LOSS, _accuracy, _perplexity, _Score, _to_json
+from fp8onnx.accuracy.metrics import (
+    LLM_RATIO,
+    PTQ_REL_LOSS,
+    _accuracy,
+    _perplexity,
+    _Score,
+    _to_json,
+    accuracy_noise,
+)
 from fp8onnx.errors import Fp8OnnxError
 
 logger = logging.getLogger(__name__)
@@ -28,6 +36,7 @@ class RowResult:
     latency_ms: float | None = None  # median onnxruntime time per batch after the first (warm-up)
     session_mib: float | None = None  # resident memory the session added, built and run once
     generation: dict | None = None  # greedy generation vs FP32 (fp8onnx.accuracy.generation.agreement)
+    accuracy_noise: float | None = None  # one standard error of accuracy - FP32's (metrics.accuracy_noise)
 
     @property
     def passes_llm(self) -> bool | None:
@@ -96,7 +105,7 @@ class CompareResult:
                     _fmt(o.get("rel_l2"), ".4f"),
                     _fmt(o.get("max_abs_err"), ".3g"),
                     _fmt(o.get("top1_agreement"), ".4f"),
-                    _fmt(r.accuracy, ".4f"),
+                    _fmt(r.accuracy, ".4f") + (f" ±{r.accuracy_noise:.4f}" if r.accuracy_noise else ""),
                     _fmt(r.perplexity, ".2f"),
                     _fmt(r.ratio_to_fp16, ".2%"),
                     _yes(r.passes_llm),
@@ -111,6 +120,12 @@ class CompareResult:
         out.append("  ".join("-" * w for w in widths))
         out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
         out.extend(f"note: {n}" for n in self.notes)
+        if any(r.accuracy_noise for r in self.rows):
+            out.append(
+                "accuracy ±: one standard error of its difference from FP32's (McNemar: the square root of the "
+                "labelled positions where exactly one of the two is right, over all of them); a difference within "
+                "twice it is within chance"
+            )
         headline = next((r.headline for r in self.rows if r.headline), "")
         if headline:
             out.append(
@@ -161,9 +176,12 @@ def _yes(v: bool | None) -> str:
 
 
 def _row(name, path, score: _Score, labelled: int) -> RowResult:
-    return RowResult(
+    row = RowResult(
         name, path, _to_json(score.outputs), _accuracy(score.correct, labelled), _perplexity(score.nll, labelled)
     )
+    if row.accuracy is not None and name != _REFERENCE:
+        row.accuracy_noise = accuracy_noise(score.discordant, labelled)
+    return row
 
 
 def _headline(rows: list[RowResult], first: str, fp16: bool, metric: str = "auto") -> None:

@@ -8,7 +8,8 @@ same accuracy and agreement plus generation; this is the quick form for many mod
 (SmolLM2-135M: 37 s a model on the 2-core development machine).
 
 Usage: python tests/bench/lm_heldout.py DATA.npz FP32.onnx [MODEL.onnx ...]
-Prints one JSON line a model: accuracy, correct tokens, perplexity, agreement with FP32's argmax.
+Prints one JSON line a model: accuracy, correct tokens, perplexity, agreement with FP32's argmax, and
+one standard error of the accuracy's difference from FP32's (``compare``'s ±).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main() -> None:
         correct = int((argmax == data["labels"]).sum())
         row = {"model": path, "accuracy": correct / data["labels"].size, "correct": correct, "perplexity": ppl}
         row["agreement"] = float((argmax == ref).mean())
+        # one standard error of accuracy - FP32's (McNemar), as `compare` shows it
+        discordant = int(((argmax == data["labels"]) != (ref == data["labels"])).sum())
+        row["accuracy_noise"] = float(np.sqrt(discordant)) / data["labels"].size
         print(json.dumps(row), flush=True)
 
 
