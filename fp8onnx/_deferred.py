@@ -10,8 +10,8 @@ both modules in ``sys.modules`` before onnx_ir is imported; the first attribute 
 
 ``importlib.util.LazyLoader`` cannot do this on Python 3.11: the import statement reads
 ``__spec__`` of a module it finds in ``sys.modules``, which loads a lazy module at once. A stand-in
-carries the real ``__spec__`` (so ``import sympy`` elsewhere returns it untouched) and forwards every
-other attribute.
+carries the real ``__spec__`` and ``__file__`` (so ``import sympy`` elsewhere, or a scan of
+``sys.modules``, finds it untouched) and forwards every other attribute.
 
 requires: neither module imported yet, both findable (else nothing is done);
 ensures: the real module is imported exactly once, on first use, and every later ``import`` of it
@@ -58,8 +58,10 @@ def _stand_in(name: str, spec: importlib.machinery.ModuleSpec | None) -> None:
     if spec is None or spec.loader is None:
         return
     module = _StandIn(name)
-    module.__spec__ = spec
-    module.__loader__ = spec.loader
+    module.__spec__, module.__loader__, module.__package__ = spec, spec.loader, spec.parent
+    # what scans of sys.modules read (inspect.getmodule, tracebacks): answered without loading the module,
+    # which would add modules to sys.modules under a scan that iterates it
+    module.__file__ = spec.origin
     sys.modules[name] = module
 
 
