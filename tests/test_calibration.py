@@ -9,7 +9,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.pipeline.calibration import Stats, collect_amax
 from fp8onnx.runtime import RunOptions
 
-from helpers import mlp_data, mlp_model
+from helpers import assert_same_histogram, mlp_data, mlp_model
 
 
 def test_running_amax_equals_numpy_over_all_batches(tmp_path):
@@ -58,19 +58,21 @@ def test_bad_stats_files(tmp_path):
 
 def test_batches_are_sized_to_the_memory_budget_with_the_same_statistics(tmp_path):
     """Without --batch-size, one sample's run is measured first and the batches shrink to fit
-    --batch-memory; amax and histograms do not depend on the batching, so neither does the model."""
+    --batch-memory; amax and histograms do not depend on the batching. (onnxruntime may multiply one
+    row and sixteen with other kernels: the last bits of an amax may differ on some CPUs, and a value
+    on a histogram bin's edge move to the next bin; SPEC §11.)"""
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
     fixed = fp8onnx.calibrate(path, data, batch_size=16, provider="cpu")
     small = fp8onnx.calibrate(path, data, provider="cpu", batch_memory=1)  # 1 byte: one sample per run
     default = fp8onnx.calibrate(path, data, provider="cpu")
     assert small.num_batches == small.num_samples and default.num_batches == fixed.num_batches
     assert "sized to --batch-memory 0 MiB" in small.batching and default.batching == "16 samples"
-    assert small.amax == fixed.amax and small.hist.keys() == fixed.hist.keys()
+    assert small.amax == pytest.approx(fixed.amax, rel=1e-6) and small.hist.keys() == fixed.hist.keys()
     for name, hist in fixed.hist.items():
-        assert np.array_equal(hist.counts, small.hist[name].counts), name
+        assert_same_histogram(hist.counts, small.hist[name].counts)
     # layer by layer (weights over the segment budget): the probe runs through the segments too
     seg = fp8onnx.calibrate(path, data, provider="cpu", batch_memory=1, weight_memory=1)
-    assert seg.num_batches == seg.num_samples and seg.amax == fixed.amax
+    assert seg.num_batches == seg.num_samples and seg.amax == pytest.approx(fixed.amax, rel=1e-6)
 
 
 def test_auto_batch_size_takes_the_larger_of_fetched_and_resident_memory():

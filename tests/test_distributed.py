@@ -51,7 +51,7 @@ def test_two_workers_write_the_same_statistics_and_model_as_one_process(tmp_path
     # batches sized to a 1-byte budget from one sample measured on a worker: one sample a run
     tiny = fp8onnx.calibrate(model, calib, tmp_path / "tiny.json", provider="cpu", batch_memory=1, workers=2)
     assert tiny.num_batches == tiny.num_samples and "sized to --batch-memory" in tiny.batching
-    assert tiny.amax == one.amax
+    assert tiny.amax == pytest.approx(one.amax, rel=1e-6)  # one sample a run against 8: other kernels maybe
     fp8onnx.quantize(model, tmp_path / "one.onnx", calib, preset="none", provider="cpu")
     report = fp8onnx.quantize(model, tmp_path / "two.onnx", calib, preset="none", provider="cpu", workers=2)
     assert report.calibration["batches"] == one.num_batches // 2 + (one.num_batches % 2 > 0)
@@ -108,8 +108,11 @@ def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
         assert g.keys() == e.keys()
         for key in e:
             if key.endswith(AMAX_SUFFIX):
+                # exact: one graph, one batch shape, one machine (onnxruntime splits a product over
+                # threads by rows and columns, never along K: a worker's thread count changes no bit)
                 assert g[key] == e[key]
             else:
+                # exact: as above
                 assert g[key][0] == e[key][0] and all(np.array_equal(a, b) for a, b in zip(g[key][1:], e[key][1:]))
 
 
@@ -250,6 +253,7 @@ def test_models_travel_by_value_where_workers_share_no_files(tmp_path):
         for extra in ({}, {"weight_memory": 64 << 10}):
             a = fp8onnx.calibrate(path, calib, provider="cpu", batch_size=4, **extra)
             b = fp8onnx.calibrate(path, calib, provider="cpu", batch_size=4, workers=2, **extra)
+            # exact: one graph (or one split of it), one batch shape, one machine; see above
             assert a.amax == b.amax and all(np.array_equal(a.hist[k].counts, b.hist[k].counts) for k in a.hist)
     finally:
         close_all()

@@ -15,7 +15,7 @@ from fp8onnx.runtime import RunOptions
 from fp8onnx.techniques.gptq import _column_blocks, _hessians, assembled
 from fp8onnx.techniques.gptq_rounding import _cholesky, _inverse_lower, gptq_factor, gptq_round, ordered, round_stacked
 
-from helpers import run_ort, run_reference, sqnr_db
+from helpers import assert_same_model, run_ort, run_reference, sqnr_db
 
 
 def correlated(rng, rows=1024, k=64):
@@ -115,15 +115,18 @@ def test_x_t_x_is_measured_by_blocks_on_and_above_the_diagonal(tmp_path, k):
     assert rows.reshape(-1).tolist() == [3 * 2 * 4]  # the rows X^T X summed: 3 batches of 2 x 4
     h = assembled(blocks, k)
     x = np.concatenate([f["x"].reshape(-1, k) for f in feeds]).astype(np.float64)
-    assert h.dtype == np.float32 and np.array_equal(h, h.T)
+    assert h.dtype == np.float32 and np.array_equal(h, h.T)  # exact: one triangle computed, mirrored
     np.testing.assert_allclose(h, x.T @ x, rtol=0, atol=1e-4 * np.abs(x.T @ x).max())
 
 
 def test_nested_lazy_blocks_round_as_the_textbook_row_loop():
     """round_stacked (no inverse; nested blocks, matrix products between blocks) against GPTQ's
     textbook loop in float64 (U the upper Cholesky factor of the damped H^-1, every row's error spread
-    over all later rows at once): the same grid values but for a rare weight whose value sits near the
-    middle between two grid points (float32 sums in another order)."""
+    over all later rows at once). The two sum in other orders (float32 BLAS products whose order is the
+    CPU's kernel's choice), so a pick may differ where the value sits on the midpoint between two grid
+    points, and the rows after it in that column then differ too (the error fed forward differs). So:
+    in every column the first pick that differs is such a tie, few columns have one, and GPTQ's
+    objective (the output error tr(E H E^T)) is the textbook's."""
     rng = np.random.default_rng(11)
     k, n = 300, 48
     x = correlated(rng, k=k)
@@ -134,12 +137,27 @@ def test_nested_lazy_blocks_round_as_the_textbook_row_loop():
     h = (x.T @ x).astype(np.float32).astype(np.float64)[np.ix_(factor[0], factor[0])]
     h[np.diag_indices(k)] += 0.01 * np.mean(np.diag(h))
     upper = np.linalg.cholesky(np.linalg.inv(h)).T
-    work, expected = rows.astype(np.float64), np.empty((k, n))
+    work, expected, before = rows.astype(np.float64), np.empty((k, n)), np.empty((k, n))
     for i in range(k):
+        before[i] = work[i]
         expected[i] = dequantize(quantize(work[i], s, Fp8Format.E4M3FN), s)
         work[i + 1 :] -= np.outer(upper[i, i + 1 :], (work[i] - expected[i]) / upper[i, i])
     got = round_stacked(rows[None].copy(), factor[2][None], s[None, None], Fp8Format.E4M3FN)[0]
-    assert np.mean(got != expected) < 2e-3
+    differ = got != expected
+    # float32 work values carry about sqrt(k) roundings of |w|'s size (about 1e-6 |w| here; measured on
+    # AVX-512: ties within 2.5e-6); 1e-5 |w| leaves a margin and still rejects all but 1 in ~1000 picks
+    tie = 1e-5 * np.abs(w).max()
+    for j in np.flatnonzero(differ.any(0)):
+        i = np.argmax(differ[:, j])
+        midpoint = (np.float64(got[i, j]) + expected[i, j]) / 2
+        assert abs(before[i, j] - midpoint) < tie, (i, j, before[i, j], got[i, j], expected[i, j])
+    assert differ.any(0).sum() <= n // 8
+
+    def objective(q):
+        e = rows.astype(np.float64) - q
+        return np.einsum("ij,ik,kj->", e, h, e)
+
+    assert objective(got) == pytest.approx(objective(expected), rel=0.01)
 
 
 @pytest.mark.parametrize("blocks", [False, True])
@@ -245,4 +263,6 @@ def test_layer_by_layer_gives_the_same_model(tmp_path):
     whole = fp8onnx.quantize(path, tmp_path / "whole.onnx", tmp_path / "calib.npz", **options)
     parts = fp8onnx.quantize(path, tmp_path / "parts.onnx", tmp_path / "calib.npz", weight_memory=1, **options)
     assert whole.prepared == parts.prepared
-    assert (tmp_path / "whole.onnx").read_bytes() == (tmp_path / "parts.onnx").read_bytes()
+    # X^T X from the whole graph's and the segments' runs: equal up to onnxruntime's last bits, which
+    # may flip a rounding tie (SPEC §11); on this project's machines the files were byte-identical
+    assert_same_model(tmp_path / "whole.onnx", tmp_path / "parts.onnx")

@@ -10,7 +10,7 @@ from fp8onnx.pipeline import executors, statistics
 from fp8onnx.runtime import RunOptions
 from fp8onnx.techniques import recipe
 
-from helpers import mlp_data, mlp_model
+from helpers import assert_same_histogram, mlp_data, mlp_model
 
 
 @pytest.fixture
@@ -78,8 +78,12 @@ def test_one_pass_gives_what_separate_passes_give(tmp_path):
         done = statistics.measure(model, [ranges, sums], feeds, run, "both")
         assert done.num_batches == 3 and done.num_samples == 12
         assert done.executor == ("in process" if weight_memory > 64 else "layer by layer")
-        assert ranges.amax == alone_ranges.amax and ranges.hist.keys() == alone_ranges.hist.keys()
-        np.testing.assert_array_equal(sums.result["r"][0], alone_sums.result["r"][0])
+        # the same nodes in two instrumented graphs: onnxruntime may plan them differently (SPEC §11)
+        assert ranges.amax == pytest.approx(alone_ranges.amax, rel=1e-6)
+        assert ranges.hist.keys() == alone_ranges.hist.keys()
+        for name, hist in ranges.hist.items():
+            assert_same_histogram(hist.counts, alone_ranges.hist[name].counts)
+        np.testing.assert_allclose(sums.result["r"][0], alone_sums.result["r"][0], rtol=1e-6)
         r = np.maximum(
             np.concatenate([f["x"] for f in feeds])
             @ ir.load(tmp_path / "m.onnx").graph.initializers["w1"].const_value.numpy(),

@@ -51,7 +51,7 @@ def test_weights_are_handed_over_in_place_and_the_model_is_left_as_it_was(tmp_pa
     x = np.linspace(-2, 2, 32, dtype=np.float32).reshape(2, 16)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for got, want in zip(session.run(None, {"x": x}), expected):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, want)  # exact: one graph, one feed, the same weight bytes
     assert [p.name for p in tmp_path.iterdir() if p.suffix not in (".onnx", ".data")] == []  # no temporary file
 
 

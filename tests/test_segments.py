@@ -16,7 +16,7 @@ from fp8onnx.pipeline.segments import split
 from fp8onnx.quantize import QuantizeConfig, activation_tensors, plan, prepare_model
 from fp8onnx.runtime import RunOptions
 
-from helpers import run_ort, sqnr_db
+from helpers import assert_same_histogram, assert_same_model, run_ort, sqnr_db
 
 DECODER = pathlib.Path(__file__).resolve().parents[1] / "models" / "decoder"
 
@@ -54,14 +54,16 @@ def test_layer_by_layer_statistics_equal_the_whole_graph(precision, rel):
     for name in names:
         assert layered.amax[name] == pytest.approx(whole.amax[name], rel=rel), name
         if precision == "model":
-            assert np.array_equal(layered.hist[name].counts, whole.hist[name].counts), name
+            assert_same_histogram(layered.hist[name].counts, whole.hist[name].counts)
 
 
 def test_quantized_model_is_identical_either_way(tmp_path):
     calib, src = DECODER / "calib.npz", DECODER / "decoder.onnx"
     fp8onnx.quantize(src, tmp_path / "whole.onnx", calib, provider="cpu")
     fp8onnx.quantize(src, tmp_path / "layered.onnx", calib, provider="cpu", weight_memory=50_000)
-    assert (tmp_path / "whole.onnx").read_bytes() == (tmp_path / "layered.onnx").read_bytes()
+    # statistics from the whole graph and from its segments: equal up to onnxruntime's last bits
+    # (SPEC §11); on this project's machines the files were byte-identical
+    assert_same_model(tmp_path / "whole.onnx", tmp_path / "layered.onnx")
 
 
 def test_tensors_captured_by_a_subgraph_cross_the_cut(tmp_path):

@@ -60,7 +60,9 @@ def test_relu_survives_ort_default_optimisations(tmp_path):
     InsertQDQPass(targets, quant)(model)
     proto = ir.to_proto(model)
     default, basic = run_ort(proto, {"x": x})[0], run_ort(proto, {"x": x}, level="basic")[0]
-    np.testing.assert_array_equal(default, basic)
+    # two optimisation levels may run the MatMuls with other kernels (last bits, SPEC §11); a deleted
+    # Relu lets negative values through: an error of the outputs' own size
+    np.testing.assert_allclose(default, basic, rtol=1e-5, atol=1e-5 * np.abs(basic).max())
 
 
 def test_idempotent(tmp_path):

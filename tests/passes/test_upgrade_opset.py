@@ -284,7 +284,8 @@ def test_subgraphs_and_functions_are_upgraded():
     expected = _run(proto, feed)
     upgraded = _upgrade(proto)
     for e, g in zip(expected, _run(upgraded, feed)):
-        np.testing.assert_array_equal(e, g)
+        # ReduceMean's axes as an attribute (opset 15) or an input (18): two kernels, last bits (SPEC §11)
+        np.testing.assert_allclose(e, g, rtol=1e-6, atol=1e-7)
     leftover = [
         node.op_type
         for g in [upgraded.graph, *[a.g for a in upgraded.graph.node[0].attribute], *[f for f in upgraded.functions]]
