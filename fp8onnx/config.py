@@ -17,10 +17,12 @@ __all__ = [
     "ACTIVATION_MODES",
     "DEFAULT_OP_TYPES",
     "EMBEDDING_MODES",
+    "GEMM_OPS",
     "PRECISIONS",
     "PRESETS",
     "SUPPORTED_OP_TYPES",
     "WEIGHT_ROUNDINGS",
+    "GemmOp",
     "QuantizeConfig",
     "check_precision",
 ]
@@ -70,6 +72,24 @@ class Precision(str, enum.Enum):
 # Which runtime's rules the output must meet (the names are fp8onnx.targets').
 Target = enum.Enum("Target", {name.upper(): name for name in TARGETS}, type=str)
 ACTIVATION_MODES = tuple(a.value for a in Activations)
+
+
+class GemmOp(str, enum.Enum):
+    """How a quantized MatMul/Gemm is written. qdq: standard ONNX (float8 Q/DQ around the float op, every
+    runtime); block-fp8: ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (onnxruntime's CUDA EP fast path,
+    float8 weights read as they are; fp8onnx.passes.block_fp8); gemm-float8: ``com.microsoft.GemmFloat8``
+    (cuBLASLt FP8 GEMM, per-tensor scales, compute capability >= 8.9); auto: block-fp8 for --target
+    onnxruntime-cuda with E4M3 weights, gemm-float8 with --native-gemm, else qdq."""
+
+    AUTO = "auto"
+    QDQ = "qdq"
+    BLOCK_FP8 = "block-fp8"
+    GEMM_FLOAT8 = "gemm-float8"
+
+
+GEMM_OPS = tuple(g.value for g in GemmOp)
+# The fast form's weight blocks when none are asked for: onnxruntime's default block_size.
+BLOCK_FP8_DEFAULT_BLOCK = 128
 PRECISIONS = tuple(p.value for p in Precision)
 
 
@@ -120,9 +140,10 @@ class QuantizeConfig:
     preset: str | None = None  # recorded only: the fields a preset set are already in place (for_preset)
     # --preset auto: the fields the user set, kept over the family's preset once it is known (for_family)
     explicit: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
-    precision: Precision | str = Precision.MODEL
-    native_gemm: bool = False
+    precision: Precision | str | None = None  # None: fp16 for --gemm-op block-fp8 (the op's A), else model
+    native_gemm: bool = False  # the same as gemm_op="gemm-float8"
     target: Target | str = "onnxruntime"
+    gemm_op: GemmOp | str = GemmOp.AUTO  # resolved on creation: never AUTO afterwards
 
     def __post_init__(self):
         if str(getattr(self.format, "value", self.format)).lower() == "mxfp8":
@@ -144,6 +165,11 @@ class QuantizeConfig:
                 f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
+        object.__setattr__(self, "target", _choice(Target, self.target, "--target"))
+        self._resolve_gemm_op()
+        if self.precision is None:
+            fp16 = self.gemm_op is GemmOp.BLOCK_FP8
+            object.__setattr__(self, "precision", Precision.FP16 if fp16 else Precision.MODEL)
         object.__setattr__(self, "precision", check_precision(self.precision))
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise Fp8OnnxError(
@@ -166,7 +192,6 @@ class QuantizeConfig:
         if self.embeddings not in EMBEDDING_MODES:
             raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
 
-        object.__setattr__(self, "target", _choice(Target, self.target, "--target"))
         object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
         if Fp8Format.INT8 in (self.weight_format, self.activation_format) and self.native_gemm:
             raise Fp8OnnxError("--native-gemm is onnxruntime's float8 GEMM; int8 takes standard Q/DQ only.")
@@ -216,6 +241,34 @@ class QuantizeConfig:
                 f"--margin applies to calibrated scales; --activations {self.activations.value} computes its "
                 "power-of-two scales in the graph without one."
             )
+
+    def _resolve_gemm_op(self) -> None:
+        gemm_op = _choice(GemmOp, self.gemm_op, "--gemm-op")
+        if self.native_gemm and gemm_op not in (GemmOp.AUTO, GemmOp.GEMM_FLOAT8):
+            raise Fp8OnnxError(f"--native-gemm is --gemm-op gemm-float8; it contradicts --gemm-op {gemm_op.value}.")
+        if gemm_op is GemmOp.AUTO:
+            if self.native_gemm:
+                gemm_op = GemmOp.GEMM_FLOAT8
+            elif (
+                self.target == "onnxruntime-cuda"
+                and self.weight_format is Fp8Format.E4M3FN
+                and {"MatMul", "Gemm"} & set(self.op_types)
+            ):
+                gemm_op = GemmOp.BLOCK_FP8
+            else:
+                gemm_op = GemmOp.QDQ
+        if gemm_op is GemmOp.BLOCK_FP8:
+            if self.weight_format is not Fp8Format.E4M3FN:
+                raise Fp8OnnxError(
+                    f"--gemm-op block-fp8 stores float8e4m3fn weights; --format/--weight-format is "
+                    f"{self.weight_format.value} (use --gemm-op qdq)."
+                )
+            if self.scaling is Scaling.CONSTANT:
+                raise Fp8OnnxError("--gemm-op block-fp8 takes calibrated weight scales; --scaling constant has one.")
+            if not self.weight_block_size and self.per_channel is None:
+                object.__setattr__(self, "weight_block_size", BLOCK_FP8_DEFAULT_BLOCK)
+        object.__setattr__(self, "gemm_op", gemm_op)
+        object.__setattr__(self, "native_gemm", gemm_op is GemmOp.GEMM_FLOAT8)
 
     @classmethod
     def for_preset(cls, name: str, **explicit) -> QuantizeConfig:
@@ -305,6 +358,8 @@ class QuantizeConfig:
             doc["float_stem"] = True
         if self.embeddings != "float":  # only then, like keep_float
             doc["embeddings"] = self.embeddings
+        if self.gemm_op is GemmOp.BLOCK_FP8:  # only then, like keep_float
+            doc["gemm_op"] = self.gemm_op.value
         if self.keep_float:  # only then: outputs without it stay byte-identical to earlier versions
             doc["keep_float"] = list(self.keep_float)
         return doc

@@ -1,4 +1,5 @@
-"""NumPy reference of onnxruntime's ``com.microsoft.GemmFloat8`` (CUDA, cuBLASLt), as fp8onnx emits it.
+"""NumPy references of onnxruntime's CUDA-only float8 GEMMs: ``com.microsoft.GemmFloat8`` (cuBLASLt,
+as fp8onnx emits it) and ``com.microsoft.MatMulBlockQuantizedFp8Weight``.
 
 Read from onnxruntime's kernel (``contrib_ops/cuda/math/gemm_float8.cc``): inputs A, B, optional C,
 then float32 scalars scaleA, scaleB, scaleY; cuBLASLt computes
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gemm_float8"]
+__all__ = ["gemm_float8", "matmul_block_quantized_fp8_weight"]
 
 
 def gemm_float8(
@@ -42,3 +43,35 @@ def gemm_float8(
     if out_dtype.itemsize == 1:  # a float8 output is scaled into its range
         y = y * np.float32(scale_y)
     return y.astype(out_dtype)
+
+
+def matmul_block_quantized_fp8_weight(a, b, b_scale, a_scale=None, bias=None, *, block_size: int = 128) -> np.ndarray:
+    """``com.microsoft.MatMulBlockQuantizedFp8Weight`` from its schema text (onnxruntime 1.29+):
+    ``B_scaled[n, k] = fp8_e4m3(B[n, k]) * b_scale[n, k // block_size]``; with ``a_scale``,
+    ``A_scaled = fp8_e4m3(A / a_scale) * a_scale``, else A; ``Y = A_scaled @ B_scaled^T + bias`` in A's
+    type. Where the schema leaves it open, as the CUDA kernel's default path does it
+    (``contrib_ops/cuda/math/matmul_block_scaled_fp8.cu``): B_scaled computed in float32 and rounded to
+    A's type; A divided as a multiplication by the float32 reciprocal, saturated to E4M3's +-448, the
+    result rounded to A's type; float32 accumulation; Y rounded to A's type before the bias is added
+    in float32 and rounded again. ``a``: float16 (or bfloat16) [..., K]; ``b``: float8e4m3fn [N, K]."""
+    import ml_dtypes
+
+    a = np.asarray(a)
+    t = a.dtype
+    n, k = b.shape
+    scales = np.asarray(b_scale, np.float32)
+    blocks = -(-k // block_size)
+    if scales.shape != (n, blocks):
+        raise ValueError(f"b_scale must be [N, ceil(K / block_size)] = [{n}, {blocks}], got {scales.shape}")
+    w = np.asarray(b).astype(np.float32) * np.repeat(scales, block_size, axis=1)[:, :k]
+    w = w.astype(t).astype(np.float32)
+    x = a.astype(np.float32)
+    if a_scale is not None:
+        s = np.float32(np.asarray(a_scale, np.float32).reshape(()))
+        inverse = np.float32(1) / s if s != 0 else np.float32(0)
+        q = np.clip(x * inverse, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        x = (q.astype(np.float32) * s).astype(t).astype(np.float32)
+    y = np.matmul(x, w.T).astype(t)
+    if bias is not None:
+        y = (y.astype(np.float32) + np.asarray(bias).astype(np.float32)).astype(t)
+    return y

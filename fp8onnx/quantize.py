@@ -37,10 +37,12 @@ from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_mai
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
+    BlockFp8MatMulPass,
     InsertQDQPass,
     LowerGemmFloat8Pass,
     QuantizeEmbeddingsPass,
     ShieldBiasPass,
+    block_fp8_reason,
 )
 from fp8onnx.phases import current_phases, lap, recording
 from fp8onnx.pipeline.calibration import Stats
@@ -162,7 +164,8 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     if shielded:
         ShieldBiasPass(shielded)(ir_model)
         prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
-    inserted = InsertQDQPass(targets, quant, per_axis_blocks=_per_axis_blocks(config, run))(ir_model)
+    fast = _fast_form_weights(decisions, config)
+    inserted = InsertQDQPass(targets, quant, per_axis_blocks=_per_axis_blocks(config, run), blocked=fast)(ir_model)
     modified = inserted.modified
     if config.embeddings == "fp8":
         embedded = QuantizeEmbeddingsPass(config.weight_format, dequantized=inserted.dequantized)(ir_model)
@@ -177,9 +180,8 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
             for name in embedded.shared
         ]
         prepared += [f"embedding table {name!r} left in float: {why}" for name, why in embedded.skipped.items()]
-    lowering = None
-    if modified and config.native_gemm:
-        lowering = LowerGemmFloat8Pass()(ir_model)
+    lowering = LowerGemmFloat8Pass()(ir_model) if modified and config.gemm_op == "gemm-float8" else None
+    written = BlockFp8MatMulPass()(ir_model) if modified and config.gemm_op == "block-fp8" else None
     if modified:
         ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
         if config.emulated:
@@ -217,6 +219,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         lowered=list(lowering.lowered) if lowering else [],
         not_lowered=dict(lowering.skipped) if lowering else {},
         runtime_checked=check_on,
+        fast_form=None if written is None else written.summary(),
         target_problems=target_problems,
         family=None if family is None else family.to_json(),
     )
@@ -229,13 +232,21 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     return result
 
 
+def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:
+    """The weights that --gemm-op block-fp8 will read from a blocked DequantizeLinear (the rest of a
+    CUDA model keeps the per-axis form)."""
+    if config.gemm_op != "block-fp8":
+        return set()
+    return {d.node.inputs[1].name for d in decisions if block_fp8_reason(d.node, config.weight_format) is None}
+
+
 def _per_axis_blocks(config: QuantizeConfig, run: RunOptions) -> bool:
     """Block-scaled weights in the per-axis form: for onnxruntime's CUDA EP, which has no blocked float8
     DequantizeLinear (--target onnxruntime-cuda, or a run on it)."""
     if not config.weight_block_size:
         return False
     cuda = config.target == "onnxruntime-cuda" or run.provider == "cuda"
-    if cuda:
+    if cuda and config.gemm_op != "block-fp8":  # there the fast form's weights stay blocked (its summary says)
         logger.info("block scales in the per-axis form (the CUDA EP has no blocked float8 DequantizeLinear)")
     return cuda
 

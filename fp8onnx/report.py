@@ -108,6 +108,7 @@ class QuantizeReport:
     lowered: list[str] = dataclasses.field(default_factory=list)  # nodes now com.microsoft.GemmFloat8
     not_lowered: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> why it kept Q/DQ
     runtime_checked: str | None = "cpu"  # the EP the output was loaded on before writing (None: none)
+    fast_form: dict | None = None  # --gemm-op block-fp8: {op, w8a8: [...], w8a16: [...], kept_qdq: {node: why}}
     target_problems: list[str] = dataclasses.field(default_factory=list)  # what --target would reject
     phases: list[dict] = dataclasses.field(default_factory=list)  # wall seconds per phase (fp8onnx.phases)
     family: dict | None = None  # --preset auto: the model family seen, why, and the preset applied
@@ -160,6 +161,18 @@ class QuantizeReport:
             )
             for name, why in self.not_lowered.items():
                 lines.append(f"  kept Q/DQ: {name}: {why}")
+        if self.fast_form is not None:
+            f = self.fast_form
+            written = len(f["w8a8"]) + len(f["w8a16"])
+            lines.append(
+                f"  {written} MatMul/Gemm written as {f['op']} (onnxruntime's CUDA fast path, reads the float8 "
+                f"weight itself): {len(f['w8a8'])} W8A8 (static E4M3 activations: a_scale), {len(f['w8a16'])} "
+                "W8A16 (activations in float16, or quantized in the graph before it)"
+            )
+            for name, why in f["kept_qdq"].items():
+                lines.append(f"  kept Q/DQ: {name}: {why}")
+            if self.runtime_checked == "cpu":
+                lines.append("  checked on the CPU EP with the op emulated (standard ops, the CUDA kernel's numerics)")
         if self.runtime_checked is None:
             lines.append(
                 "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker only)"

@@ -3,14 +3,18 @@
 On the CPU EP, ``session.disable_quant_qdq`` is set: its QDQ fusion turns a float8
 DequantizeLinear -> Gemm into QGemm, which has no float8 kernel (onnxruntime issue 22269).
 Everything else stays at ORT's defaults, because that is how users run the result.
+
+A model with ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (CUDA only; what ``--gemm-op block-fp8``
+writes) is emulated on the CPU EP: the op lowered to standard ops with the CUDA kernel's numerics
+(:class:`fp8onnx.passes.EmulateBlockFp8MatMulPass`), in memory; the file stays as it is.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import importlib.util
 import logging
+import mmap
 import os
 
 import numpy as np
@@ -27,6 +31,7 @@ __all__ = [
     "WEIGHT_MEMORY",
     "RunOptions",
     "check_ray",
+    "cuda_only_ops",
     "inline_proto",
     "make_session",
     "median_latency_ms",
@@ -179,6 +184,9 @@ def make_session(
     without a copy (the session keeps them alive); ``threads``: onnxruntime's intra-op threads (0: its
     default); ``disabled_optimizers``: onnxruntime graph transformers to leave out (by name)."""
     provider = resolve_provider(provider)
+    if provider == "cpu" and cuda_only_ops(model):
+        options = {"arena": arena, "optimize": optimize, "instrumented": instrumented, "threads": threads}
+        return _emulated_session(model, what, weights, **options)
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
     options = _options(provider, arena, optimize, instrumented, threads)
@@ -194,6 +202,43 @@ def make_session(
     if weights:
         session._fp8onnx_weights = (weights, values)  # onnxruntime reads them in place: they must outlive it
     return session
+
+
+_CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs, emulated here
+
+
+def cuda_only_ops(model: bytes | str | os.PathLike) -> list[str]:
+    """The CUDA-only ops fp8onnx can emulate that a serialized model (or a model file, its graph only:
+    weights in a side file are not read) names; a byte search, no parse."""
+    if isinstance(model, bytes):
+        return [op.decode() for op in _CUDA_ONLY if op in model]
+    try:
+        with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return [op.decode() for op in _CUDA_ONLY if data.find(op) >= 0]
+    except (OSError, ValueError):  # not a readable file, or empty: onnxruntime says what is wrong
+        return []
+
+
+def _emulated_session(model, what: str, weights: dict | None, **options) -> ort.InferenceSession:
+    """A CPU session of ``model`` with its CUDA-only ops lowered to standard ones (same numerics)."""
+    from fp8onnx.passes import EmulateBlockFp8MatMulPass
+
+    try:
+        if isinstance(model, bytes):
+            import onnx
+
+            loaded = ir.serde.deserialize_model(onnx.load_from_string(model))
+            for value in loaded.graph.initializers.values():  # weights handed over as arrays
+                tensor = value.const_value
+                if isinstance(tensor, ir.ExternalTensor) and tensor.location == _IN_MEMORY and weights:
+                    value.const_value = ir.tensor(weights[value.name], dtype=tensor.dtype, name=value.name)
+        else:
+            loaded = ir.load(os.fspath(model))
+        EmulateBlockFp8MatMulPass()(loaded)
+    except Exception as exc:
+        raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from None
+    logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
+    return session_from_portable(portable_model(loaded, files=False), "cpu", what, **options)
 
 
 def inline_proto(model: ir.Model):
@@ -327,37 +372,6 @@ def median_latency_ms(session: ort.InferenceSession, feed: dict, *, warmup: int 
         times.append(time.perf_counter() - t0)
     times.sort()
     return 1e3 * times[len(times) // 2]
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def heap_in_use() -> int | None:
-    """Bytes of C heap this process has in use (glibc's mallinfo2: allocated chunks plus mmapped
-    ones), or None where that is not glibc. onnxruntime's sessions allocate through it when their
-    arena is off."""
-    try:
-        call = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    call.restype = _MallInfo2
-    info = call()
-    return int(info.uordblks + info.hblkhd)
 
 
 def check_ray(workers: int, address: str | None) -> None:

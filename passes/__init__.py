@@ -6,6 +6,14 @@ Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``Pas
 
 from ._common import output_channel_axis, release
 from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
+from .block_fp8 import (
+    BLOCK_FP8_OP,
+    BlockFp8MatMulPass,
+    BlockFp8Result,
+    EmulateBlockFp8MatMulPass,
+    block_fp8_reason,
+    has_block_fp8,
+)
 from .convert_fp16 import ConvertFloat16Pass
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
@@ -17,13 +25,17 @@ from .upgrade_opset import TARGET_OPSET, UpgradeError, UpgradeOpsetPass, default
 
 __all__ = [
     "AMAX_SUFFIX",
+    "BLOCK_FP8_OP",
     "MS_DOMAIN",
     "NODE_PREFIX",
     "TARGET_OPSET",
     "VALUE_SUFFIX",
     "AddAmaxOutputsPass",
+    "BlockFp8MatMulPass",
+    "BlockFp8Result",
     "ConvertFloat16Pass",
     "EmbeddingsResult",
+    "EmulateBlockFp8MatMulPass",
     "FoldWeightTransformsPass",
     "InsertQDQPass",
     "LowerGemmFloat8Pass",
@@ -34,7 +46,9 @@ __all__ = [
     "UpgradeError",
     "UpgradeOpsetPass",
     "bias_of",
+    "block_fp8_reason",
     "default_opset",
+    "has_block_fp8",
     "is_quantized",
     "output_channel_axis",
     "release",

@@ -121,15 +121,18 @@ class InsertQDQPass(ir.passes.InPlacePass):
         targets: Iterable[tuple[ir.Node | str, int]],
         quant: Mapping[str, TensorQuant],
         per_axis_blocks: bool = False,
+        blocked: Iterable[str] = (),
     ):
         """``targets``: (node or node name, input index) pairs, in the main graph or in subgraphs;
         ``quant``: tensor name -> TensorQuant. ``per_axis_blocks``: block-scaled weights in the
         per-axis form (:meth:`_blocks_per_axis`) instead of a blocked DequantizeLinear, for EPs
-        without blocked float8 DequantizeLinear (onnxruntime's CUDA EP)."""
+        without blocked float8 DequantizeLinear (onnxruntime's CUDA EP), but for the weights named in
+        ``blocked`` (those that :class:`~fp8onnx.passes.BlockFp8MatMulPass` reads next)."""
         super().__init__()
         self.targets = list(targets)
         self.quant = dict(quant)
         self.per_axis_blocks = per_axis_blocks
+        self.blocked = frozenset(blocked)
 
     def _resolved(self, model: ir.Model) -> list[tuple[ir.Node, int]]:
         nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
@@ -235,7 +238,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
     def _dequantized(self, b: _Builder, value, tq: TensorQuant, scale, scale32, shape: list, out: str) -> ir.Value:
         """The float8 initializer of ``value`` (seen as ``shape``) and its DequantizeLinear, named ``out``
         (``scale32()``: the float32 scales broadcastable to ``shape``)."""
-        if tq.block_size and self.per_axis_blocks:
+        if tq.block_size and self.per_axis_blocks and value.name not in self.blocked:
             return self._blocks_per_axis(b, value, tq, scale, scale32, shape, out)
         name = f"{NODE_PREFIX}{value.name}/fp8"
         quantized = lambda w: quantize(w.reshape(shape), scale32(), tq.format)  # noqa: E731

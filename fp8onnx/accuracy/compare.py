@@ -40,6 +40,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.runtime import (
     RunOptions,
+    cuda_only_ops,
     make_session,
     resolve_provider,
 )
@@ -110,7 +111,12 @@ def compare(
     if max_samples is not None and total is not None:
         total = min(total, -(-max_samples // batch_size))
 
-    notes: list[str] = []
+    notes = [
+        f"{name}: {', '.join(ops)} emulated on the CPU EP (standard ops with the CUDA kernel's numerics; the GPU "
+        "decode path for M <= 8 rows rounds once less)"
+        for name, (path, _) in models.items()
+        if path and provider == "cpu" and (ops := cuda_only_ops(path))
+    ]
     job = _Evaluation(
         reference,
         models,

@@ -5,6 +5,7 @@ FP32 reference run once for every round of a search (:class:`ReferenceRun`)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import logging
@@ -22,7 +23,6 @@ from fp8onnx.pipeline.segments import Spill
 from fp8onnx.progress import progress_bar
 from fp8onnx.runtime import (
     RunOptions,
-    heap_in_use,
     make_session,
     portable_model,
     session_for_model,
@@ -321,3 +321,34 @@ def candidate_batch(
 ) -> _Score:
     """Model ``name`` on batch ``b``, scored against the reference's outputs ``ref``."""
     return _score(ref, _run(session, name, feed, b), out_names, labels, label_out, classes)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_in_use() -> int | None:
+    """Bytes of C heap this process has in use (glibc's mallinfo2: allocated chunks plus mmapped
+    ones), or None where that is not glibc. onnxruntime's sessions allocate through it when their
+    arena is off."""
+    try:
+        call = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    call.restype = _MallInfo2
+    info = call()
+    return int(info.uordblks + info.hblkhd)

@@ -346,7 +346,7 @@ class _QuantizeCommand(_Sectioned):
             "float_stem",
             "embeddings",
         ),
-        "Deployment target": ("precision", "target", "native_gemm", "fold_at_load"),
+        "Deployment target": ("precision", "target", "gemm_op", "native_gemm", "fold_at_load"),
         "Running": ("batch_size", "batch_memory", "workers", "ray_address", "weight_memory", "provider"),
     }
 

@@ -21,7 +21,6 @@ from fp8onnx.cli.common import (
     _csv,
     _metric_option,
     _per_channel_option,
-    _precision_option,
     _provider_option,
     _QuantizeCommand,
     _run,
@@ -32,6 +31,7 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
+from fp8onnx.cli.options import deployment_options
 from fp8onnx.config import (
     ACTIVATION_MODES,
     EMBEDDING_MODES,
@@ -44,7 +44,6 @@ from fp8onnx.graph.guard import check_paths, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.phases import process_age
 from fp8onnx.phases import table as phases_table
-from fp8onnx.targets import TARGETS
 
 
 @main.command(cls=_QuantizeCommand)
@@ -111,21 +110,7 @@ from fp8onnx.targets import TARGETS
     help="--activations dynamic-per-group: channels per in-graph scale (DeepSeek-V3's activation tiles: 128).",
 )
 @_per_channel_option
-@_precision_option
-@click.option(
-    "--target",
-    type=click.Choice(TARGETS),
-    default="onnxruntime",
-    show_default=True,
-    help="tensorrt: only what TensorRT's FP8 takes (E4M3FN, constant scales), checked on the result; "
-    "onnxruntime-cuda: what onnxruntime's CUDA EP runs (e4m3fn/e5m2; block scales as per-axis DequantizeLinear, "
-    "chosen too when the run's provider is CUDA).",
-)
-@click.option(
-    "--native-gemm",
-    is_flag=True,
-    help="Lower quantized MatMul/Gemm to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9).",
-)
+@deployment_options
 @click.option(
     "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated: MatMul, Gemm, Conv."
 )
@@ -248,6 +233,7 @@ def quantize(
     per_channel,
     precision,
     target,
+    gemm_op,
     native_gemm,
     op_types,
     exclude,
@@ -301,6 +287,7 @@ def quantize(
       fp8onnx quantize model.onnx --calib calib.npz --weight-format e4m3fn --activation-format e5m2 -o mixed.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 -o model.fp8-fp16.onnx
       fp8onnx quantize model.onnx --calib calib.npz --precision fp16 --native-gemm -o model.gemmfp8.onnx
+      fp8onnx quantize model.onnx --calib calib.npz --target onnxruntime-cuda -o model.cuda.onnx  # the CUDA fast path
       fp8onnx quantize llama.onnx --calib calib.npz --weight-memory 256 -o llama.fp8.onnx  # layer by layer
     """
     if (eval_data is None) != (accuracy_target is None):
@@ -329,6 +316,7 @@ def quantize(
         per_channel=per_channel,
         precision=precision,
         native_gemm=native_gemm,
+        gemm_op=gemm_op,
         target=target,
         op_types=op_types,
         exclude=exclude,

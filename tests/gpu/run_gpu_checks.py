@@ -132,6 +132,7 @@ def block_checks(sample, ids, tmp, provider):
     import fp8onnx
 
     recipe = {"preset": "none", "weight_block_size": 32, "activations": "dynamic-per-group", "group_size": 32}
+    recipe["gemm_op"] = "qdq"  # the per-axis Q/DQ form (step 6 checks the fast form)
     cuda_form, cpu_form = tmp / "blocks.cuda.onnx", tmp / "blocks.cpu.onnx"
     fp8onnx.quantize(sample / "decoder.onnx", cuda_form, target="onnxruntime-cuda", provider="cpu", **recipe)
     fp8onnx.quantize(sample / "decoder.onnx", cpu_form, provider="cpu", **recipe)
