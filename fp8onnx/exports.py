@@ -261,6 +261,7 @@ class FolderReport:
     copied: list[str]
     prompts_from: str | None
     decode_steps: int
+    deployment: list[str] = dataclasses.field(default_factory=list)  # what the folder's configs now say
 
     def to_json(self, full: bool = True) -> dict:
         """Every model's full report (``--report``), or with ``full=False`` what the folder's
@@ -286,6 +287,7 @@ class FolderReport:
             "calibration": {"data": self.prompts_from, "decode_steps": self.decode_steps},
             "models": {name: r.to_json() if full else brief(r) for name, r in self.reports.items()},
             "copied": self.copied,
+            "deployment": self.deployment,
         }
 
     def summary(self) -> str:
@@ -297,6 +299,7 @@ class FolderReport:
             f"  copied {len(self.copied)} other files: {', '.join(self.copied[:8])}"
             + (", ..." if len(self.copied) > 8 else "")
         )
+        lines += [f"  {line}" for line in self.deployment]
         return "\n".join(lines)
 
 
@@ -308,7 +311,7 @@ def quantize_folder(
     config=None,
     run: RunOptions | None = None,
     decode_steps: int = DECODE_STEPS,
-    fold_at_load: bool = False,
+    fold_at_load: bool | None = None,
     **options,
 ) -> FolderReport:
     """Quantize every model of the export folder ``export_dir`` into ``out_dir`` (see the module
@@ -317,7 +320,10 @@ def quantize_folder(
     folder anything ``quantize`` takes. ``config``/``options`` and ``run`` as for
     :func:`fp8onnx.quantize`. ``fold_at_load`` (onnxruntime-genai folders): the decoder's session
     options get ``session.disable_quant_qdq = "1"``, so onnxruntime dequantizes the float8 weights
-    once at load instead of at every token (CPU: the speed and memory of FP32, the file of FP8)."""
+    once at load instead of at every token (CPU: the speed and memory of FP32, the file of FP8); None
+    (the default): so for an onnxruntime-genai folder, unless it is for the CUDA EP. With ``--target
+    onnxruntime-cuda`` an onnxruntime-genai folder's decoder names the CUDA provider, as the runtime's
+    own builder writes it."""
     from fp8onnx.config import QuantizeConfig
     from fp8onnx.quantize import quantize
 
@@ -325,7 +331,15 @@ def quantize_folder(
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
     export = describe_export(export_dir)
-    if fold_at_load and export.layout != "onnxruntime-genai":
+    genai, cuda = export.layout == "onnxruntime-genai", config.target == "onnxruntime-cuda"
+    if fold_at_load is None:
+        fold_at_load = genai and not cuda
+    if fold_at_load and cuda:
+        raise Fp8OnnxError(
+            "--fold-at-load is for the CPU EP (float8 weights dequantized once at load); --target onnxruntime-cuda "
+            "keeps them float8 on the GPU: drop one."
+        )
+    if fold_at_load and not genai:
         raise Fp8OnnxError(
             f"--fold-at-load writes onnxruntime-genai's genai_config.json; {str(export.folder)!r} is not an "
             f"onnxruntime-genai export ({export.layout}): set session.disable_quant_qdq=1 in your own SessionOptions."
@@ -354,8 +368,22 @@ def quantize_folder(
             if model in data and reports[model.name].calibration:  # not the feeds' temporary folder
                 reports[model.name].calibration["source"] = f"{calib}, run through the export"
         copied = _copy_other_files(export, build)
+        deployment = []
         if fold_at_load:
-            _fold_at_load(build / "genai_config.json")
+            _genai_decoder_options(build / "genai_config.json", {"session.disable_quant_qdq": "1"})
+            deployment.append(
+                "genai_config.json: the decoder's float8 weights are dequantized once at load "
+                "(session.disable_quant_qdq=1): FP32's speed and session memory on the CPU, FP8's files "
+                "(--no-fold-at-load: FP8's memory, each token dequantizes every weight)"
+            )
+        if genai and cuda:
+            _genai_decoder_options(build / "genai_config.json", provider={"cuda": {"enable_cuda_graph": "0"}})
+            deployment.append(
+                "genai_config.json: the decoder runs on the CUDA provider (onnxruntime-genai's CUDA build; the "
+                "fast-form op has no CPU kernel)"
+            )
+        elif cuda:
+            deployment.append("load it with provider='CUDAExecutionProvider' (the fast-form op has no CPU kernel)")
         result = FolderReport(
             str(export.folder),
             str(out),
@@ -364,6 +392,7 @@ def quantize_folder(
             copied,
             None if calib is None else str(calib),
             decode_steps,
+            deployment,
         )
         write_text_atomic(build / MANIFEST, json.dumps(result.to_json(full=False), indent=1) + "\n")
         _swap_into_place(build, out)
@@ -373,12 +402,16 @@ def quantize_folder(
     return result
 
 
-def _fold_at_load(config: pathlib.Path) -> None:
-    """genai_config.json: the decoder's session sets session.disable_quant_qdq (onnxruntime-genai passes
-    unknown session_options keys to onnxruntime as config entries; values must be strings)."""
+def _genai_decoder_options(config: pathlib.Path, entries: dict | None = None, provider: dict | None = None) -> None:
+    """genai_config.json: session options of the decoder. ``entries``: onnxruntime config entries
+    (onnxruntime-genai passes unknown session_options keys on; values must be strings); ``provider``:
+    the one entry of ``provider_options`` (e.g. ``{"cuda": {...}}``, as onnxruntime-genai's builder
+    writes it), replacing any other."""
     doc = json.loads(config.read_text(encoding="utf-8"))
     options = doc["model"]["decoder"].setdefault("session_options", {})
-    options["session.disable_quant_qdq"] = "1"
+    options.update(entries or {})
+    if provider is not None:
+        options["provider_options"] = [provider]
     write_text_atomic(config, json.dumps(doc, indent=4) + "\n")
 
 

@@ -202,10 +202,11 @@ from fp8onnx.phases import table as phases_table
 )
 @_metric_option
 @click.option(
-    "--fold-at-load",
-    is_flag=True,
+    "--fold-at-load/--no-fold-at-load",
+    default=None,
     help="onnxruntime-genai folder: its decoder session dequantizes the float8 weights once at load "
-    "(session.disable_quant_qdq=1 in genai_config.json): on the CPU, FP32's speed and memory, FP8's file.",
+    "(session.disable_quant_qdq=1 in genai_config.json): on the CPU, FP32's speed and memory, FP8's file. "
+    "[default: on for a folder for the CPU, off for --target onnxruntime-cuda]",
 )
 @click.option(
     "--refine",

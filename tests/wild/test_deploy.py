@@ -257,24 +257,57 @@ def test_the_runtime_loads_and_generates_like_the_engine(exported):
     print(kind, "FP8 vs FP32 generation:", agreement(reference, fp8))
 
 
-def test_fold_at_load_sets_the_genai_session_option(exported, tmp_path):
-    """--fold-at-load: genai_config.json's decoder session dequantizes the float8 weights once at load;
-    the model files are those of the folder without it, the tokens (nearly) the same."""
+def test_a_genai_folder_for_the_cpu_folds_at_load_by_default(exported, tmp_path):
+    """A genai folder for the CPU: genai_config.json's decoder session dequantizes the float8 weights once
+    at load (FP32's speed); --no-fold-at-load leaves that out, with the same model files and (nearly)
+    the same tokens. Other layouts have no genai_config.json to say it in."""
     kind, folder, out = exported
     if kind != "genai":
         runner = _cli("quantize", folder, "--activations", "none", "--fold-at-load", "-o", tmp_path / "x")
         assert runner.exit_code == 2 and "genai_config.json" in runner.output, runner.output
         return
-    folded = tmp_path / "folded"
-    text = next(out.parent.glob("text.txt"))
-    result = _cli("quantize", folder, "--calib", text, "--seq-len", 16, "-o", folded, "--fold-at-load")
-    assert result.exit_code == 0, result.output
-    config = json.loads((folded / "genai_config.json").read_text())
+    config = json.loads((out / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["session.disable_quant_qdq"] == "1"
-    assert (folded / "model.onnx.data").read_bytes() == (out / "model.onnx.data").read_bytes()
+    assert "dequantized once at load" in json.loads((out / "fp8onnx.json").read_text())["deployment"][0]
+    unfolded = tmp_path / "unfolded"
+    text = next(out.parent.glob("text.txt"))
+    result = _cli("quantize", folder, "--calib", text, "--seq-len", 16, "-o", unfolded, "--no-fold-at-load")
+    assert result.exit_code == 0, result.output
+    config = json.loads((unfolded / "genai_config.json").read_text())
+    assert "session.disable_quant_qdq" not in config["model"]["decoder"].get("session_options", {})
+    assert (unfolded / "model.onnx.data").read_bytes() == (out / "model.onnx.data").read_bytes()
     from fp8onnx.accuracy.generation import agreement
 
-    assert agreement(runtime_generate(kind, out), runtime_generate(kind, folded))["token_agreement"] >= 0.9
+    assert agreement(runtime_generate(kind, out), runtime_generate(kind, unfolded))["token_agreement"] >= 0.9
+
+
+def test_a_genai_folder_for_the_cuda_ep(exported, tmp_path):
+    """--target onnxruntime-cuda: the decoder's MatMuls in the fast form, genai_config.json names the CUDA
+    provider as onnxruntime-genai's builder writes it; fp8onnx runs the folder on the CPU by emulating
+    the op (same tokens as the Q/DQ folder, nearly), which onnxruntime-genai's CPU build cannot."""
+    kind, folder, out = exported
+    if kind != "genai":
+        pytest.skip("genai_config.json")
+    cuda, text = tmp_path / "cuda", next(out.parent.glob("text.txt"))
+    result = _cli("quantize", folder, "--calib", text, "--seq-len", 16, "-o", cuda, "--target", "onnxruntime-cuda")
+    assert result.exit_code == 0, result.output
+    assert "the decoder runs on the CUDA provider" in result.output
+    options = json.loads((cuda / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert options["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    assert "session.disable_quant_qdq" not in options
+    model = onnx.load(str(cuda / "model.onnx"), load_external_data=False)
+    fast = [n for n in model.graph.node if n.op_type == "MatMulBlockQuantizedFp8Weight"]
+    weights = {i.name for i in model.graph.initializer}
+    plain = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    assert fast and not plain
+    from fp8onnx.accuracy.generation import agreement
+
+    assert agreement(engine_generate(out), engine_generate(cuda))["token_agreement"] >= 0.8
+    import onnxruntime_genai as og
+
+    with pytest.raises(Exception) as refused:  # the CPU build: no CUDA provider, no kernel for the op
+        og.Model(str(cuda))
+    print("onnxruntime-genai (CPU build) on the CUDA folder:", str(refused.value).splitlines()[0])
 
 
 def test_feed_layout_with_empty_kv_caches_quantizes_the_genai_decoder(exported, tmp_path):
