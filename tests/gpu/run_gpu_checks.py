@@ -12,9 +12,14 @@ Run on a CUDA machine with onnxruntime-gpu (see ../shared/hooks/gpu/README.md):
    the sample decoder at 64 x 64 = 4,096 tokens, and for a GEMM-bound stack at Llama-7B widths
    (d=4096, ffn=11008, 2 blocks of QKV/O projections and SwiGLU MLP, random weights) at 4,096 rows.
 4. Finer than per-channel: the sample decoder with weight blocks of 32 in the CUDA EP's per-axis
-   form (``--target onnxruntime-cuda``) and per-group activations of 32: where each node runs, and
-   its logits on the EP against the same recipe's blocked form on the CPU EP (the two forms are
-   bit-identical on the CPU EP; the CUDA EP has no blocked float8 DequantizeLinear).
+   form (``--target onnxruntime-cuda --gemm-op qdq``) and per-group activations of 32: where each
+   node runs, and its logits on the EP against the same recipe's blocked form on the CPU EP (the two
+   forms are bit-identical on the CPU EP; the CUDA EP has no blocked float8 DequantizeLinear).
+5. Decode: the Llama-7B-width stack at M = 1..8 rows, every form (the fast form's GEMV path).
+6. The fast form (``--target onnxruntime-cuda``: com.microsoft.MatMulBlockQuantizedFp8Weight, W8A16
+   from the decoder's default recipe and W8A8 from static activations; blocks of 128): in steps 1-3 and
+   5 next to FP16, Q/DQ and GemmFloat8, and its logits on the EP against fp8onnx's CPU emulation of
+   the op (the CPU EP has no kernel for it: the dry run runs the emulation in its place).
 Writes gpu_checks.json into --out.
 """
 
@@ -72,10 +77,43 @@ def placement(path, provider, feed, tmp):
     return {"session_providers": sess.get_providers(), "nodes": {k: dict(v) for k, v in counts.items()}}
 
 
+def runnable(path, provider):
+    """``path`` itself, or on the CPU EP a copy with the CUDA-only fast-form op emulated (standard ops)."""
+    from fp8onnx.runtime import cuda_only_ops
+
+    path = pathlib.Path(path)
+    if provider != "cpu" or not cuda_only_ops(path):
+        return path
+    import onnx_ir as ir
+
+    from fp8onnx.passes import EmulateBlockFp8MatMulPass
+
+    model = ir.load(path)
+    EmulateBlockFp8MatMulPass()(model)
+    emulated = path.with_name(path.stem + ".emulated.onnx")
+    ir.save(model, emulated, external_data=emulated.name + ".data")
+    return emulated
+
+
+def fast_form_checks(models, ids, tmp, provider):
+    """Step 6: the fast form's logits on the EP against fp8onnx's CPU emulation of it."""
+    feed = {"input_ids": ids[:16]}
+    out = {}
+    for key in ("fp8_fast", "fp8_fast_w8a8"):
+        got = session(runnable(models[key], provider), provider).run(None, feed)[0].astype(np.float64)
+        ref = session(runnable(models[key], "cpu"), "cpu").run(None, feed)[0].astype(np.float64)
+        out[key] = {
+            "max_abs_vs_cpu_emulation": float(np.abs(got - ref).max()),
+            "rel_l2_vs_cpu_emulation": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
+            "top1_agreement_vs_cpu_emulation": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+        }
+    return out
+
+
 def latency_ms(path, provider, feed, warmup=10, runs=50):
     from fp8onnx.runtime import median_latency_ms
 
-    return median_latency_ms(session(path, provider), feed, warmup=warmup, runs=runs)
+    return median_latency_ms(session(runnable(path, provider), provider), feed, warmup=warmup, runs=runs)
 
 
 def gemm_stack(path, d=4096, ffn=11008, blocks=2, seed=0):
@@ -151,12 +189,22 @@ def block_checks(sample, ids, tmp, provider):
 
 
 def variants(model, calib, tmp, provider, native):
-    """FP16 baseline, FP8-QDQ and FP8-native versions of ``model`` (FP16 graph around FP8 GEMMs)."""
+    """FP16 baseline, FP8-QDQ, the fast form (W8A16 with the model's default recipe, W8A8 with static
+    activations) and FP8-native versions of ``model`` (FP16 graphs around FP8 GEMMs)."""
     import fp8onnx
 
     out = {"fp16": tmp / f"{model.stem}.fp16.onnx", "fp8_qdq": tmp / f"{model.stem}.fp8.onnx"}
     fp8onnx.convert_fp16(model, out["fp16"])
     fp8onnx.quantize(model, out["fp8_qdq"], calib, precision="fp16", provider="cpu")
+    out["fp8_fast"] = tmp / f"{model.stem}.fast.onnx"
+    report = fp8onnx.quantize(model, out["fp8_fast"], calib, target="onnxruntime-cuda", provider="cpu")
+    form = report.fast_form
+    print(f"  fast form ({report.config.get('preset')}): {len(form['w8a16'])} W8A16, {len(form['w8a8'])} W8A8 nodes")
+    out["fp8_fast_w8a8"] = tmp / f"{model.stem}.fast_w8a8.onnx"
+    report = fp8onnx.quantize(
+        model, out["fp8_fast_w8a8"], calib, target="onnxruntime-cuda", preset="none", provider="cpu"
+    )
+    print(f"  fast form W8A8: {len(report.fast_form['w8a8'])} W8A8 nodes, kept Q/DQ: {report.fast_form['kept_qdq']}")
     if native:
         out["fp8_native"] = tmp / f"{model.stem}.fp8native.onnx"
         report = fp8onnx.quantize(
@@ -187,12 +235,14 @@ def main() -> None:
         models = variants(sample / "decoder.onnx", sample / "calib.npz", tmp, provider, native)
         ids = np.load(sample / "eval.npz")["input_ids"]
         feed_small = {"input_ids": ids[:4]}
-        results["placement"] = {k: placement(p, provider, feed_small, tmp) for k, p in models.items()}
+        results["placement"] = {
+            k: placement(runnable(p, provider), provider, feed_small, tmp) for k, p in models.items()
+        }
         for k, v in results["placement"].items():
             print(f"placement {k}: session providers {v['session_providers']}; nodes {v['nodes']}")
         cmp = fp8onnx.compare(
             sample / "decoder.onnx",
-            [models["fp8_qdq"], *([models["fp8_native"]] if native else [])],
+            [models[k] for k in ("fp8_qdq", "fp8_fast", "fp8_fast_w8a8", "fp8_native") if k in models],
             sample / "eval.npz",
             provider=provider,
         )
@@ -207,6 +257,14 @@ def main() -> None:
         stack_models = variants(stack, tmp / "stack_calib.npz", tmp, provider, native)
         x = {"x": rng.standard_normal((4096 if not args.cpu_dry_run else 256, d)).astype(np.float32)}
         results["stack_latency_ms"] = {k: latency_ms(p, provider, x, runs=args.runs) for k, p in stack_models.items()}
+        decode = {}
+        for m in range(1, 9):  # decode: M rows (the fast form's GEMV path for M <= 8)
+            xm = {"x": x["x"][:m]}
+            decode[m] = {k: latency_ms(p, provider, xm, runs=args.runs) for k, p in stack_models.items()}
+            print(f"decode M={m}: " + ", ".join(f"{k} {v / decode[m]['fp16']:.2f}x" for k, v in decode[m].items()))
+        results["stack_decode_ms"] = decode
+        results["fast_form"] = fast_form_checks(models, ids, tmp, provider)
+        print(f"fast form vs its CPU emulation: {json.dumps(results['fast_form'])}")
         results["blocks"] = block_checks(sample, ids, tmp, provider)
         print(f"blocks (CUDA form, per-group activations): {json.dumps(results['blocks'])}")
     for key in ("decoder_latency_ms", "stack_latency_ms"):
