@@ -144,6 +144,8 @@ class QuantizeConfig:
     native_gemm: bool = False  # the same as gemm_op="gemm-float8"
     target: Target | str = "onnxruntime"
     gemm_op: GemmOp | str = GemmOp.AUTO  # resolved on creation: never AUTO afterwards
+    # precision was not given: fp16 chosen for the fast form (quantize keeps float32 where fp16 cannot be had)
+    precision_derived: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
         if str(getattr(self.format, "value", self.format)).lower() == "mxfp8":
@@ -170,6 +172,7 @@ class QuantizeConfig:
         if self.precision is None:
             fp16 = self.gemm_op is GemmOp.BLOCK_FP8
             object.__setattr__(self, "precision", Precision.FP16 if fp16 else Precision.MODEL)
+            object.__setattr__(self, "precision_derived", fp16)
         object.__setattr__(self, "precision", check_precision(self.precision))
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise Fp8OnnxError(

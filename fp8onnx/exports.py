@@ -40,7 +40,6 @@ import tempfile
 import numpy as np
 import onnx
 
-from fp8onnx import __version__
 from fp8onnx.accuracy.generation import Generator, start_token
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import InputSpec, TextSource, is_text
@@ -48,6 +47,7 @@ from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
+from fp8onnx.report import FolderReport
 from fp8onnx.runtime import RunOptions, make_session
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
@@ -250,57 +250,6 @@ def _copy_other_files(export: Export, out: pathlib.Path) -> list[str]:
         shutil.copy2(path, out / rel)
         copied.append(str(rel))
     return copied
-
-
-@dataclasses.dataclass
-class FolderReport:
-    source: str
-    output: str
-    layout: str
-    reports: dict  # model file name -> QuantizeReport
-    copied: list[str]
-    prompts_from: str | None
-    decode_steps: int
-    deployment: list[str] = dataclasses.field(default_factory=list)  # what the folder's configs now say
-
-    def to_json(self, full: bool = True) -> dict:
-        """Every model's full report (``--report``), or with ``full=False`` what the folder's
-        ``fp8onnx.json`` keeps: settings, counts and sizes (a preset's per-node report runs to MBs)."""
-
-        def brief(report) -> dict:
-            return {
-                "config": report.config,
-                "opset": [report.opset_from, report.opset_to],
-                "quantized_nodes": len(report.quantized),
-                "float_nodes": len(report.skipped),
-                "prepared": report.prepared,
-                "calibration": report.calibration,
-                "input_bytes": report.input_bytes,
-                "output_bytes": report.output_bytes,
-            }
-
-        return {
-            "version": __version__,
-            "source": self.source,
-            "output": self.output,
-            "layout": self.layout,
-            "calibration": {"data": self.prompts_from, "decode_steps": self.decode_steps},
-            "models": {name: r.to_json() if full else brief(r) for name, r in self.reports.items()},
-            "copied": self.copied,
-            "deployment": self.deployment,
-        }
-
-    def summary(self) -> str:
-        lines = [f"{self.source} ({self.layout}) -> {self.output}: {len(self.reports)} models quantized"]
-        for name, report in self.reports.items():
-            lines.append(f"[{name}]")
-            lines += ["  " + line for line in report.summary().splitlines()]
-        lines.append(
-            f"  copied {len(self.copied)} other files: {', '.join(self.copied[:8])}"
-            + (", ..." if len(self.copied) > 8 else "")
-        )
-        lines += [f"  {line}" for line in self.deployment]
-        return "\n".join(lines)
 
 
 def quantize_folder(

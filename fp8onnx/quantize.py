@@ -34,7 +34,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, plan
-from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
     BlockFp8MatMulPass,
@@ -116,7 +116,14 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     out = pathlib.Path(output)
     provider = resolve_provider(run.provider)
     run = RunOptions.of(run, provider=provider)
-    ir_model, from_opset, prepared = prepare_model(model, config.precision)
+    try:
+        ir_model, from_opset, prepared = prepare_model(model, config.precision)
+    except Float16Unsupported as exc:
+        if not config.precision_derived:
+            raise
+        logger.warning("%s The graph stays float32; the fast form's ops get Casts to float16 and back.", exc)
+        config = dataclasses.replace(config, precision="model", explicit=(*config.explicit, "precision"))
+        ir_model, from_opset, prepared = prepare_model(model, config.precision)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
     family, explicit = None, config.explicit
     if config.preset == "auto":  # the family's recipe, under what the user set explicitly

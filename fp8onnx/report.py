@@ -6,9 +6,10 @@ import dataclasses
 
 import numpy as np
 
+from fp8onnx import __version__
 from fp8onnx.numerics.formats import EMULATED_NOTE
 
-__all__ = ["NodeReport", "QuantizeReport", "TensorReport", "describe_config"]
+__all__ = ["FolderReport", "NodeReport", "QuantizeReport", "TensorReport", "describe_config"]
 
 
 def _json_dict(items) -> dict:
@@ -186,4 +187,55 @@ class QuantizeReport:
                 )
         if not self.modified and not self.quantized:
             lines.append("  nothing to quantize: the output is the input graph, unchanged")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class FolderReport:
+    source: str
+    output: str
+    layout: str
+    reports: dict  # model file name -> QuantizeReport
+    copied: list[str]
+    prompts_from: str | None
+    decode_steps: int
+    deployment: list[str] = dataclasses.field(default_factory=list)  # what the folder's configs now say
+
+    def to_json(self, full: bool = True) -> dict:
+        """Every model's full report (``--report``), or with ``full=False`` what the folder's
+        ``fp8onnx.json`` keeps: settings, counts and sizes (a preset's per-node report runs to MBs)."""
+
+        def brief(report) -> dict:
+            return {
+                "config": report.config,
+                "opset": [report.opset_from, report.opset_to],
+                "quantized_nodes": len(report.quantized),
+                "float_nodes": len(report.skipped),
+                "prepared": report.prepared,
+                "calibration": report.calibration,
+                "input_bytes": report.input_bytes,
+                "output_bytes": report.output_bytes,
+            }
+
+        return {
+            "version": __version__,
+            "source": self.source,
+            "output": self.output,
+            "layout": self.layout,
+            "calibration": {"data": self.prompts_from, "decode_steps": self.decode_steps},
+            "models": {name: r.to_json() if full else brief(r) for name, r in self.reports.items()},
+            "copied": self.copied,
+            "deployment": self.deployment,
+        }
+
+    def summary(self) -> str:
+        lines = [f"{self.source} ({self.layout}) -> {self.output}: {len(self.reports)} models quantized"]
+        for name, report in self.reports.items():
+            lines.append(f"[{name}]")
+            lines += ["  " + line for line in report.summary().splitlines()]
+        lines.append(
+            f"  copied {len(self.copied)} other files: {', '.join(self.copied[:8])}"
+            + (", ..." if len(self.copied) > 8 else "")
+        )
+        lines += [f"  {line}" for line in self.deployment]
         return "\n".join(lines)

@@ -4,9 +4,9 @@ On the CPU EP, ``session.disable_quant_qdq`` is set: its QDQ fusion turns a floa
 DequantizeLinear -> Gemm into QGemm, which has no float8 kernel (onnxruntime issue 22269).
 Everything else stays at ORT's defaults, because that is how users run the result.
 
-A model with ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (CUDA only; what ``--gemm-op block-fp8``
-writes) is emulated on the CPU EP: the op lowered to standard ops with the CUDA kernel's numerics
-(:class:`fp8onnx.passes.EmulateBlockFp8MatMulPass`), in memory; the file stays as it is.
+What the CPU EP needs from a model first (:mod:`fp8onnx.graph.cpu_ep`): CUDA-only ops that fp8onnx
+writes emulated (in memory; the file stays as it is), float16 Conv graphs kept from a transformer
+that crashes on them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import mmap
 import os
 
 import numpy as np
@@ -23,6 +22,7 @@ import onnx_ir.external_data
 import onnxruntime as ort
 
 from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.graph.cpu_ep import cuda_only_ops, emulated, float16_conv
 
 __all__ = [
     "BATCH_MEMORY",
@@ -31,7 +31,6 @@ __all__ = [
     "WEIGHT_MEMORY",
     "RunOptions",
     "check_ray",
-    "cuda_only_ops",
     "inline_proto",
     "make_session",
     "median_latency_ms",
@@ -184,9 +183,16 @@ def make_session(
     without a copy (the session keeps them alive); ``threads``: onnxruntime's intra-op threads (0: its
     default); ``disabled_optimizers``: onnxruntime graph transformers to leave out (by name)."""
     provider = resolve_provider(provider)
-    if provider == "cpu" and cuda_only_ops(model):
-        options = {"arena": arena, "optimize": optimize, "instrumented": instrumented, "threads": threads}
-        return _emulated_session(model, what, weights, **options)
+    if provider == "cpu" and cuda_only_ops(model):  # lowered to standard ops, weights inline
+        try:
+            model, weights = emulated(model, weights, _IN_MEMORY), None
+        except Exception as exc:
+            raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from None
+        logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
+    if provider == "cpu" and float16_conv(model):
+        # onnxruntime 1.32's NchwcTransformer crashes the process (SIGSEGV) on float16 Conv graphs (the
+        # corpus ViT's patch embedding at --precision fp16); it only changes the layout of float32 Convs
+        disabled_optimizers = (*disabled_optimizers, "NchwcTransformer")
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
     options = _options(provider, arena, optimize, instrumented, threads)
@@ -202,43 +208,6 @@ def make_session(
     if weights:
         session._fp8onnx_weights = (weights, values)  # onnxruntime reads them in place: they must outlive it
     return session
-
-
-_CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs, emulated here
-
-
-def cuda_only_ops(model: bytes | str | os.PathLike) -> list[str]:
-    """The CUDA-only ops fp8onnx can emulate that a serialized model (or a model file, its graph only:
-    weights in a side file are not read) names; a byte search, no parse."""
-    if isinstance(model, bytes):
-        return [op.decode() for op in _CUDA_ONLY if op in model]
-    try:
-        with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return [op.decode() for op in _CUDA_ONLY if data.find(op) >= 0]
-    except (OSError, ValueError):  # not a readable file, or empty: onnxruntime says what is wrong
-        return []
-
-
-def _emulated_session(model, what: str, weights: dict | None, **options) -> ort.InferenceSession:
-    """A CPU session of ``model`` with its CUDA-only ops lowered to standard ones (same numerics)."""
-    from fp8onnx.passes import EmulateBlockFp8MatMulPass
-
-    try:
-        if isinstance(model, bytes):
-            import onnx
-
-            loaded = ir.serde.deserialize_model(onnx.load_from_string(model))
-            for value in loaded.graph.initializers.values():  # weights handed over as arrays
-                tensor = value.const_value
-                if isinstance(tensor, ir.ExternalTensor) and tensor.location == _IN_MEMORY and weights:
-                    value.const_value = ir.tensor(weights[value.name], dtype=tensor.dtype, name=value.name)
-        else:
-            loaded = ir.load(os.fspath(model))
-        EmulateBlockFp8MatMulPass()(loaded)
-    except Exception as exc:
-        raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from None
-    logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
-    return session_from_portable(portable_model(loaded, files=False), "cpu", what, **options)
 
 
 def inline_proto(model: ir.Model):

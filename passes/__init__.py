@@ -14,7 +14,7 @@ from .block_fp8 import (
     block_fp8_reason,
     has_block_fp8,
 )
-from .convert_fp16 import ConvertFloat16Pass
+from .convert_fp16 import ConvertFloat16Pass, Float16Error
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
@@ -36,6 +36,7 @@ __all__ = [
     "ConvertFloat16Pass",
     "EmbeddingsResult",
     "EmulateBlockFp8MatMulPass",
+    "Float16Error",
     "FoldWeightTransformsPass",
     "InsertQDQPass",
     "LowerGemmFloat8Pass",

@@ -70,7 +70,8 @@ def block_fp8_reason(node: ir.Node, weight_format: Fp8Format) -> str | None:
 
 
 def has_block_fp8(model: ir.Model) -> bool:
-    return any(n.op_type == BLOCK_FP8_OP and n.domain == MS_DOMAIN for n in model.graph)
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    return any(n.op_type == BLOCK_FP8_OP and n.domain == MS_DOMAIN for n in nodes)
 
 
 def _dq(value: ir.Value | None) -> ir.Node | None:
@@ -156,7 +157,7 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError("float8 Q/DQ with blocks needs opset >= 21")
 
     def ensures(self, model: ir.Model) -> None:
-        for node in model.graph:
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
             if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx") and self._fits(node):
                 raise ir.passes.PostconditionError(f"{node.name!r} could be written in the fast form and was not")
         if has_block_fp8(model) and MS_DOMAIN not in model.opset_imports:
@@ -172,7 +173,7 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> BlockFp8Result:
         result = BlockFp8Result(model, False)
-        for node in list(model.graph):
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):  # If branches too
             if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
                 continue
             weight = _weight(node)
@@ -181,7 +182,7 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
                     result.skipped[node.name] = weight if isinstance(weight, str) else "transposed or non-float A"
                 continue
             static = _static_e4m3(node.inputs[0])
-            self._write(model.graph, node, weight, static)
+            self._write(model.graph, node, weight, static)  # constants in the main graph, seen from every branch
             (result.w8a8 if static else result.w8a16).append(node.name)
         if result.w8a8 or result.w8a16:
             ir.passes.common.RemoveUnusedNodesPass()(model)
@@ -198,7 +199,9 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
 
     def _write(self, graph: ir.Graph, node: ir.Node, weight, static) -> None:
         codes, b_scale, block, kn = weight
-        name, out = node.name, node.outputs[0]
+        # new nodes and values are named after the output, unique across If branches (node names may not be)
+        out = node.outputs[0]
+        name = out.name
         n, k = b_scale.shape[0], (codes.shape[0] if kn else codes.shape[1])
         if kn:  # the op reads B as [N, K]: the same codes, transposed when the model is written
             source = codes.const_value
@@ -222,7 +225,7 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
         inputs = [a, codes, initializer(graph, f"{codes.name}/b_scale", b_scale), a_scale, op_bias]
         while inputs[-1] is None:
             inputs.pop()
-        y = tape.op(BLOCK_FP8_OP, inputs, {"block_size": block}, domain=MS_DOMAIN, name=name)
+        y = tape.op(BLOCK_FP8_OP, inputs, {"block_size": block}, domain=MS_DOMAIN, name=node.name)
         y.dtype = t
         if wide:
             y = tape.op("Cast", [y], {"to": int(ir.DataType.FLOAT)}, name=f"{name}/y_fp32")
@@ -235,9 +238,9 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
             for o in v.outputs:
                 o.name = o.name or v.name
         y.dtype, y.shape = out.dtype, out.shape
-        graph.insert_before(node, tape.nodes)
+        node.graph.insert_before(node, tape.nodes)
         out.replace_all_uses_with(y, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        node.graph.remove(node, safe=True)
         old = out.name
         out.name = f"{old}/replaced"
         y.name = old
@@ -257,7 +260,7 @@ class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0
-        for node in list(model.graph):
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
             if node.op_type != BLOCK_FP8_OP or node.domain != MS_DOMAIN:
                 continue
             self._lower(model.graph, node)
@@ -269,7 +272,8 @@ class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, bool(count))
 
     def _lower(self, graph: ir.Graph, node: ir.Node) -> None:
-        name, out = node.name, node.outputs[0]
+        out = node.outputs[0]
+        name = out.name  # unique across If branches (node names may not be)
         a, codes, b_scale = node.inputs[:3]
         a_scale = node.inputs[3] if len(node.inputs) > 3 else None
         bias = node.inputs[4] if len(node.inputs) > 4 else None
@@ -309,9 +313,9 @@ class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
             b32 = op("Cast", [bias], "bias_fp32", to=f32)
             y = op("Cast", [op("Add", [op("Cast", [y], "y_fp32", to=f32), b32], "y_bias")], "y_b", to=int(t))
         y.dtype, y.shape = out.dtype, out.shape
-        graph.insert_before(node, tape.nodes)
+        node.graph.insert_before(node, tape.nodes)
         out.replace_all_uses_with(y, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        node.graph.remove(node, safe=True)
         old = out.name
         out.name = f"{old}/replaced"
         y.name = old

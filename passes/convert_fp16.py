@@ -31,7 +31,12 @@ from onnxruntime.transformers import float16 as ort_float16
 
 from ._common import derived_tensor, proto_graphs
 
-__all__ = ["ConvertFloat16Pass"]
+__all__ = ["ConvertFloat16Pass", "Float16Error"]
+
+
+class Float16Error(ValueError):
+    """onnxruntime's float16 converter wrote a graph no loader takes (names read but never defined)."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,14 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
                 node_block_list=blocked,
             )
         _skip_float16_round_trips(proto, set(blocked))
+        _drop_repeated_casts(proto)
+        missing = _undefined(proto.graph, set())
+        if missing:
+            raise Float16Error(
+                f"onnxruntime's float16 converter wrote an invalid graph ({len(missing)} values read but never "
+                f"defined, e.g. {missing[0]!r}); it mishandles If branches that read the same outer values, "
+                "as Optimum's merged decoders do"
+            )
         logger.info("converted the model to float16 (inputs and outputs kept as they were)")
         converted = ir.from_proto(proto)
         for name, source in external.items():
@@ -129,6 +142,36 @@ def _name_shape_paths(proto) -> list[str]:
             if node.op_type not in _SHAPE_SOURCES:
                 stack.extend(i for i in node.input if i)
     return blocked
+
+
+def _undefined(graph, outer: set[str]) -> list[str]:
+    """Names a graph (or a subgraph under it) reads or returns that nothing in scope defines."""
+    defined = outer | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {o for n in graph.node for o in n.output if o}
+    missing = [i for n in graph.node for i in n.input if i and i not in defined]
+    missing += [v.name for v in graph.output if v.name not in defined]
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                missing += _undefined(sub, defined)
+    return missing
+
+
+def _drop_repeated_casts(proto) -> None:
+    """The converter writes a Cast of an outer value once for every subgraph that reads it (Optimum's
+    merged decoder: both If branches), the same node twice, which no loader takes ("redeclared");
+    keep the first."""
+    for graph in proto_graphs(proto.graph):
+        seen, keep = set(), []
+        for node in graph.node:
+            key = node.SerializeToString(deterministic=True) if node.op_type == "Cast" else None
+            if key is not None and key in seen:
+                continue
+            seen.add(key)
+            keep.append(node)
+        if len(keep) < len(graph.node):
+            del graph.node[:]
+            graph.node.extend(keep)
 
 
 def _skip_float16_round_trips(proto, blocked: set[str]) -> None:

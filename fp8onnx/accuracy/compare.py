@@ -37,10 +37,10 @@ from fp8onnx.accuracy.metrics import METRICS, class_outputs
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.runtime import (
     RunOptions,
-    cuda_only_ops,
     make_session,
     resolve_provider,
 )

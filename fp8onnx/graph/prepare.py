@@ -14,6 +14,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model
 from fp8onnx.passes import (
     ConvertFloat16Pass,
+    Float16Error,
     FoldWeightTransformsPass,
     TieEmbeddingsPass,
     UpgradeError,
@@ -21,7 +22,12 @@ from fp8onnx.passes import (
     default_opset,
 )
 
-__all__ = ["prepare_model"]
+__all__ = ["Float16Unsupported", "prepare_model"]
+
+
+class Float16Unsupported(Fp8OnnxError):
+    """--precision fp16 cannot convert this model."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,10 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     for step, label in steps:
         try:
             result = step(model)
+        except Float16Error as exc:
+            raise Float16Unsupported(
+                f"--precision fp16 cannot convert {str(path)!r}: {exc}. Use --precision model."
+            ) from None
         except (UpgradeError, ir.passes.PostconditionError) as exc:
             raise Fp8OnnxError(
                 f"Model file {str(path)!r} cannot be upgraded from opset {from_version} to {upgrade.target}: {exc}"

@@ -79,7 +79,7 @@ def placement(path, provider, feed, tmp):
 
 def runnable(path, provider):
     """``path`` itself, or on the CPU EP a copy with the CUDA-only fast-form op emulated (standard ops)."""
-    from fp8onnx.runtime import cuda_only_ops
+    from fp8onnx.graph.cpu_ep import cuda_only_ops
 
     path = pathlib.Path(path)
     if provider != "cpu" or not cuda_only_ops(path):

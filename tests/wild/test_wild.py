@@ -200,6 +200,21 @@ def test_kv_cache_decoders_calibrate_from_a_text_file_alone(name, tmp_path):
 
 
 @pytest.mark.wild
+@pytest.mark.parametrize("precision", ["fp16"])
+def test_a_vit_quantizes_at_fp16_without_crashing_onnxruntime(tmp_path, precision):
+    """The same crash in quantize's own sessions (calibration, the load check): --precision fp16, which
+    --target onnxruntime-cuda implies, killed the process with SIGSEGV on the corpus ViT before
+    fp8onnx's sessions left NchwcTransformer out of float16 Conv graphs."""
+    import fp8onnx
+
+    if not available("torch-vit-o14"):
+        pytest.skip("needs torch (pip install -e .[wild])")
+    path, data = build("torch-vit-o14", tmp_path)
+    np.savez(tmp_path / "data.npz", **data)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", tmp_path / "data.npz", precision=precision, provider="cpu")
+    assert report.quantized and report.config["precision"] == "fp16"
+
+
 def test_the_fp16_baseline_of_a_vit_loads_in_onnxruntime(tmp_path):
     """onnxruntime 1.32's NchwcTransformer crashed the process (SIGSEGV) building the FP16 baseline's
     session of the corpus ViT (a float16 Conv patch embedding); compare leaves that transformer out."""

@@ -1,0 +1,80 @@
+"""What onnxruntime's CPU EP needs from a model before a session: fp8onnx's own sessions apply it.
+
+- ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (CUDA only; what ``--gemm-op block-fp8`` writes) has
+  no CPU kernel: it is lowered to standard ops with the CUDA kernel's numerics
+  (:class:`fp8onnx.passes.EmulateBlockFp8MatMulPass`), in memory;
+- onnxruntime 1.32's NchwcTransformer crashes the process (SIGSEGV) on float16 Conv graphs (the corpus
+  ViT's patch embedding at --precision fp16): such a session leaves it out (it only changes the layout
+  of float32 Convs).
+
+Both are told from the serialized model by a byte search first; a model is parsed only when it names
+what is searched for.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["cuda_only_ops", "emulated", "float16_conv"]
+
+_CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs
+
+
+def _mentions(model: bytes | str | os.PathLike, words: tuple[bytes, ...]) -> list[bytes]:
+    """Which of ``words`` a serialized model (or a model file: its graph only, weights in a side file
+    are not read) contains; a byte search, no parse."""
+    if isinstance(model, bytes):
+        return [w for w in words if w in model]
+    try:
+        with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return [w for w in words if data.find(w) >= 0]
+    except (OSError, ValueError):  # not a readable file, or empty: onnxruntime says what is wrong
+        return []
+
+
+def cuda_only_ops(model: bytes | str | os.PathLike) -> list[str]:
+    """The CUDA-only ops fp8onnx can emulate that a serialized model (or a model file) names."""
+    return [op.decode() for op in _mentions(model, _CUDA_ONLY)]
+
+
+def float16_conv(model: bytes | str | os.PathLike) -> bool:
+    """Whether the model has a Conv and float16 tensors (its graph parsed only when it names Conv)."""
+    if not _mentions(model, (b"Conv",)):
+        return False
+    import onnx
+
+    try:
+        proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model, load_external_data=False)
+    except Exception:  # onnxruntime says what is wrong with it
+        return False
+    g, half = proto.graph, onnx.TensorProto.FLOAT16
+    return any(n.op_type.startswith("Conv") for n in g.node) and (
+        any(t.data_type == half for t in g.initializer)
+        or any(v.type.tensor_type.elem_type == half for v in (*g.input, *g.output, *g.value_info))
+        or any(a.name == "to" and a.i == half for n in g.node for a in n.attribute)
+    )
+
+
+def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | None, in_memory: str) -> bytes:
+    """``model`` (serialized, with ``weights`` handed over as arrays where its initializers point at the
+    external location ``in_memory``; or a file) with its CUDA-only ops lowered to standard ones, as one
+    self-contained serialized model."""
+    import onnx
+
+    from fp8onnx.passes import EmulateBlockFp8MatMulPass
+
+    if isinstance(model, bytes):
+        loaded = ir.serde.deserialize_model(onnx.load_from_string(model))
+        for value in loaded.graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.location == in_memory and weights:
+                value.const_value = ir.tensor(weights[value.name], dtype=tensor.dtype, name=value.name)
+    else:
+        loaded = ir.load(os.fspath(model))
+    EmulateBlockFp8MatMulPass()(loaded)
+    ir.external_data.load_to_model(loaded)
+    return ir.to_proto(loaded).SerializeToString()
