@@ -15,7 +15,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
 from fp8onnx.numerics.formats import EMULATED_NOTE, format_of
-from fp8onnx.passes import ConvertFloat16Pass
+from fp8onnx.passes import BLOCK_FP8_OP, ConvertFloat16Pass
 from fp8onnx.pipeline.calibration import Stats, collect_amax
 from fp8onnx.quantize import candidate_activations, prepare_model
 from fp8onnx.report import describe_config
@@ -66,11 +66,13 @@ def convert_fp16(model: str | os.PathLike, output: str | os.PathLike) -> pathlib
     return save_model(converted, out, what="FP16 model", external_data=source.meta[EXTERNAL_META])
 
 
-def inspect(model: str | os.PathLike) -> dict:
-    """What is quantized in ``model``: float8 tensors with their scales, node counts and sizes."""
+def inspect(model: str | os.PathLike, target: str | None = None) -> dict:
+    """What is quantized in ``model``: float8 tensors with their scales, node counts and sizes; with
+    ``target`` ("onnxruntime": the CPU EP, or "onnxruntime-cuda"), where each node will run
+    (:func:`fp8onnx.graph.placement.predict_placement`)."""
     m = load_model(model)
     graph = m.graph
-    tensors = []
+    tensors = _fast_form_weights(m)
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
             continue
@@ -103,8 +105,9 @@ def inspect(model: str | os.PathLike) -> dict:
             }
         )
     ops = collections.Counter(n.op_type for n in ir.traversal.RecursiveGraphIterator(graph))
-    matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")]
-    quantized = [n for n in matmuls if any(v is not None and _dequantized(v) for v in n.inputs[:2])]
+    fast = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type == BLOCK_FP8_OP]
+    matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")] + fast
+    quantized = [n for n in matmuls if n in fast or any(v is not None and _dequantized(v) for v in n.inputs[:2])]
     fed = len(quantized)
     by_type: dict[str, int] = collections.defaultdict(int)
     for v in graph.initializers.values():
@@ -113,9 +116,18 @@ def inspect(model: str | os.PathLike) -> dict:
     meta = m.metadata_props.get("fp8onnx")
     from fp8onnx.graph.plan import vocabulary_projections
 
+    placement = None
+    if target is not None:
+        from fp8onnx.graph.placement import placement_summary, predict_placement
+
+        provider = {"onnxruntime": "cpu", "onnxruntime-cuda": "cuda"}.get(target)
+        if provider is None:
+            raise Fp8OnnxError(f"inspect --target takes onnxruntime or onnxruntime-cuda, not {target!r}.")
+        placement = {"target": target, **placement_summary(predict_placement(m, provider), provider)}
     return {
         "model": str(model),
         "opset": m.opset_imports.get(""),
+        "placement": placement,
         "matmul_gemm_nodes": len(matmuls),
         "quantized_nodes": fed,
         "float8_tensors": tensors,
@@ -141,6 +153,32 @@ def _layout_ops_after(value: ir.Value) -> tuple[ir.Value, int]:
         axis = 1 if node.op_type == "Transpose" and list(node.attributes.get_ints("perm", [])) == [1, 0] else axis
         value = node.outputs[0]
     return value, axis
+
+
+def _fast_form_weights(model: ir.Model) -> list[dict]:
+    """The float8 weights that ``com.microsoft.MatMulBlockQuantizedFp8Weight`` nodes read."""
+    found = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != BLOCK_FP8_OP or node.inputs[1] is None or node.inputs[1].shape is None:
+            continue
+        b, b_scale = node.inputs[1], node.inputs[2]
+        block = node.attributes.get_int("block_size", 128)
+        scale = b_scale.const_value.numpy() if b_scale is not None and b_scale.const_value is not None else None
+        n, k = b.shape.numpy()
+        how = "per channel (one block over K)" if block >= k else f"block {block} along K"
+        numerics = "W8A8" if len(node.inputs) > 3 and node.inputs[3] is not None else "W8A16"
+        found.append(
+            {
+                "name": node.outputs[0].name,
+                "kind": "weight",
+                "format": "e4m3fn",
+                "scale": None if scale is None else scale.tolist(),
+                "granularity": f"{how} ({BLOCK_FP8_OP}, {numerics})",
+                "shape": [n, k],
+                "consumers": [BLOCK_FP8_OP],
+            }
+        )
+    return found
 
 
 def _dequantized(value: ir.Value) -> bool:
@@ -195,4 +233,11 @@ def inspect_summary(info: dict) -> str:
     )
     sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(info["weight_bytes_by_type"].items()))
     lines.append(f"  initializers: {sizes}")
+    placement = info.get("placement")
+    if placement:
+        counts = ", ".join(f"{n} {where}" for where, n in sorted(placement["counts"].items()))
+        lines.append(f"  placement on {placement['target']} (predicted): {counts}")
+        for what, nodes in list(placement["not_on_the_provider"].items())[:8]:
+            shown = ", ".join(nodes[:3]) + (f", ... ({len(nodes)} nodes)" if len(nodes) > 3 else "")
+            lines.append(f"    {what}: {shown}")
     return "\n".join(lines)

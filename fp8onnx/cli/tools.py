@@ -79,8 +79,14 @@ def calibrate(model, calib, output, batch_size, batch_memory, workers, ray_addre
 @click.option(
     "--plot", "plot_dir", type=click.Path(file_okay=False), help="Write scale_exponents.png into this folder."
 )
+@click.option(
+    "--target",
+    type=click.Choice(["onnxruntime", "onnxruntime-cuda"]),
+    help="Also predict where each node runs: on onnxruntime's CPU EP, or its CUDA EP (CUDA, handed to the "
+    "CPU EP, or failing at load or at Run), from the providers' kernel tables.",
+)
 @_run
-def inspect(model, as_json, plot_dir):
+def inspect(model, as_json, plot_dir, target):
     """Show what is quantized in MODEL: float8 tensors, formats, scales, sizes.
 
     \b
@@ -88,13 +94,14 @@ def inspect(model, as_json, plot_dir):
       fp8onnx inspect model.fp8.onnx
       fp8onnx inspect model.fp8.onnx --json > info.json
       fp8onnx inspect model.fp8.onnx --plot plots/
+      fp8onnx inspect model.cuda.onnx --target onnxruntime-cuda   # where each node will run
     """
     if plot_dir:
         output_folder(plot_dir, "Plot folder")
         check_paths(
             model_reads("the input model", model), [("the plot", pathlib.Path(plot_dir) / "scale_exponents.png")]
         )
-    info = api_inspect(model)
+    info = api_inspect(model, target)
     click.echo(json.dumps(info, indent=1) if as_json else inspect_summary(info))
     if plot_dir:
         from fp8onnx import plots
