@@ -1,5 +1,5 @@
 """Where onnxruntime runs each node, predicted (fp8onnx.graph.placement, ``inspect --target``): on the CPU
-EP against real sessions (tests/wild/test_placement.py does the same on the whole exporter corpus)."""
+EP against real sessions (tests/wild/test_wild_placement.py does the same on the whole exporter corpus)."""
 
 import onnx
 import onnxruntime as ort
@@ -15,7 +15,7 @@ from helpers import SAMPLE
 
 
 @pytest.fixture(scope="module")
-def forms(tmp_path_factory):
+def forms(tmp_path_factory):  # the sample decoder (a TorchScript export) in three FP8 forms
     tmp = tmp_path_factory.mktemp("forms")
     calib = SAMPLE / "calib.npz"
     paths = {"qdq": tmp / "qdq.onnx", "fast": tmp / "fast.onnx", "blocked": tmp / "blocked.onnx"}
@@ -48,3 +48,20 @@ def test_inspect_says_where_nodes_run(forms):
     assert set(info["placement"]["counts"]) <= {"cpu", "initializer"}
     with pytest.raises(fp8onnx.Fp8OnnxError, match="inspect --target takes onnxruntime or onnxruntime-cuda"):
         fp8onnx.inspect(forms["qdq"], target="tensorrt")
+
+
+def test_the_cuda_ep_runs_the_fast_form_and_refuses_blocked_float8_dq_at_run(forms):
+    """From the CUDA EP's kernel table (read from onnxruntime's source): every node of the fast form on
+    CUDA; the CPU EP's blocked Q/DQ form placed on CUDA, each blocked float8 DequantizeLinear failing at
+    Run; the per-axis Q/DQ form (--target onnxruntime-cuda --gemm-op qdq) all on CUDA."""
+    fast = predict_placement(load_model(forms["fast"]), "cuda")
+    assert {p.where for p in fast} <= {"cuda", "initializer"}, [p for p in fast if p.where != "cuda"][:3]
+    blocked = predict_placement(load_model(forms["blocked"]), "cuda")
+    at_run = {p.node for p in blocked if p.where == "fails at run"}
+    model = onnx.load(forms["blocked"])
+    blocks = [n for n in model.graph.node if any(a.name == "block_size" for a in n.attribute)]
+    dq = {n.name for n in blocks if n.op_type == "DequantizeLinear"}
+    assert at_run == dq and len(dq) == 29
+    assert all("int4 only" in p.why for p in blocked if p.where == "fails at run")
+    info = fp8onnx.inspect(forms["blocked"], target="onnxruntime-cuda")
+    assert info["placement"]["counts"]["fails at run"] == 29

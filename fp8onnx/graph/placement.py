@@ -41,8 +41,10 @@ class Kernel:
     constraints: tuple[tuple[str, frozenset[str]], ...] = ()  # type parameter -> the types it admits
     typed: str | None = None  # a typed registration: the type of the node's first input
 
-    def admits(self, version: int, types: dict[str, set[str]], first: str | None) -> bool:
-        if not self.since <= version <= self.until:
+    def admits(self, since: int, types: dict[str, set[str]], first: str | None) -> bool:
+        """Whether a node whose schema dates from opset ``since`` (onnxruntime's KernelRegistry: the
+        kernel's first version equals it, or a closed range covers it) with these types runs here."""
+        if not (self.since == since or (self.until != _OPEN and self.since <= since <= self.until)):
             return False
         if self.typed is not None and first is not None and first != self.typed:
             return False
@@ -87,19 +89,22 @@ def cuda_kernels() -> tuple[dict[tuple[str, str], list[Kernel]], str]:
 
 
 @functools.cache
-def _schema_params(domain: str, op: str, version: int):
-    """(input type params, output type params) of the op's schema at ``version``, or None."""
+def _schema(domain: str, op: str, version: int):
+    """(input type params, output type params, the schema's since version) of the op at opset
+    ``version``, or None for an op no schema describes."""
     import onnx
 
     try:
         schema = onnx.defs.get_schema(op, version, domain)
-        return [i.type_str for i in schema.inputs], [o.type_str for o in schema.outputs], schema.inputs
-    except Exception:
+        return [i.type_str for i in schema.inputs], [o.type_str for o in schema.outputs], schema.since_version
+    except Exception:  # not an ONNX op: onnxruntime's contrib schemas
         from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 
-        for s in get_all_operator_schema():
-            if s.name == op and _domain(s.domain) == domain:
-                return [i.typeStr for i in s.inputs], [o.typeStr for o in s.outputs], s.inputs
+        found = [s for s in get_all_operator_schema() if s.name == op and _domain(s.domain) == domain]
+        older = [s for s in found if s.since_version <= version]
+        if older or found:
+            s = max(older or found, key=lambda s: s.since_version)
+            return [i.typeStr for i in s.inputs], [o.typeStr for o in s.outputs], s.since_version
     return None
 
 
@@ -113,13 +118,14 @@ def _tensor_type(value: ir.Value | None) -> str | None:
     return f"tensor({_NAMES.get(name, name.lower())})"
 
 
-def _node_types(node: ir.Node, version: int) -> tuple[dict[str, set[str]], str | None, bool]:
-    """(type parameter -> the node's types for it, its first input's type, whether any was unknown)."""
-    params = _schema_params(_domain(node.domain), node.op_type, version)
+def _node_types(node: ir.Node, version: int) -> tuple[dict[str, set[str]], str | None, bool, int]:
+    """(type parameter -> the node's types for it, its first input's type, whether any was unknown,
+    the schema's since version)."""
+    params = _schema(_domain(node.domain), node.op_type, version)
     first = _tensor_type(node.inputs[0]) if node.inputs else None
     if params is None:
-        return {}, first, True
-    ins, outs, _ = params
+        return {}, first, True, version
+    ins, outs, since = params
     types: dict[str, set[str]] = collections.defaultdict(set)
     unknown = False
     for i, value in enumerate(node.inputs):
@@ -134,7 +140,7 @@ def _node_types(node: ir.Node, version: int) -> tuple[dict[str, set[str]], str |
     for i, value in enumerate(node.outputs):
         if i < len(outs) and (t := _tensor_type(value)) is not None:
             types[outs[i]].add(t)
-    return dict(types), first, unknown
+    return dict(types), first, unknown, since
 
 
 def _version(model: ir.Model, node: ir.Node) -> int:
@@ -142,8 +148,8 @@ def _version(model: ir.Model, node: ir.Node) -> int:
     return model.opset_imports.get(domain, model.opset_imports.get("ai.onnx", 1) if domain == "" else 1)
 
 
-def _has(table, node: ir.Node, version: int, types, first) -> bool:
-    return any(k.admits(version, types, first) for k in table.get((_domain(node.domain), node.op_type), ()))
+def _has(table, node: ir.Node, since: int, types, first) -> bool:
+    return any(k.admits(since, types, first) for k in table.get((_domain(node.domain), node.op_type), ()))
 
 
 def _fails_at_run_on_cuda(node: ir.Node, types: dict[str, set[str]]) -> str | None:
@@ -168,15 +174,15 @@ def predict_placement(model: ir.Model, provider: str = "cuda") -> list[NodePlace
             out.append(NodePlacement(node.name, f"{node.domain}.{node.op_type}", "inlined", why))
             continue
         version = _version(model, node)
-        types, first, unknown = _node_types(node, version)
+        types, first, unknown, since = _node_types(node, version)
         op = node.op_type if _domain(node.domain) == "" else f"{node.domain}.{node.op_type}"
         maybe = " (some types unknown)" if unknown else ""
-        on_cpu, widened = _has(cpu, node, version, types, first), ""
+        on_cpu, widened = _has(cpu, node, since, types, first), ""
         if not on_cpu and any(_HALF in t for t in types.values()):  # onnxruntime's InsertCastTransformer
             wide = {p: {_SINGLE if x == _HALF else x for x in t} for p, t in types.items()}
-            on_cpu = _has(cpu, node, version, wide, _SINGLE if first == _HALF else first)
+            on_cpu = _has(cpu, node, since, wide, _SINGLE if first == _HALF else first)
             widened = "float16 run in float32 (onnxruntime casts around it)" if on_cpu else ""
-        if cuda is not None and _has(cuda, node, version, types, first):
+        if cuda is not None and _has(cuda, node, since, types, first):
             broken = _fails_at_run_on_cuda(node, types)
             out.append(NodePlacement(node.name, op, "fails at run" if broken else "cuda", (broken or "") + maybe))
         elif on_cpu:

@@ -3,7 +3,8 @@ exporter corpus and its fast-form output (``--target onnxruntime-cuda``, whose o
 
 - nodes predicted to run = nodes onnxruntime runs (its profiler, graph optimizations off so that the
   nodes keep their names): a graph predicted to load loads, and every node it ran was predicted on the CPU;
-- a graph predicted to fail at load fails, naming a node predicted to fail.
+- a graph predicted to fail at load fails, naming a node predicted to fail;
+and, from the CUDA EP's kernel table, that no node of the fast-form outputs fails on CUDA.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def test_the_cpu_placement_predicted_is_what_onnxruntime_does(name, tmp_path):
     written = set((report.fast_form or {}).get("w8a8", []) + (report.fast_form or {}).get("w8a16", []))
     fails = {p.node for p in predict_placement(load_model(out), "cpu") if p.where == "fails at load"}
     assert fails == written
+    on_cuda = predict_placement(load_model(out), "cuda")  # the CUDA EP's table, read from its source
+    failing = [p for p in on_cuda if p.where.startswith("fails")]
+    assert not failing, failing
+    fast = {p.node for p in on_cuda if p.op.endswith("MatMulBlockQuantizedFp8Weight")}
+    assert fast <= {p.node for p in on_cuda if p.where == "cuda"}
     if not fails:
         return
     with pytest.raises(Exception, match="Could not find an implementation for MatMulBlockQuantizedFp8Weight") as info:
