@@ -1,5 +1,5 @@
 """The per-op adapters of :mod:`.upgrade_opset`: each rewrites one node whose op changed signature
-or semantics between opsets 7 and 21 into the form opset 21 defines (the table is in that module's
+or semantics between opsets 6 and 21 into the form opset 21 defines (the table is in that module's
 docstring). ``ADAPTERS`` maps an op to [(opset where the new form begins, adapter)]."""
 
 from __future__ import annotations
@@ -286,6 +286,30 @@ def _batch_norm(node: ir.Node) -> None:
     node.resize_outputs(1)
 
 
+def _broadcast_7(node: ir.Node) -> None:
+    """Opset 7 replaced ``broadcast``/``axis`` with numpy's rule. Gemm's C broadcasts to [M, N] anyway;
+    an element-wise B aligned at ``axis`` of A gets trailing ones (a Reshape) so that numpy's rule,
+    which aligns the last axes, puts it there; without ``axis`` the old rule already aligned the last."""
+    broadcast = node.attributes.pop("broadcast", None)
+    axis = node.attributes.pop("axis", None)
+    if node.op_type == "Gemm" or broadcast is None or not broadcast.value or axis is None:
+        return
+    a, b = node.inputs[0], node.inputs[1]
+    if a.shape is None or b.shape is None:
+        raise UpgradeError(
+            f"{describe(node)} broadcasts B at axis {axis.value} (opset 6) and the ranks of its inputs are "
+            f"unknown, so fp8onnx cannot align it for opset {TARGET_OPSET}"
+        )
+    extra = len(a.shape) - axis.value - len(b.shape)
+    if extra <= 0:
+        return
+    shape = _const(node, np.array([0] * len(b.shape) + [1] * extra, np.int64), "broadcast_shape")
+    reshape = ir.node("Reshape", [b, shape], name=f"{node.name}_broadcast_upgrade")
+    reshape.outputs[0].name = f"{node.name}_broadcast_upgrade"
+    node.graph.insert_before(node, reshape)
+    node.replace_input_with(1, reshape.outputs[0])
+
+
 def _refuse(reason: str) -> Callable[[ir.Node], None]:
     def adapter(node: ir.Node) -> None:
         raise UpgradeError(f"{describe(node)} {reason}; fp8onnx cannot upgrade it to opset {TARGET_OPSET}.")
@@ -297,6 +321,10 @@ _REDUCE_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "Reduce
 _REDUCE_18 += ("ReduceProd", "ReduceSumSquare")
 # op -> [(opset where the new signature begins, adapter)], applied in order when the node is older
 ADAPTERS: dict[str, list[tuple[int, Callable[[ir.Node], None]]]] = {
+    **{
+        op: [(7, _broadcast_7)]
+        for op in ("Gemm", "Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less")
+    },
     **{op: [(18, _reduce_axes)] for op in _REDUCE_18},
     "ReduceSum": [(13, _reduce_axes)],
     "Split": [(13, _split_input), (18, _split_num_outputs)],

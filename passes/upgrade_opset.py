@@ -9,10 +9,12 @@ Relu alone. Models already at 21 or above are left as they are.
 onnxscript's version converter (0.7) only relabels nodes, except for DFT, GridSample and
 GroupNormalization: an attribute that became an input stays an attribute, and onnxruntime then
 refuses the model ("Unrecognized attribute: axes for operator ReduceMean"). So every default-domain
-op whose signature or semantics changed between opsets 7 and 21 has an adapter here (from the ONNX
+op whose signature or semantics changed between opsets 6 and 21 has an adapter here (from the ONNX
 operator changelog; each is tested by running the old and the upgraded graph on onnxruntime):
 
   since  op                                  rewrite
+  7      Gemm, Add, Sub, Mul, Div, Pow, And,  ``broadcast``/``axis`` dropped (numpy broadcasting); a B aligned
+         Or, Xor, Equal, Greater, Less       at ``axis`` gets trailing ones (Reshape)
   9      BatchNormalization                  ``spatial=1`` dropped (0 is refused); unused training outputs dropped
   9      MeanVarianceNormalization-1         ``axes`` [0,2,3] (or [0,1,2,3] across channels); no variance: x - mean
   10     Slice                               starts/ends/axes attributes -> inputs
