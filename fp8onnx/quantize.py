@@ -33,7 +33,7 @@ from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
-from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, plan
+from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
@@ -138,6 +138,12 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     source = _data_source(calib, ir_model, config, stats)  # every step below reads this one object
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
+    if not decisions and (integer := integer_quantized(ir_model)):
+        ops = ", ".join(f"{n} {op}" for op, n in sorted(integer.items()))
+        raise Fp8OnnxError(
+            f"Model file {str(model)!r} is quantized to integers already ({ops}) and has no float MatMul/Gemm "
+            "left to quantize: give fp8onnx the float model it was made from."
+        )
     lap("plan")
     early = techniques_for(config, ir_model, decisions, before_scales=True)  # smoothing: changes what scales see
     if early:
@@ -202,7 +208,11 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
     check_on = "cpu" if not (lowering and lowering.lowered) else ("cuda" if provider == "cuda" else None)
     # Weights that came in a side file go out in one too: written tensor by tensor, never whole.
-    save_model(ir_model, out, provider=check_on, external_data=ir_model.meta.get(EXTERNAL_META, False))
+    try:
+        save_model(ir_model, out, provider=check_on, external_data=ir_model.meta.get(EXTERNAL_META, False))
+    except Fp8OnnxError:
+        _input_loads(model, check_on)  # the input's own problem is said as the input's
+        raise
     lap("check and write")
     result = QuantizeReport(
         model=str(model),
@@ -237,6 +247,19 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
         lap("report")
     return result
+
+
+def _input_loads(model, provider: str | None) -> None:
+    """When the output does not load: if the input does not load either, say so (nothing was written)."""
+    if provider is None or not isinstance(model, (str, os.PathLike)):
+        return
+    from fp8onnx.runtime import make_session
+
+    path = model_file(model)
+    try:
+        make_session(path, provider, f"Model file {str(model)!r}", optimize=False)
+    except Fp8OnnxError as exc:
+        raise Fp8OnnxError(f"{exc} (the input: fp8onnx cannot make it load; nothing written)") from None
 
 
 def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:

@@ -69,6 +69,16 @@ def files(tmp_path_factory):
     onnx.save(helper.make_model(huge, opset_imports=[helper.make_opsetid("", 21)]), t / "ext" / "huge.onnx")
     with open(t / "ext" / "huge.data", "wb") as fh:
         fh.truncate(200_000 * 200_000 * 4)
+    # a model quantized to INT8 already (onnxruntime.quantization's dynamic recipe), and one that
+    # onnxruntime cannot load (an op of a domain it does not know, after the MatMul)
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(m), str(t / "int8.onnx"), weight_type=QuantType.QInt8)
+    custom = onnx.load(m)
+    custom.graph.node.append(helper.make_node("Foo", ["y"], ["z"], domain="com.example", name="foo"))
+    custom.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 8]))
+    custom.opset_import.append(helper.make_opsetid("com.example", 1))
+    onnx.save(custom, t / "custom_op.onnx")
     # data
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
     (t / "empty_dir").mkdir()
@@ -203,6 +213,16 @@ CASES = [
         "is not a readable ONNX model",
     ),
     ("model truncated", ["quantize", "{t}/half.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"], "half.onnx'"),
+    (
+        "model quantized to INT8 already",
+        ["quantize", "{t}/int8.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],
+        "is quantized to integers already (2 DynamicQuantizeLinear, 2 MatMulInteger)",
+    ),
+    (
+        "model onnxruntime cannot load",  # the input's problem, said as the input's, not the output's
+        ["quantize", "{t}/custom_op.onnx", "-o", "{t}/q.onnx", "--activations", "none", "--preset", "none"],
+        "custom_op.onnx' does not load in onnxruntime (cpu)",
+    ),
     (
         "model fails onnx.checker",
         ["quantize", "{t}/unchecked.onnx", "-o", "{t}/q.onnx", "--calib", "{t}/d.npz"],

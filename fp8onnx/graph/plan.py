@@ -18,11 +18,13 @@ from fp8onnx.passes import (
 from fp8onnx.report import NodeReport
 
 __all__ = [
+    "INTEGER_OPS",
     "VOCAB_SIZE",
     "Decision",
     "activation_tensors",
     "candidate_activations",
     "in_main_graph",
+    "integer_quantized",
     "plan",
     "vocabulary_projections",
 ]
@@ -154,6 +156,24 @@ def candidate_activations(model: ir.Model) -> list[str]:
     that one statistics file serves any later choice of --op-types, --exclude or --activation-matmuls."""
     config = QuantizeConfig(activation_matmuls=True, op_types=SUPPORTED_OP_TYPES)
     return activation_tensors(plan(model, config)[0], model)
+
+
+# Ops of a model quantized to integers already (onnxruntime.quantization's dynamic and static INT8,
+# its 4-bit MatMulNBits): fp8onnx takes float models.
+INTEGER_OPS = (
+    "MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat", "QLinearMatMul", "QLinearConv", "QGemm", "QAttention", "MatMulNBits",
+    "GatherBlockQuantized", "QLinearAdd", "QLinearMul",
+)  # fmt: skip
+
+
+def integer_quantized(model: ir.Model) -> dict[str, int]:
+    """op type -> count of the integer-quantization ops the model has (every graph)."""
+    found: dict[str, int] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type in INTEGER_OPS:
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+    return found
 
 
 VOCAB_SIZE = 16384  # output channels from which a projection counts as vocabulary-sized
