@@ -35,7 +35,6 @@ import logging
 import os
 import pathlib
 import shutil
-import tempfile
 
 import numpy as np
 import onnx
@@ -49,6 +48,7 @@ from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
 from fp8onnx.report import FolderReport
 from fp8onnx.runtime import RunOptions, make_session
+from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 
@@ -296,8 +296,8 @@ def quantize_folder(
     out = pathlib.Path(out_dir)
     _check_output(export, out)
     parent = out.absolute().parent
-    build = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-feeds-"))
+    build = pathlib.Path(make_dir(f".{out.name}.partial-", dir=parent))
+    scratch = pathlib.Path(make_dir("fp8onnx-feeds-"))
     try:
         os.chmod(build, new_folder_mode())  # mkdtemp's 0700 would hide the output from other accounts
         optional = False  # no data given: the bundled text sample, for the models whose recipe needs data
@@ -346,8 +346,8 @@ def quantize_folder(
         write_text_atomic(build / MANIFEST, json.dumps(result.to_json(full=False), indent=1) + "\n")
         _swap_into_place(build, out)
     finally:
-        shutil.rmtree(build, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove(build)
+        remove(scratch)
     return result
 
 
@@ -369,12 +369,13 @@ def _swap_into_place(build: pathlib.Path, out: pathlib.Path) -> None:
     if not out.exists():
         os.replace(build, out)
         return
-    old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.absolute().parent))
-    os.replace(out, old / "previous")
+    old = pathlib.Path(make_dir(f".{out.name}.old-", dir=out.absolute().parent))
     try:
-        os.replace(build, out)
-    except OSError:
-        os.replace(old / "previous", out)
-        raise
+        os.replace(out, old / "previous")
+        try:
+            os.replace(build, out)
+        except BaseException:  # a failure or a signal right here: the previous output goes back
+            os.replace(old / "previous", out)
+            raise
     finally:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)

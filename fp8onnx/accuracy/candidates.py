@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import os
 import pathlib
-import tempfile
 
 from fp8onnx.accuracy.compare import compare
 from fp8onnx.accuracy.evaluation import ReferenceRun
@@ -23,6 +22,7 @@ from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.quantize import quantize
 from fp8onnx.runtime import RunOptions
+from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["Candidates"]
 
@@ -57,16 +57,16 @@ class Candidates:
         self.rounds = 0  # compare runs
         self._cache: dict[frozenset[str], float | None] = {}
         self._fp16: float | None = None  # FP16's headline value, from the first round
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._tmp: str | None = None
 
     def __enter__(self) -> Candidates:
-        self._tmp = tempfile.TemporaryDirectory(prefix="fp8onnx-candidates-")
+        self._tmp = make_dir("fp8onnx-candidates-")
         self._reference = ReferenceRun()  # FP32's outputs, run once for every round
         return self
 
     def __exit__(self, *exc) -> None:
         self._reference.close()
-        self._tmp.cleanup()
+        remove(self._tmp)
 
     def config_keeping(self, keep) -> QuantizeConfig:
         return dataclasses.replace(self.config, keep_float=tuple(keep))
@@ -88,7 +88,7 @@ class Candidates:
             quiet = RunOptions.of(self.run, progress=False)
             paths = []
             for keep in todo:
-                path = pathlib.Path(self._tmp.name) / f"variant{self.evaluated + len(paths)}.onnx"
+                path = pathlib.Path(self._tmp) / f"variant{self.evaluated + len(paths)}.onnx"
                 self.write(sorted(keep), path, quiet)
                 paths.append(path)
             first = self.rounds == 0

@@ -37,6 +37,9 @@ def entry() -> None:
         code = 1
     if "fp8onnx.pipeline.distributed" in sys.modules:  # Ray workers and a local Ray started for them
         sys.modules["fp8onnx.pipeline.distributed"].close_all()
+    from fp8onnx.scratch import drain
+
+    drain()  # os._exit below runs no atexit handler
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

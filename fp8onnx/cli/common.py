@@ -24,6 +24,7 @@ from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling
 from fp8onnx.progress import close_all
 from fp8onnx.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
+from fp8onnx.scratch import drain
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]
@@ -38,24 +39,46 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_STOPPED: list[int] = []  # the signals that stopped the command, even where Python could not raise them
+
+
 def _stop(signum, frame):
     # Further TERM/HUP would interrupt the cleanup that is about to run; it is short, so they wait.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    _STOPPED.append(signum)  # raised in a finaliser (a generator's close), the exception is lost: this is not
     raise Stopped(signum)
 
 
+def _unraisable(hook):
+    """Python prints 'Exception ignored ... Traceback' for an exception it cannot raise (a signal that lands
+    in a generator's finaliser); a stop is not lost: the command ends with 128 + N after its step."""
+
+    def quiet(info):
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            hook(info)
+
+    return quiet
+
+
 def _install_signal_handlers(ctx: click.Context) -> None:
-    """SIGTERM (timeout, docker stop, CI, Slurm) and SIGHUP get the cleanup Ctrl-C gets, unless the
-    embedding program installed handlers of its own; the previous handlers return when the command ends."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    """SIGTERM (timeout, docker stop, CI, Slurm) and SIGHUP get the cleanup Ctrl-C gets, and Ctrl-C is
+    noted like them, unless the embedding program installed handlers of its own; the previous handlers
+    return when the command ends."""
+    _STOPPED.clear()  # a command run in this process before (tests, notebooks) does not stop this one
+    defaults = {signal.SIGINT: signal.default_int_handler}
+    defaults |= {signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+    for sig, default in defaults.items():
         try:
             previous = signal.getsignal(sig)
-            if previous == signal.SIG_DFL:
+            if previous == default:
                 signal.signal(sig, _stop)
                 ctx.call_on_close(lambda sig=sig, previous=previous: signal.signal(sig, previous))
         except ValueError:  # not the main thread: leave it
             pass
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _unraisable(previous_hook)
+    ctx.call_on_close(lambda: setattr(sys, "unraisablehook", previous_hook))
 
 
 class _Floats(click.ParamType):
@@ -83,9 +106,13 @@ def _run(fn):
         ctx = click.get_current_context()
         debug = ctx.find_root().params.get("debug", False)
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if _STOPPED:  # a signal Python could not raise where it landed: the command stops here
+                raise Stopped(_STOPPED[0])
+            return result
         except BaseException as exc:
             close_all()  # a bar the error left mid-way would share the message's line
+            drain()  # what an interrupted step had not removed yet (fp8onnx.scratch)
             if isinstance(exc, Fp8OnnxError):
                 click.echo(f"fp8onnx: error: {printable(exc)}", err=True)
                 ctx.exit(2)

@@ -6,7 +6,6 @@ import json
 import math
 import pathlib
 import sys
-import tempfile
 import time
 
 import click
@@ -32,6 +31,7 @@ from fp8onnx.cli.common import (
 )
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
+from fp8onnx.scratch import temporary_dir
 
 
 @main.command()
@@ -207,7 +207,7 @@ def demo(out_dir, provider):
     model, calib, data = sample / "decoder.onnx", sample / "calib.npz", sample / "eval.npz"
     if not model.exists():
         raise Fp8OnnxError(f"The sample model {str(model)!r} is missing from this install.")
-    with tempfile.TemporaryDirectory(prefix="fp8onnx-demo-") as tmp:
+    with temporary_dir("fp8onnx-demo-") as tmp:
         folder = pathlib.Path(out_dir) if out_dir else pathlib.Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         out = folder / "decoder.fp8.onnx"

@@ -10,7 +10,6 @@ import logging
 import os
 import pathlib
 import shutil
-import tempfile
 import zipfile
 
 import numpy as np
@@ -32,6 +31,7 @@ from fp8onnx.data.text import (
     vocabulary_size,
 )
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["DataSummary", "MediaData", "TextData", "make_data", "write_text_data"]
 
@@ -65,7 +65,7 @@ class _NpzWriter:
 
     def __init__(self, out: pathlib.Path):
         self.out = out
-        self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.resolve().parent))
+        self.tmp = pathlib.Path(make_dir(f".{out.name}.", dir=out.resolve().parent))
         self.files: dict[str, object] = {}
         self.meta: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self.count = 0
@@ -103,7 +103,7 @@ class _NpzWriter:
     def discard(self) -> None:
         for fh in self.files.values():
             fh.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        remove(self.tmp)
 
 
 def write_samples(samples, out, source, empty: str, progress=None, counts=None) -> DataSummary:

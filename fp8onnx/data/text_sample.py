@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 
 from fp8onnx.data.feeds import TextSource
+from fp8onnx.scratch import make_dir
 
 __all__ = ["default_text_sample", "python_text_sample"]
 
@@ -35,8 +35,8 @@ def python_text_sample(tokenizer: str | os.PathLike) -> TextSource:
             size += len(docs[-1]) + 2
             if size >= SAMPLE_BYTES:
                 break
-        folder = tempfile.TemporaryDirectory(prefix="fp8onnx-sample-")
-        path = pathlib.Path(folder.name) / "python-docs.txt"
+        folder = make_dir("fp8onnx-sample-")  # for the process's life: drained when it exits
+        path = pathlib.Path(folder) / "python-docs.txt"
         path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
         _SAMPLE.extend([folder, path, size])
     _, path, size = _SAMPLE

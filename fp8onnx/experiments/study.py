@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 
@@ -45,6 +44,7 @@ from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.quantize import QuantizeConfig, quantize
 from fp8onnx.report import QuantizeReport, describe_config
 from fp8onnx.runtime import RunOptions
+from fp8onnx.scratch import temporary_dir
 
 __all__ = ["StudyResult", "study", "study_configs", "technique_configs"]
 
@@ -196,7 +196,7 @@ def study(
     run = RunOptions.of(run, **run_options)
     stats = calibrate(model, calib, run=run)
     quiet = RunOptions.of(run, progress=False)  # one bar for calibration and one per evaluated model
-    with tempfile.TemporaryDirectory(prefix="fp8onnx-study-") as tmp:
+    with temporary_dir("fp8onnx-study-") as tmp:
         reports: dict[str, tuple[str, QuantizeConfig, QuantizeReport]] = {}
         configs = study_configs([])
         # The constant sweep spans the scales amax scaling chose, so it needs one amax run first.

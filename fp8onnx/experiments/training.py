@@ -33,6 +33,7 @@ import torch
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling, amax_to_scale
+from fp8onnx.scratch import temporary_dir
 
 __all__ = ["FP8Linear", "Recipe", "deployed_scales", "export", "fake_cast", "swap_linear"]
 
@@ -220,7 +221,6 @@ def export(
     Returns the deployed scales per layer name. Everything else stays in float."""
     import copy
     import pathlib
-    import tempfile
 
     import numpy as np
 
@@ -243,7 +243,7 @@ def export(
                 linear.weight, linear.bias = sub.weight, sub.bias
                 setattr(module, attr, linear)
     weights = {name: m.weight.detach().float().numpy() for name, m in layers.items()}
-    with tempfile.TemporaryDirectory(prefix="fp8onnx-train-") as tmp:
+    with temporary_dir("fp8onnx-train-") as tmp:
         raw = pathlib.Path(tmp) / "float.onnx"
         plain.eval()
         with torch.no_grad():

@@ -33,13 +33,13 @@ import logging
 import os
 import pathlib
 import re
-import tempfile
 
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.experiments.zoo_results import ZooResult
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.quantize import QuantizeConfig
 from fp8onnx.runtime import RunOptions
+from fp8onnx.scratch import temporary_dir
 
 __all__ = ["ZooModel", "find_models", "zoo", "zoo_configs"]
 
@@ -181,7 +181,7 @@ def run_model(model: ZooModel, configs: list[tuple[str, str, QuantizeConfig]], r
     quiet = RunOptions.of(run, progress=False)
     stats = calibrate(model.model, model.calib, run=quiet)
     cells: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="fp8onnx-zoo-") as tmp:
+    with temporary_dir("fp8onnx-zoo-") as tmp:
         reports: dict = {}
         built = []
         for label, group, config in configs:

@@ -13,7 +13,6 @@ import concurrent.futures
 import logging
 import os
 import pathlib
-import tempfile
 from collections.abc import Callable
 
 import onnx
@@ -25,6 +24,7 @@ from fp8onnx.graph.guard import side_file
 from fp8onnx.passes._common import proto_graphs
 from fp8onnx.phases import phase
 from fp8onnx.runtime import inline_proto, machine_memory, make_session, weight_bytes
+from fp8onnx.scratch import held_signals, make_dir, make_file, remove
 
 __all__ = [
     "EXTERNAL_META",
@@ -315,7 +315,8 @@ def _save_external(
     model: ir.Model, out: pathlib.Path, parent: pathlib.Path, provider: str | None, what: str
 ) -> pathlib.Path:
     data_name = side_file(out).name
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=parent) as tmp:
+    tmp = make_dir(f".{out.name}.", dir=parent)
+    try:
         tmp_model = pathlib.Path(tmp) / out.name
         with phase("serialize and write (lazy weights computed here)"):
             ir.save(model, tmp_model, external_data=data_name)
@@ -324,9 +325,13 @@ def _save_external(
         if provider is not None:
             with phase("onnxruntime load check"):
                 make_session(tmp_model, provider, f"The {what}", optimize=False)
-        # Data first: the model file that appears last always finds its weights beside it.
-        os.replace(pathlib.Path(tmp) / data_name, parent / data_name)
-        os.replace(tmp_model, out)
+        # Data first: the model file that appears last always finds its weights beside it; a stopping
+        # signal waits until both are in place (never a new side file beside the previous model)
+        with held_signals():
+            os.replace(pathlib.Path(tmp) / data_name, parent / data_name)
+            os.replace(tmp_model, out)
+    finally:
+        remove(tmp)
     logger.info("wrote %s with external data %s", out, data_name)
     return out
 
@@ -368,7 +373,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[
     tmp = None
     try:
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+            fd, tmp = make_file(f".{path.name}.", suffix=".tmp", dir=parent)
         except OSError as exc:
             raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from None
         try:
@@ -388,7 +393,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[
         if pool is not None:
             pool.shutdown(wait=True)  # a failed write still waits for the check: no session outlives the call
         if tmp is not None:
-            pathlib.Path(tmp).unlink(missing_ok=True)  # gone already when it was renamed into place
+            remove(tmp)  # gone already when it was renamed into place
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -32,6 +30,7 @@ from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.passes import release
 from fp8onnx.phases import phase
 from fp8onnx.runtime import make_session
+from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
 
@@ -179,7 +178,7 @@ class Spill:
     """Arrays kept on disk between passes, one .npy file per (name, batch) in a temporary folder."""
 
     def __init__(self):
-        self.root = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-segments-"))
+        self.root = pathlib.Path(make_dir("fp8onnx-segments-"))
         self.ids: dict[str, int] = {}
         self.nbytes = 0
 
@@ -204,7 +203,7 @@ class Spill:
             self._path(name, b).unlink(missing_ok=True)
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove(self.root)
 
 
 def run_segmented(
