@@ -28,6 +28,7 @@ __all__ = [
     "BATCH_MEMORY",
     "DEFAULT_BATCH",
     "PROVIDERS",
+    "RAY_TIMEOUT",
     "WEIGHT_MEMORY",
     "RunOptions",
     "check_ray",
@@ -65,7 +66,17 @@ WEIGHT_MEMORY = 512 << 20
 # needs more than 1/DEFAULT_BATCH of BATCH_MEMORY (see fp8onnx.pipeline.batching.auto_batch_size).
 DEFAULT_BATCH = 16
 BATCH_MEMORY = 1 << 30
-_RUN_FIELDS = ("batch_size", "provider", "weight_memory", "progress", "batch_memory", "workers", "ray_address")
+_RUN_FIELDS = (
+    "batch_size",
+    "provider",
+    "weight_memory",
+    "progress",
+    "batch_memory",
+    "workers",
+    "ray_address",
+    "ray_timeout",
+)
+RAY_TIMEOUT = 30.0  # seconds to reach a Ray cluster's address before saying nothing answers there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +95,13 @@ class RunOptions:
     batch_memory: int = BATCH_MEMORY
     workers: int = 1  # Ray actors for the statistics runs (fp8onnx.pipeline.distributed); 1: this process
     ray_address: str | None = None  # a running Ray cluster; None: a local one when workers > 1
+    ray_timeout: float = RAY_TIMEOUT  # seconds to reach ray_address
 
     def __post_init__(self):
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise Fp8OnnxError(f"--workers must be a positive integer, got {self.workers!r}.")
+        if not (isinstance(self.ray_timeout, (int, float)) and self.ray_timeout > 0):
+            raise Fp8OnnxError(f"--ray-timeout must be a positive number of seconds, got {self.ray_timeout!r}.")
         if self.distributed:
             check_ray(self.workers, self.ray_address)
         size = self.batch_size

@@ -237,13 +237,7 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
         for v in tape.nodes:
             for o in v.outputs:
                 o.name = o.name or v.name
-        y.dtype, y.shape = out.dtype, out.shape
-        node.graph.insert_before(node, tape.nodes)
-        out.replace_all_uses_with(y, replace_graph_outputs=True)
-        node.graph.remove(node, safe=True)
-        old = out.name
-        out.name = f"{old}/replaced"
-        y.name = old
+        _swap(node, tape.nodes, y)
 
 
 class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
@@ -312,13 +306,19 @@ class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
         if bias is not None:
             b32 = op("Cast", [bias], "bias_fp32", to=f32)
             y = op("Cast", [op("Add", [op("Cast", [y], "y_fp32", to=f32), b32], "y_bias")], "y_b", to=int(t))
-        y.dtype, y.shape = out.dtype, out.shape
-        node.graph.insert_before(node, tape.nodes)
-        out.replace_all_uses_with(y, replace_graph_outputs=True)
-        node.graph.remove(node, safe=True)
-        old = out.name
-        out.name = f"{old}/replaced"
-        y.name = old
+        _swap(node, tape.nodes, y)
+
+
+def _swap(node: ir.Node, nodes, y: ir.Value) -> None:
+    """``nodes`` in place of ``node``, ``y`` taking over its output (name, type, shape and readers)."""
+    out = node.outputs[0]
+    y.dtype, y.shape = out.dtype, out.shape
+    node.graph.insert_before(node, nodes)
+    out.replace_all_uses_with(y, replace_graph_outputs=True)
+    node.graph.remove(node, safe=True)
+    old = out.name
+    out.name = f"{old}/replaced"
+    y.name = old
 
 
 def _uses_domain(model: ir.Model, domain: str) -> bool:

@@ -211,7 +211,7 @@ def _evaluate_distributed(job: _Evaluation):
         job.provider,
     )
     progress, max_samples = job.progress, job.max_samples
-    with shared_pool(job.run.workers, job.run.ray_address) as pool:
+    with shared_pool(job.run.workers, job.run.ray_address, job.run.ray_timeout) as pool:
 
         def ship(path):  # a path every local worker reads; the model itself (any size) to a cluster
             return str(path) if pool.local else portable_model(load_model(path), files=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from fp8onnx.cli import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
@@ -27,6 +28,18 @@ def entry() -> None:
     tearing the interpreter down. Freeing the imported modules (sympy's caches, through onnx_ir, and
     onnxscript) took 0.15 s at every exit, 3% of quantizing all-MiniLM-L6-v2. Every file a command
     writes is closed (atomically renamed) before it returns, so nothing is left for exit handlers."""
+    # Before and after the command (a local Ray shutting down takes seconds), a stopping signal is noted,
+    # not fatal halfway: the exit code says it (128 + N), what the command wrote is complete. During the
+    # command its own handlers take over (fp8onnx.cli.common) and give this one back when it ends.
+    late: list[int] = []
+
+    def note(signum, frame):
+        late.append(signum)
+
+    note.fp8onnx_late = True
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, note)
     try:
         main()  # click's standalone mode ends in SystemExit, whatever happened
         code = 0
@@ -35,11 +48,19 @@ def entry() -> None:
     if code is not None and not isinstance(code, int):  # sys.exit("message")
         print(code, file=sys.stderr)
         code = 1
+    from fp8onnx.cli.common import _STOPPED
+
+    if _STOPPED and code == 1:  # stopped before the command's own handling began: click said "Aborted!"
+        print(f"fp8onnx: interrupted ({signal.Signals(_STOPPED[0]).name})", file=sys.stderr)
+        code = 128 + _STOPPED[0]
     if "fp8onnx.pipeline.distributed" in sys.modules:  # Ray workers and a local Ray started for them
         sys.modules["fp8onnx.pipeline.distributed"].close_all()
     from fp8onnx.scratch import drain
 
     drain()  # os._exit below runs no atexit handler
+    if late and not code:
+        print(f"fp8onnx: interrupted ({signal.Signals(late[0]).name})", file=sys.stderr)
+        code = 128 + late[0]
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

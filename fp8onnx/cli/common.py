@@ -23,7 +23,7 @@ from fp8onnx.errors import Fp8OnnxError, printable
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling
 from fp8onnx.progress import close_all
-from fp8onnx.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, WEIGHT_MEMORY, RunOptions
+from fp8onnx.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, RAY_TIMEOUT, WEIGHT_MEMORY, RunOptions
 from fp8onnx.scratch import drain
 
 _FORMATS = [f.value for f in Fp8Format]
@@ -46,19 +46,14 @@ def _stop(signum, frame):
     # Further TERM/HUP would interrupt the cleanup that is about to run; it is short, so they wait.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    _STOPPED.append(signum)  # raised in a finaliser (a generator's close), the exception is lost: this is not
+    _STOPPED.append(signum)  # raised in a finaliser (a generator's close) the exception is lost; this is not
     raise Stopped(signum)
 
 
 def _unraisable(hook):
-    """Python prints 'Exception ignored ... Traceback' for an exception it cannot raise (a signal that lands
-    in a generator's finaliser); a stop is not lost: the command ends with 128 + N after its step."""
-
-    def quiet(info):
-        if not isinstance(info.exc_value, KeyboardInterrupt):
-            hook(info)
-
-    return quiet
+    """No 'Exception ignored ... Traceback' for a stop Python could not raise (in a generator's finaliser):
+    it is not lost, the command ends with 128 + N after its step."""
+    return lambda info: None if isinstance(info.exc_value, KeyboardInterrupt) else hook(info)
 
 
 def _install_signal_handlers(ctx: click.Context) -> None:
@@ -66,12 +61,11 @@ def _install_signal_handlers(ctx: click.Context) -> None:
     noted like them, unless the embedding program installed handlers of its own; the previous handlers
     return when the command ends."""
     _STOPPED.clear()  # a command run in this process before (tests, notebooks) does not stop this one
-    defaults = {signal.SIGINT: signal.default_int_handler}
-    defaults |= {signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+    defaults = {signal.SIGINT: signal.default_int_handler, **dict.fromkeys((signal.SIGTERM, signal.SIGHUP))}
     for sig, default in defaults.items():
         try:
             previous = signal.getsignal(sig)
-            if previous == default:
+            if previous == (default or signal.SIG_DFL) or getattr(previous, "fp8onnx_late", False):  # entry()'s
                 signal.signal(sig, _stop)
                 ctx.call_on_close(lambda sig=sig, previous=previous: signal.signal(sig, previous))
         except ValueError:  # not the main thread: leave it
@@ -220,7 +214,17 @@ _batch_memory_option = click.option(
 
 
 def _workers_options(fn):
-    """--workers / --ray: statistics batches on Ray actors (the [ray] extra)."""
+    """--workers / --ray / --ray-timeout: statistics batches on Ray actors (the [ray] extra)."""
+    fn = click.option(
+        "--ray-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=RAY_TIMEOUT,
+        show_default=True,
+        metavar="SECONDS",
+        expose_value=False,  # read by _run_options from the context: every command takes it alike
+        callback=lambda ctx, param, value: ctx.meta.__setitem__("fp8onnx_ray_timeout", value),
+        help="With --ray: how long to try to reach the address before saying nothing answers there.",
+    )(fn)
     fn = click.option(
         "--ray",
         "ray_address",
@@ -291,6 +295,7 @@ def _run_options(
         batch_memory=per_batch,
         workers=workers,
         ray_address=ray_address,
+        ray_timeout=getattr(click.get_current_context(silent=True), "meta", {}).get("fp8onnx_ray_timeout", RAY_TIMEOUT),
     )
 
 
@@ -374,7 +379,7 @@ class _QuantizeCommand(_Sectioned):
             "embeddings",
         ),
         "Deployment target": ("precision", "target", "gemm_op", "native_gemm", "fold_at_load"),
-        "Running": ("batch_size", "batch_memory", "workers", "ray_address", "weight_memory", "provider"),
+        "Running": ("batch_size", "batch_memory", "workers", "ray_address", "ray_timeout", "weight_memory", "provider"),
     }
 
 

@@ -320,7 +320,9 @@ def _execute(todo, run: RunOptions):
 
     inner = RunOptions.of(run, progress=False, workers=1, ray_address=None)  # each task runs in its own process
     calls = [(m, configs, inner) for m, configs in todo]
-    results = remote_tasks(_run_model_task, calls, workers=run.workers, address=run.ray_address)
+    results = remote_tasks(
+        _run_model_task, calls, workers=run.workers, address=run.ray_address, timeout=run.ray_timeout
+    )
     bar = progress_bar(results, total=len(todo), desc="zoo", unit="model", enable=run.progress)
     for (m, _, _), result in zip(calls, bar):
         yield m, result

@@ -4,7 +4,9 @@ requires: Ray (the ``[ray]`` extra); a running cluster (``ray start``, KubeRay) 
 none for a local one on this machine. ensures: every batch's result comes back to the caller in
 batch order, whichever worker computed it, so that a reduction in that order gives the
 single-process answer bit for bit; a worker that dies is restarted (with its session) and its
-batch rerun, up to ``RETRIES`` times.
+batch rerun, up to ``RETRIES`` times; a batch whose worker was lost with its node runs again on a
+live worker (a new actor takes the lost one's place). Actors reserve their onnxruntime threads as
+CPUs and are spread over the nodes.
 
 The work of a batch is a module-level function ``task(session, *args)`` - the same one the
 single-process path calls, so the two paths cannot drift apart. Only small per-batch summaries
@@ -19,10 +21,12 @@ import atexit
 import hashlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.runtime import check_ray, portable_model, worker_session
+from fp8onnx.runtime import RAY_TIMEOUT, check_ray, portable_model, worker_session
 
 __all__ = [
     "RETRIES",
@@ -66,22 +70,65 @@ class _Worker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
 
-def _init_ray(workers: int, address: str | None) -> bool:
-    """Connect to ``address``, or start a local Ray; True when this call started one."""
+        return ray.get_runtime_context().get_node_id()
+
+
+def _probe(address: str, timeout: float) -> None:
+    """One clear sentence, within ``timeout`` seconds, when nothing answers at a cluster's address (Ray
+    itself retries its GCS connection for minutes). ``auto``/``local`` and names Ray resolves itself
+    are left to it."""
+    import socket
+
+    host_port = address.split("://", 1)[-1]
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise Fp8OnnxError(
+            f"Nothing answers at the Ray address {address!r} within {timeout:g} s ({exc.strerror or exc}): "
+            "is the cluster running (ray start --head), and is that its address? (--ray-timeout sets the wait.)"
+        ) from None
+
+
+def _init_ray(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> bool:
+    """Connect to ``address``, or start a local Ray; True when this call started one. The caller's
+    SIGTERM/SIGINT handlers stay (ray.init installs one that exits with code 15 mid-run)."""
     import ray
 
+    if address:
+        _probe(address, timeout)
     if ray.is_initialized():
         return False
     kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    stopped = None
     # Ray's own notices (e.g. on token authentication of the local cluster) are not the user's business
     try:
         ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    except SystemExit as exc:  # Ray's SIGTERM handler, while connecting
+        if exc.code != signal.SIGTERM:
+            raise
+        stopped = signal.SIGTERM
     except Exception as exc:  # no cluster there, or a local one that cannot start
         from fp8onnx.errors import first_line
 
+        logger.debug("ray.init failed", exc_info=True)
         where = f"the Ray cluster at {address!r}" if address else "a local Ray"
         raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}") from None
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    if stopped is not None:  # the caller's handler gets it (the CLI: exit 143, nothing left behind)
+        os.kill(os.getpid(), stopped)
     return not address
 
 
@@ -91,14 +138,16 @@ def _threads(workers: int, address: str | None) -> int:
     return 1 if address else max(1, (os.cpu_count() or 1) // workers)
 
 
-def remote_tasks(fn: Callable, calls: list[tuple], *, workers: int, address: str | None = None) -> Iterator[object]:
+def remote_tasks(
+    fn: Callable, calls: list[tuple], *, workers: int, address: str | None = None, timeout: float = RAY_TIMEOUT
+) -> Iterator[object]:
     """``fn(*call)`` for every call as independent Ray tasks (at most ``workers`` at once on a local
     Ray), results in call order. A task whose worker died is rerun (``RETRIES`` times); one that
     still fails gives ``{"error": ...}`` instead of ending the others."""
     check_ray(max(workers, 2), address)
     import ray
 
-    started = _init_ray(workers, address)
+    started = _init_ray(workers, address, timeout)
     try:
         remote = ray.remote(num_cpus=_threads(workers, address), max_retries=RETRIES)(fn)
         refs = [remote.remote(*call) for call in calls]
@@ -117,19 +166,27 @@ class WorkerPool:
     task per batch on them. Use as a context manager: the actors end with it, and a local Ray
     started here is shut down."""
 
-    def __init__(self, *, workers: int, address: str | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self, *, workers: int, address: str | None = None, threads: int | None = None, timeout: float = RAY_TIMEOUT
+    ) -> None:
         check_ray(max(workers, 2), address)
         import ray
 
         self._ray = ray
         self.local = not address
-        self._started = _init_ray(workers, address)
+        self._started = _init_ray(workers, address, timeout)
         self.threads = _threads(workers, address) if threads is None else threads
-        actor = ray.remote(num_cpus=threads, max_restarts=RETRIES, max_task_retries=RETRIES)(_Worker)
-        self.workers = [actor.remote() for _ in range(workers)]
+        # Each actor reserves the cores its session uses, so Ray spreads them over the nodes (with the
+        # default of no CPU reserved while running, every actor could land on one 1-CPU node).
+        self._actor = ray.remote(
+            num_cpus=self.threads, max_restarts=RETRIES, max_task_retries=RETRIES, scheduling_strategy="SPREAD"
+        )(_Worker)
+        self.workers = [self._actor.remote() for _ in range(workers)]
         self._keep = []  # object-store references the loaded models need while the actors live
+        self._model = None
+        self.replaced = 0  # workers replaced after their node was lost
         self.shared = False
-        logger.info("%d Ray workers, %d onnxruntime threads each", workers, threads)
+        logger.info("%d Ray workers, %d onnxruntime threads each", workers, self.threads)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -184,14 +241,7 @@ class WorkerPool:
                 if item is None:
                     exhausted = True
                     break
-                worker = min(range(len(self.workers)), key=lambda w: (load[w], w))  # the least busy
-                load[worker] += 1
-                call = self.workers[worker].run
-                if keep:
-                    ref, large = call.options(num_returns=2).remote(self._model, task, *item)
-                else:
-                    ref, large = call.remote(self._model, task, *item), None
-                pending[ref] = (next_index, worker, large)
+                self._submit(pending, load, task, item, next_index, keep, 0)
                 next_index += 1
             while next_out in done:
                 yield done.pop(next_out)
@@ -202,12 +252,57 @@ class WorkerPool:
                 continue
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
-                index, worker, large = pending.pop(ref)
+                index, worker, large, item, tries = pending.pop(ref)
                 load[worker] -= 1
                 try:
                     done[index] = (ray.get(ref), large) if keep else ray.get(ref)
+                except _lost(ray) as exc:
+                    # the worker (or its node) was lost, not the batch: a batch is pure, so it runs again
+                    # on a live worker and gives the same result
+                    if tries >= RETRIES:
+                        logger.debug("Ray: %s", exc)
+                        raise Fp8OnnxError(
+                            f"Batch {index} was lost with its Ray worker {tries + 1} times (a node or worker "
+                            "keeps failing); run with --debug for Ray's account."
+                        ) from None
+                    logger.warning("batch %d: its Ray worker was lost; running it again on a live one", index)
+                    logger.debug("Ray: %s", exc)
+                    self._replace_if_dead(worker)
+                    self._submit(pending, load, task, item, index, keep, tries + 1)
                 except ray.exceptions.RayError as exc:
                     raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {_cause(exc)}") from None
+
+    def _submit(self, pending: dict, load: list, task: Callable, item: tuple, index: int, keep: bool, tries: int):
+        worker = min(range(len(self.workers)), key=lambda w: (load[w], w))  # the least busy
+        load[worker] += 1
+        call = self.workers[worker].run
+        if keep:
+            ref, large = call.options(num_returns=2).remote(self._model, task, *item)
+        else:
+            ref, large = call.remote(self._model, task, *item), None
+        pending[ref] = (index, worker, large, item, tries)
+
+    def _replace_if_dead(self, worker: int) -> None:
+        """A new actor in place of one that does not answer (its node is gone); it loads the model when
+        its first batch comes (``_Worker.run``)."""
+        ray = self._ray
+        try:
+            ray.get(self.workers[worker].pid.remote(), timeout=10)
+            return  # restarted by Ray, or it was only the batch's object that was lost
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+        try:
+            ray.kill(self.workers[worker])
+        except Exception:  # already gone
+            logger.debug("Ray: killing a lost worker", exc_info=True)
+        self.workers[worker] = self._actor.remote()
+        self.replaced += 1
+
+
+def _lost(ray) -> tuple[type, ...]:
+    """Ray's errors for a worker or node that went away (not for a batch that failed)."""
+    e = ray.exceptions
+    return (e.RayActorError, e.NodeDiedError, e.ObjectLostError)
 
 
 def _digest(model) -> str:
@@ -239,14 +334,14 @@ def _cause(exc: Exception) -> str:
 _SHARED: dict[tuple[int, str | None], WorkerPool] = {}
 
 
-def shared_pool(workers: int, address: str | None) -> WorkerPool:
+def shared_pool(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> WorkerPool:
     """One pool per (workers, address) for the whole process: calibration, every evaluation of a
     study and each round of the fallback search reuse the same actors (starting them costs seconds).
     ``with shared_pool(...) as pool`` leaves them running; :func:`close_all` ends them."""
     key = (workers, address)
     pool = _SHARED.get(key)
     if pool is None or not pool.workers:
-        pool = _SHARED[key] = WorkerPool(workers=workers, address=address)
+        pool = _SHARED[key] = WorkerPool(workers=workers, address=address, timeout=timeout)
         pool.shared = True
         atexit.register(pool.close)
     return pool
@@ -274,6 +369,6 @@ def statistics_pool(run, model, what: str) -> WorkerPool:
     """The shared pool of ``run``'s workers, each holding a session of ``model``: an instrumented
     ``ir.Model`` (a statistics graph: priority-based order, no arena), sent as
     :func:`fp8onnx.runtime.portable_model`."""
-    pool = shared_pool(run.workers, run.ray_address)
+    pool = shared_pool(run.workers, run.ray_address, run.ray_timeout)
     pool.load(portable_model(model, files=pool.local), worker_session, run.provider, what)
     return pool

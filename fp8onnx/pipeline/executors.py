@@ -165,7 +165,7 @@ class RayWorkers(Executor):
 
         with phase("Ray workers"):
             if self.layered:  # each segment's batches shared by the workers
-                self.pool = shared_pool(self.run.workers, self.run.ray_address)
+                self.pool = shared_pool(self.run.workers, self.run.ray_address, self.run.ray_timeout)
             else:
                 self.pool = statistics_pool(self.run, self.model, self.what)
         self.pool.__enter__()
