@@ -106,7 +106,8 @@ def _run(fn):
             return result
         except BaseException as exc:
             close_all()  # a bar the error left mid-way would share the message's line
-            drain()  # what an interrupted step had not removed yet (fp8onnx.scratch)
+            if isinstance(exc, KeyboardInterrupt):
+                drain()  # what the interrupted step had not removed yet (fp8onnx.scratch)
             if isinstance(exc, Fp8OnnxError):
                 click.echo(f"fp8onnx: error: {printable(exc)}", err=True)
                 ctx.exit(2)

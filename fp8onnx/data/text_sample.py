@@ -26,6 +26,8 @@ _SAMPLE: list = []  # the process's sample file, written once (its folder goes a
 def python_text_sample(tokenizer: str | os.PathLike) -> TextSource:
     """Text to calibrate a token model on when no data is given: the even-indexed topics of CPython's
     bundled documentation (``pydoc_data.topics``), about ``SAMPLE_BYTES``, for ``tokenizer``."""
+    if _SAMPLE and not _SAMPLE[1].is_file():  # removed since (an interrupted command drains scratch paths)
+        _SAMPLE.clear()
     if not _SAMPLE:
         import pydoc_data.topics as topics
 
