@@ -41,6 +41,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 RETRIES = 3  # restarts of a dead worker, and reruns of the batch it held
 _IN_FLIGHT = 2  # batches queued per worker: one running, one waiting
+_NODE_CHECK_S = 5.0  # on a cluster, when no batch finished for this long, the workers' nodes are checked
 
 
 class _Worker:
@@ -182,6 +183,7 @@ class WorkerPool:
             num_cpus=self.threads, max_restarts=RETRIES, max_task_retries=RETRIES, scheduling_strategy="SPREAD"
         )(_Worker)
         self.workers = [self._actor.remote() for _ in range(workers)]
+        self._nodes = None if self.local else ray.get([w.node.remote() for w in self.workers])  # checked in map
         self._keep = []  # object-store references the loaded models need while the actors live
         self._model = None
         self.replaced = 0  # workers replaced after their node was lost
@@ -250,7 +252,9 @@ class WorkerPool:
                 if exhausted:
                     return
                 continue
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_NODE_CHECK_S)
+            if not ready:  # nothing finished for a while: are the workers' nodes still there?
+                self._resubmit_from_lost_nodes(pending, load, task, keep)
             for ref in ready:
                 index, worker, large, item, tries = pending.pop(ref)
                 load[worker] -= 1
@@ -282,6 +286,33 @@ class WorkerPool:
             ref, large = call.remote(self._model, task, *item), None
         pending[ref] = (index, worker, large, item, tries)
 
+    def _resubmit_from_lost_nodes(self, pending: dict, load: list, task: Callable, keep: bool) -> None:
+        """Ray may never resolve a batch whose worker's node was removed: the workers on nodes the
+        cluster no longer lists as alive are replaced, and their batches run again on live ones."""
+        ray = self._ray
+        if self._nodes is None:
+            return
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        lost = [w for w, node in enumerate(self._nodes) if node not in alive]
+        for w in lost:
+            logger.warning("a Ray node was lost: its worker is replaced and its batches run again")
+            self._replace(w)
+        for ref, (index, worker, _large, item, tries) in list(pending.items()):
+            if worker in lost:
+                pending.pop(ref)
+                load[worker] -= 1
+                self._submit(pending, load, task, item, index, keep, tries + 1)
+
+    def _replace(self, worker: int) -> None:
+        try:
+            self._ray.kill(self.workers[worker])
+        except Exception:  # already gone
+            logger.debug("Ray: killing a lost worker", exc_info=True)
+        self.workers[worker] = self._actor.remote()
+        if self._nodes is not None:
+            self._nodes[worker] = self._ray.get(self.workers[worker].node.remote())
+        self.replaced += 1
+
     def _replace_if_dead(self, worker: int) -> None:
         """A new actor in place of one that does not answer (its node is gone); it loads the model when
         its first batch comes (``_Worker.run``)."""
@@ -291,12 +322,7 @@ class WorkerPool:
             return  # restarted by Ray, or it was only the batch's object that was lost
         except (ray.exceptions.RayError, TimeoutError):
             pass
-        try:
-            ray.kill(self.workers[worker])
-        except Exception:  # already gone
-            logger.debug("Ray: killing a lost worker", exc_info=True)
-        self.workers[worker] = self._actor.remote()
-        self.replaced += 1
+        self._replace(worker)
 
 
 def _lost(ray) -> tuple[type, ...]:
