@@ -91,13 +91,11 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
                 node_block_list=blocked,
             )
         _skip_float16_round_trips(proto, set(blocked))
-        _drop_repeated_casts(proto)
-        missing = _undefined(proto.graph, set())
-        if missing:
+        broken = _unloadable(proto.graph, set())
+        if broken:
             raise Float16Error(
-                f"onnxruntime's float16 converter wrote an invalid graph ({len(missing)} values read but never "
-                f"defined, e.g. {missing[0]!r}); it mishandles If branches that read the same outer values, "
-                "as Optimum's merged decoders do"
+                f"onnxruntime's float16 converter wrote an invalid graph ({len(broken)} values, e.g. {broken[0]}); "
+                "it mishandles If branches that read the same outer values, as Optimum's merged decoders do"
             )
         logger.info("converted the model to float16 (inputs and outputs kept as they were)")
         converted = ir.from_proto(proto)
@@ -144,34 +142,24 @@ def _name_shape_paths(proto) -> list[str]:
     return blocked
 
 
-def _undefined(graph, outer: set[str]) -> list[str]:
-    """Names a graph (or a subgraph under it) reads or returns that nothing in scope defines."""
-    defined = outer | {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    defined |= {o for n in graph.node for o in n.output if o}
-    missing = [i for n in graph.node for i in n.input if i and i not in defined]
-    missing += [v.name for v in graph.output if v.name not in defined]
+def _unloadable(graph, outer: set[str]) -> list[str]:
+    """What no loader takes in a graph or a subgraph under it: names read or returned that nothing in
+    scope defines, names a second node defines again (the converter writes a Cast of an outer value once
+    for every branch that reads it)."""
+    produced = [o for n in graph.node for o in n.output if o]
+    defined = outer | {v.name for v in graph.input} | {t.name for t in graph.initializer} | set(produced)
+    problems = [f"{i!r} read, never defined" for n in graph.node for i in n.input if i and i not in defined]
+    problems += [f"{v.name!r} returned, never defined" for v in graph.output if v.name not in defined]
+    seen: set[str] = set()
+    for name in produced:
+        if name in seen or name in outer:
+            problems.append(f"{name!r} defined twice")
+        seen.add(name)
     for node in graph.node:
         for attr in node.attribute:
             for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
-                missing += _undefined(sub, defined)
-    return missing
-
-
-def _drop_repeated_casts(proto) -> None:
-    """The converter writes a Cast of an outer value once for every subgraph that reads it (Optimum's
-    merged decoder: both If branches), the same node twice, which no loader takes ("redeclared");
-    keep the first."""
-    for graph in proto_graphs(proto.graph):
-        seen, keep = set(), []
-        for node in graph.node:
-            key = node.SerializeToString(deterministic=True) if node.op_type == "Cast" else None
-            if key is not None and key in seen:
-                continue
-            seen.add(key)
-            keep.append(node)
-        if len(keep) < len(graph.node):
-            del graph.node[:]
-            graph.node.extend(keep)
+                problems += _unloadable(sub, defined)
+    return problems
 
 
 def _skip_float16_round_trips(proto, blocked: set[str]) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_signals import _default_signals  # the child starts as from an interactive shell
 
 POINTS = int(os.environ.get("FP8ONNX_SIGNAL_POINTS", "4"))
 
@@ -84,11 +85,6 @@ COMMANDS = {
     ],
     "compare": ["compare", "{src}", "--data", "{data}", "--batch-size", "8", "--json", "{out}"],
 }  # fmt: skip
-
-
-def _default_signals() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def _run(model, tmp, command: str, k: int, sig: str):

@@ -31,11 +31,6 @@ from fp8onnx.runtime import (
 
 logger = logging.getLogger(__name__)
 
-# onnxruntime 1.32's CPU NchwcTransformer crashes the process (SIGSEGV while the session is built) on
-# a float16 Conv - seen on the exporter corpus's ViT patch embedding (4x4, stride 4, 3 channels). It
-# rewrites float32 Conv layouts only, so the FP16 baseline loses nothing without it.
-FP16_DISABLED = ("NchwcTransformer",)
-
 
 def _no_fp16(exc: Fp8OnnxError, notes: list[str]) -> None:
     # The baseline is ours, not the user's: without it, report against FP32 only.
@@ -247,9 +242,8 @@ def _evaluate_distributed(job: _Evaluation):
             try:
                 if path is None:  # the FP16 baseline, built here
                     blob = build(serialized=True)
-                    pool.load(
-                        blob, _worker_session, provider, f"The FP16 baseline of {str(reference)!r}", FP16_DISABLED
-                    )
+                    # float16 Conv graphs leave out NchwcTransformer on their own (fp8onnx.graph.cpu_ep)
+                    pool.load(blob, _worker_session, provider, f"The FP16 baseline of {str(reference)!r}", ())
                 else:
                     pool.load(ship(path), _worker_session, provider, f"Candidate model {str(path)!r}", ())
                 total_score = _Score({o: _OutputStats() for o in out_names})
@@ -295,7 +289,7 @@ def _fp16_session(ref_model, reference, provider: str, serialized: bool = False)
     if serialized:
         return portable_model(fp16_model, files=False)
     what = f"The FP16 baseline of {str(reference)!r}"
-    return session_for_model(fp16_model, provider, what, arena=False, disabled_optimizers=FP16_DISABLED)
+    return session_for_model(fp16_model, provider, what, arena=False)
 
 
 def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:

@@ -22,6 +22,9 @@ import onnx_ir as ir
 __all__ = ["cuda_only_ops", "emulated", "float16_conv"]
 
 _CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs
+# NodeProto.op_type (field 4, a string) "Conv" / "ConvTranspose" as serialized: a node name or a
+# tensor name that contains "Conv" (GPT-2's Conv1D modules) does not match
+_CONV_OP_TYPES = (b'"\x04Conv', b'"\rConvTranspose')
 
 
 def _mentions(model: bytes | str | os.PathLike, words: tuple[bytes, ...]) -> list[bytes]:
@@ -42,8 +45,8 @@ def cuda_only_ops(model: bytes | str | os.PathLike) -> list[str]:
 
 
 def float16_conv(model: bytes | str | os.PathLike) -> bool:
-    """Whether the model has a Conv and float16 tensors (its graph parsed only when it names Conv)."""
-    if not _mentions(model, (b"Conv",)):
+    """Whether the model has a Conv and float16 tensors (its graph parsed only when it has a Conv node)."""
+    if not _mentions(model, _CONV_OP_TYPES):
         return False
     import onnx
 

@@ -227,3 +227,21 @@ def test_the_fp16_baseline_of_a_vit_loads_in_onnxruntime(tmp_path):
     result = fp8onnx.compare(path, [], tmp_path / "data.npz", provider="cpu")
     fp16 = next(r for r in result.rows if r.name == "FP16")
     assert fp16.outputs[next(iter(fp16.outputs))]["cosine_mean"] > 0.999
+
+
+@pytest.mark.wild
+def test_a_merged_decoder_at_fp16_is_one_sentence_and_the_cuda_target_keeps_float32(tmp_path):
+    """onnxruntime's float16 converter writes an invalid graph for Optimum's merged decoder (If branches
+    reading the same outer values): --precision fp16 says so; --target onnxruntime-cuda, which only
+    implied fp16, keeps the graph float32 with Casts around its fast-form ops."""
+    import fp8onnx
+    from fp8onnx.errors import Fp8OnnxError
+
+    if not available("hf-gpt2-merged"):
+        pytest.skip("needs the [wild] extra")
+    path, data = build("hf-gpt2-merged", tmp_path)
+    np.savez(tmp_path / "d.npz", **data)
+    with pytest.raises(Fp8OnnxError, match=r"--precision fp16 cannot convert .* invalid graph"):
+        fp8onnx.quantize(path, tmp_path / "a.onnx", tmp_path / "d.npz", precision="fp16", provider="cpu")
+    report = fp8onnx.quantize(path, tmp_path / "b.onnx", tmp_path / "d.npz", target="onnxruntime-cuda", provider="cpu")
+    assert report.config["precision"] == "model" and report.fast_form["w8a16"]
