@@ -63,10 +63,11 @@ _PER_CHANNEL_MODES = (Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GRO
 
 
 class Precision(str, enum.Enum):
-    """model: keep the model's own float types; fp16: the unquantized graph in float16."""
+    """model: keep the model's own float types; fp16 / bf16: the unquantized graph in float16 / bfloat16."""
 
     MODEL = "model"
     FP16 = "fp16"
+    BF16 = "bf16"
 
 
 # Which runtime's rules the output must meet (the names are fp8onnx.targets').
@@ -104,7 +105,7 @@ def _choice(kind: type[enum.Enum], value, option: str):
 
 
 def check_precision(precision: str) -> Precision:
-    """The one rule for --precision: model (keep the model's float types) or fp16."""
+    """The one rule for --precision: model (keep the model's float types), fp16 or bf16."""
     return _choice(Precision, precision, "--precision")
 
 
@@ -174,6 +175,11 @@ class QuantizeConfig:
             object.__setattr__(self, "precision", Precision.FP16 if fp16 else Precision.MODEL)
             object.__setattr__(self, "precision_derived", fp16)
         object.__setattr__(self, "precision", check_precision(self.precision))
+        if self.precision is Precision.BF16 and self.gemm_op is not GemmOp.BLOCK_FP8:
+            raise Fp8OnnxError(
+                "--precision bf16 is for the CUDA fast form (--target onnxruntime-cuda, --gemm-op block-fp8): float8 "
+                "Q/DQ to bfloat16 has no CUDA kernel, and onnxruntime's CPU EP runs few ops in bfloat16."
+            )
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise Fp8OnnxError(
                 f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."

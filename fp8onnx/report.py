@@ -64,8 +64,8 @@ def describe_config(cfg: dict) -> str:
         how += ", stem convolutions in float"
     if cfg.get("embeddings") == "fp8":
         how += ", fp8 embeddings"
-    if cfg.get("precision") == "fp16":
-        how += ", FP16 graph"
+    if cfg.get("precision") in ("fp16", "bf16"):
+        how += f", {cfg['precision'].upper()} graph"
     if cfg.get("preset"):
         how += f" (preset {cfg['preset']})"
     return how

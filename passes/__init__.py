@@ -15,6 +15,7 @@ from .block_fp8 import (
     has_block_fp8,
 )
 from .convert_fp16 import ConvertFloat16Pass, Float16Error
+from .emulate_bf16 import EmulateBfloat16Pass, has_bfloat16
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
@@ -35,6 +36,7 @@ __all__ = [
     "BlockFp8Result",
     "ConvertFloat16Pass",
     "EmbeddingsResult",
+    "EmulateBfloat16Pass",
     "EmulateBlockFp8MatMulPass",
     "Float16Error",
     "FoldWeightTransformsPass",
@@ -49,6 +51,7 @@ __all__ = [
     "bias_of",
     "block_fp8_reason",
     "default_opset",
+    "has_bfloat16",
     "has_block_fp8",
     "is_quantized",
     "output_channel_axis",

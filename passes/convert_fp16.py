@@ -1,4 +1,4 @@
-"""Convert a float32 model to the FP16 baseline, keeping float32 inputs and outputs (a drop-in).
+"""Convert a float32 model to the FP16 baseline (or to bfloat16), keeping float32 inputs and outputs (a drop-in).
 
 The conversion itself is onnxruntime's ``onnxruntime.transformers.float16`` converter: of the
 converters we tried it is the one whose results load and run on real exported models (SPEC §7).
@@ -14,6 +14,11 @@ roi/scales/sizes, Upsample's scales or Range's inputs (back to a Shape/Size or a
 of the conversion. In float16 such a path rounds (a ViT's bicubic Resize of its position embeddings
 got outer-axis scales that were no longer exactly 1, which onnxruntime refuses at run time).
 
+bfloat16 (``ConvertFloat16Pass(ir.DataType.BFLOAT16, keep=...)``): the same converter decides where the
+Casts go (``keep`` names more nodes to leave in float32: those the target provider has no bfloat16 kernel
+for), then every float16 type becomes bfloat16 and every converted weight is rounded from its float32
+original (round to nearest even, ml_dtypes), not from its float16 rounding.
+
 Rewrite cases:
   float32 initializers or computed values present -> converted; a new model is returned
   nothing in float32 left (already converted)     -> unchanged (``modified`` is False)
@@ -24,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import ml_dtypes
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 from onnx import TensorProto, helper
@@ -60,8 +67,11 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
     the graph's inputs and outputs); ensures: graph inputs and outputs keep their names and types (a
     drop-in for the float32 model)."""
 
-    def __init__(self):
+    def __init__(self, dtype: ir.DataType = ir.DataType.FLOAT16, keep: tuple[str, ...] = ()):
         super().__init__()
+        if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            raise ValueError(f"ConvertFloat16Pass converts to float16 or bfloat16, not {dtype}")
+        self.dtype, self.keep = dtype, tuple(keep)
         self._io: list[tuple[str, ir.DataType | None]] = []
 
     def requires(self, model: ir.Model) -> None:
@@ -81,7 +91,7 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
             if isinstance(v.const_value, ir.ExternalTensor)
         }
         proto = ir.to_proto(model)
-        blocked = _name_shape_paths(proto)
+        blocked = _name_shape_paths(proto) + list(self.keep)
         with _value_info_from_dims():
             proto = ort_float16.convert_float_to_float16(
                 proto,
@@ -97,19 +107,65 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
                 f"onnxruntime's float16 converter wrote an invalid graph ({len(broken)} values, e.g. {broken[0]}); "
                 "it mishandles If branches that read the same outer values, as Optimum's merged decoders do"
             )
-        logger.info("converted the model to float16 (inputs and outputs kept as they were)")
         converted = ir.from_proto(proto)
-        for name, source in external.items():
-            value = converted.graph.initializers[name]
-            if value.dtype == ir.DataType.FLOAT16:  # converted: done when saved, with the converter's clamping
-                source = derived_tensor(
-                    source, ort_float16.convert_np_to_float16, ir.DataType.FLOAT16, source.shape, source.name
-                )
-            value.const_value = source
+        bf16 = self.dtype == ir.DataType.BFLOAT16
+        # weights in external data are given back (the converter only changed their declared type); in
+        # bfloat16 every converted weight is rounded from its float32 original
+        sources = {**external, **(_float32_initializers(model) if bf16 else {})}
+        for graph in (converted.graph, *converted.graph.subgraphs()):
+            for name, value in graph.initializers.items():
+                source = sources.get(name)
+                if source is None:
+                    continue
+                if value.dtype == ir.DataType.FLOAT16:  # converted: done when saved, one tensor at a time
+                    to = _to_bfloat16 if bf16 else ort_float16.convert_np_to_float16  # fp16: the converter's clamping
+                    source = derived_tensor(source, to, self.dtype, source.shape, source.name)
+                value.const_value = source
+        if bf16:
+            _retype(converted, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+        logger.info("converted the model to %s (inputs and outputs kept as they were)", self.dtype.name.lower())
         # The converter appends its input Casts at the end of the node list.
         ir.passes.common.TopologicalSortPass()(converted)
         ir.passes.common.RemoveUnusedNodesPass()(converted)  # round trips no longer read
         return ir.passes.PassResult(converted, modified=True)
+
+
+def _to_bfloat16(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def _float32_initializers(model: ir.Model) -> dict[str, ir.TensorProtocol]:
+    """Every float32 weight of the model (main graph and subgraphs) by name, as it was before conversion."""
+    return {
+        name: v.const_value
+        for graph in (model.graph, *model.graph.subgraphs())
+        for name, v in graph.initializers.items()
+        if v.dtype == ir.DataType.FLOAT and v.const_value is not None
+    }
+
+
+def _retype(model: ir.Model, old: ir.DataType, new: ir.DataType) -> None:
+    """Every ``old`` type in the model becomes ``new``: values, Cast targets, ``dtype`` attributes and
+    constant tensors held in attributes (ConstantOfShape's value; their values rounded to ``new``). A
+    weight still in ``old`` (one the converter added) is converted through float32."""
+    graphs = (model.graph, *model.graph.subgraphs())
+    for graph in graphs:
+        for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+            if value.dtype == old:
+                if value.const_value is not None and value.const_value.dtype == old:
+                    array = value.const_value.numpy().astype(np.float32)
+                    value.const_value = ir.tensor(array.astype(new.numpy()), dtype=new, name=value.name)
+                value.dtype = new
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for out in node.outputs:
+            if out.dtype == old:
+                out.dtype = new
+        for key, attr in list(node.attributes.items()):
+            if attr.type == ir.AttributeType.INT and key in ("to", "dtype") and attr.value == old:
+                node.attributes[key] = ir.AttrInt64(key, int(new))
+            elif attr.type == ir.AttributeType.TENSOR and attr.value.dtype == old:
+                array = attr.value.numpy().astype(np.float32).astype(new.numpy())
+                node.attributes[key] = ir.AttrTensor(key, ir.tensor(array, dtype=new, name=attr.value.name))
 
 
 # op -> the inputs that carry shapes, scales or sizes rather than data

@@ -39,6 +39,7 @@ from fp8onnx.data.feeds import input_specs
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
+from fp8onnx.passes import BLOCK_FP8_OP
 from fp8onnx.runtime import (
     RunOptions,
     make_session,
@@ -112,8 +113,8 @@ def compare(
         total = min(total, -(-max_samples // batch_size))
 
     notes = [
-        f"{name}: {', '.join(ops)} emulated on the CPU EP (standard ops with the CUDA kernel's numerics; the GPU "
-        "decode path for M <= 8 rows rounds once less)"
+        f"{name}: {', '.join(ops)} emulated on the CPU EP (standard ops with the CUDA kernels' numerics"
+        + ("; the GPU decode path for M <= 8 rows rounds once less)" if BLOCK_FP8_OP in ops else ")")
         for name, (path, _) in models.items()
         if path and provider == "cpu" and (ops := cuda_only_ops(path))
     ]

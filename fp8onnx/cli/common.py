@@ -255,7 +255,8 @@ _precision_option = click.option(
     type=click.Choice(PRECISIONS),
     default="model",
     show_default=True,
-    help="fp16: the unquantized part of the graph runs in float16 (inputs and outputs kept as they were).",
+    help="fp16 / bf16: the unquantized part of the graph runs in float16 / bfloat16 (inputs and outputs kept as they "
+    "were); calibrate with the --precision you quantize with.",
 )
 _provider_option = click.option(
     "--provider",

@@ -16,6 +16,8 @@ _DEPLOYMENT = [
         type=click.Choice(PRECISIONS),
         default=None,
         help="fp16: the unquantized part of the graph runs in float16 (inputs and outputs kept as they were). "
+        "bf16: in bfloat16, for the CUDA fast form only (--gemm-op block-fp8): what the CUDA EP has no bfloat16 "
+        "kernel for stays float32; emulated on the CPU EP. "
         "[default: fp16 with --gemm-op block-fp8 (the op takes float16 activations), else model]",
     ),
     click.option(

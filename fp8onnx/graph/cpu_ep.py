@@ -3,11 +3,13 @@
 - ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (CUDA only; what ``--gemm-op block-fp8`` writes) has
   no CPU kernel: it is lowered to standard ops with the CUDA kernel's numerics
   (:class:`fp8onnx.passes.EmulateBlockFp8MatMulPass`), in memory;
+- bfloat16 compute (``--precision bf16``; the CPU EP has bfloat16 kernels for few ops) runs in float32
+  with every result rounded to bfloat16 (:class:`fp8onnx.passes.EmulateBfloat16Pass`), in memory;
 - onnxruntime 1.32's NchwcTransformer crashes the process (SIGSEGV) on float16 Conv graphs (the corpus
   ViT's patch embedding at --precision fp16): such a session leaves it out (it only changes the layout
   of float32 Convs).
 
-Both are told from the serialized model by a byte search first; a model is parsed only when it names
+Each is told from the serialized model by a byte search first; a model is parsed only when it names
 what is searched for.
 """
 
@@ -19,9 +21,13 @@ import os
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["cuda_only_ops", "emulated", "float16_conv"]
+__all__ = ["BFLOAT16_COMPUTE", "cuda_only_ops", "emulated", "float16_conv"]
 
 _CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs
+# a Cast to bfloat16 as serialized (AttributeProto name "to", i = 16): every graph fp8onnx converts to
+# bfloat16 has them (inputs and outputs stay float32)
+_BF16_CAST = b"\n\x02to\x18\x10"
+BFLOAT16_COMPUTE = "bfloat16 compute"
 # NodeProto.op_type (field 4, a string) "Conv" / "ConvTranspose" as serialized: a node name or a
 # tensor name that contains "Conv" (GPT-2's Conv1D modules) does not match
 _CONV_OP_TYPES = (b'"\x04Conv', b'"\rConvTranspose')
@@ -40,8 +46,10 @@ def _mentions(model: bytes | str | os.PathLike, words: tuple[bytes, ...]) -> lis
 
 
 def cuda_only_ops(model: bytes | str | os.PathLike) -> list[str]:
-    """The CUDA-only ops fp8onnx can emulate that a serialized model (or a model file) names."""
-    return [op.decode() for op in _mentions(model, _CUDA_ONLY)]
+    """What a serialized model (or a model file) has that only the CUDA EP runs and fp8onnx emulates:
+    op types, and :data:`BFLOAT16_COMPUTE` for Casts to bfloat16."""
+    found = _mentions(model, (*_CUDA_ONLY, _BF16_CAST))
+    return [BFLOAT16_COMPUTE if w == _BF16_CAST else w.decode() for w in found]
 
 
 def float16_conv(model: bytes | str | os.PathLike) -> bool:
@@ -68,7 +76,7 @@ def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | 
     self-contained serialized model."""
     import onnx
 
-    from fp8onnx.passes import EmulateBlockFp8MatMulPass
+    from fp8onnx.passes import EmulateBfloat16Pass, EmulateBlockFp8MatMulPass
 
     if isinstance(model, bytes):
         loaded = ir.serde.deserialize_model(onnx.load_from_string(model))
@@ -78,6 +86,7 @@ def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | 
                 value.const_value = ir.tensor(weights[value.name], dtype=tensor.dtype, name=value.name)
     else:
         loaded = ir.load(os.fspath(model))
-    EmulateBlockFp8MatMulPass()(loaded)
+    EmulateBlockFp8MatMulPass()(loaded)  # first: it writes the op's bfloat16 roundings as Casts
+    EmulateBfloat16Pass()(loaded)
     ir.external_data.load_to_model(loaded)
     return ir.to_proto(loaded).SerializeToString()

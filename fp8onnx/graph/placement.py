@@ -24,7 +24,7 @@ import pathlib
 
 import onnx_ir as ir
 
-__all__ = ["CUDA_KERNELS_FILE", "NodePlacement", "placement_summary", "predict_placement"]
+__all__ = ["CUDA_KERNELS_FILE", "NodePlacement", "no_cuda_kernel_in", "placement_summary", "predict_placement"]
 
 CUDA_KERNELS_FILE = pathlib.Path(__file__).with_name("cuda_kernels.json")
 _OPEN = 2**31 - 1
@@ -193,6 +193,24 @@ def predict_placement(model: ir.Model, provider: str = "cuda") -> list[NodePlace
             why = f"no kernel for opset {version}, {_describe(types)}"
             out.append(NodePlacement(node.name, op, "fails at load", why))
     return out
+
+
+def no_cuda_kernel_in(model: ir.Model, dtype: ir.DataType) -> list[str]:
+    """Names of the nodes of a float32 model (main graph and subgraphs; unnamed ones are skipped) that
+    compute in float32 and for which the CUDA EP has no kernel once their float32 tensors are ``dtype``:
+    the nodes a conversion to ``dtype`` must leave in float32."""
+    table, wanted = cuda_kernels()[0], _tensor_type(ir.Value(type=ir.TensorType(dtype)))
+    names = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if not node.name or (node.op_type == "Constant" and _domain(node.domain) == ""):
+            continue
+        types, first, _, since = _node_types(node, _version(model, node))
+        if not any(_SINGLE in t for t in types.values()):
+            continue
+        narrow = {p: {wanted if x == _SINGLE else x for x in t} for p, t in types.items()}
+        if not _has(table, node, since, narrow, wanted if first == _SINGLE else first):
+            names.append(node.name)
+    return names
 
 
 def _describe(types: dict[str, set[str]]) -> str:

@@ -12,6 +12,7 @@ import onnx_ir.passes.common
 from fp8onnx.config import SUPPORTED_OP_TYPES, check_precision
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model
+from fp8onnx.graph.placement import no_cuda_kernel_in
 from fp8onnx.passes import (
     ConvertFloat16Pass,
     Float16Error,
@@ -26,15 +27,16 @@ __all__ = ["Float16Unsupported", "prepare_model"]
 
 
 class Float16Unsupported(Fp8OnnxError):
-    """--precision fp16 cannot convert this model."""
+    """--precision fp16 (or bf16) cannot convert this model."""
 
 
 logger = logging.getLogger(__name__)
 
 
 def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir.Model, int | None, list[str]]:
-    """Load the model and make its MatMul/Gemm weights visible; with ``precision="fp16"`` convert the
-    float32 graph to float16 (inputs and outputs kept). Returns (model, original opset, what was
+    """Load the model and make its MatMul/Gemm weights visible; with ``precision="fp16"`` (``"bf16"``)
+    convert the float32 graph to float16 (bfloat16, leaving in float32 what the CUDA EP has no bfloat16
+    kernel for; inputs and outputs kept). Returns (model, original opset, what was
     done). Deterministic, so that `calibrate` and `quantize` agree on tensor names."""
     check_precision(precision)
     model = load_model(path)
@@ -59,6 +61,9 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     ]
     if precision == "fp16":
         steps.append((ConvertFloat16Pass(), "converted the unquantized graph to float16 (inputs and outputs kept)"))
+    elif precision == "bf16":
+        steps.append((ir.passes.common.NameFixPass(), None))  # the nodes kept in float32 are named
+        steps.append((_Bfloat16ForCuda(), "converted the unquantized graph to bfloat16 (inputs and outputs kept)"))
     # Decisions, statistics and reports refer to nodes and tensors by name: unnamed or duplicate names
     # get unique ones (NameFixPass: within a graph and its parents; then across sibling subgraphs).
     steps.append((ir.passes.common.NameFixPass(), None))
@@ -69,7 +74,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
             result = step(model)
         except Float16Error as exc:
             raise Float16Unsupported(
-                f"--precision fp16 cannot convert {str(path)!r}: {exc}. Use --precision model."
+                f"--precision {precision} cannot convert {str(path)!r}: {exc}. Use --precision model."
             ) from None
         except (UpgradeError, ir.passes.PostconditionError) as exc:
             raise Fp8OnnxError(
@@ -88,6 +93,18 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     _types_from_partners(model)
     model.meta[EXTERNAL_META] = external  # ConvertFloat16Pass returns a new model
     return model, from_version, done
+
+
+class _Bfloat16ForCuda(ir.passes.FunctionalPass):
+    """ConvertFloat16Pass to bfloat16, leaving in float32 the nodes the CUDA EP has no bfloat16 kernel for
+    (its kernel table, :mod:`fp8onnx.graph.placement`); those are logged."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        keep = no_cuda_kernel_in(model, ir.DataType.BFLOAT16)
+        if keep:
+            ops = sorted({n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name in set(keep)})
+            logger.info("bfloat16: %d nodes stay float32 (no bfloat16 CUDA kernel): %s", len(keep), ", ".join(ops))
+        return ConvertFloat16Pass(ir.DataType.BFLOAT16, keep=tuple(keep))(model)
 
 
 def _unique_across_subgraphs(model: ir.Model) -> None:
