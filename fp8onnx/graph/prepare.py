@@ -100,6 +100,7 @@ class _Bfloat16ForCuda(ir.passes.FunctionalPass):
     (its kernel table, :mod:`fp8onnx.graph.placement`); those are logged."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        ir.passes.common.ShapeInferencePass(strict_mode=False)(model)  # the types each node computes in
         keep = no_cuda_kernel_in(model, ir.DataType.BFLOAT16)
         if keep:
             ops = sorted({n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name in set(keep)})

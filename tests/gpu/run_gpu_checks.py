@@ -20,6 +20,11 @@ Run on a CUDA machine with onnxruntime-gpu (see ../shared/hooks/gpu/README.md):
    from the decoder's default recipe and W8A8 from static activations; blocks of 128): in steps 1-3 and
    5 next to FP16, Q/DQ and GemmFloat8, and its logits on the EP against fp8onnx's CPU emulation of
    the op (the CPU EP has no kernel for it: the dry run runs the emulation in its place).
+7. onnxruntime-genai (``--genai NAME=FOLDER``, repeated; the first is the baseline): greedy generation
+   of 48 tokens from 5 prompts per folder after one warm-up, tokens per second against the baseline's,
+   and how many tokens are the baseline's. The folders come from tests/gpu/stage_genai.py (the FP16
+   folder onnxruntime-genai's builder writes for CUDA, and fp8onnx's CUDA folder of the same model).
+   ``--only genai`` runs this step alone.
 Writes gpu_checks.json into --out.
 """
 
@@ -107,6 +112,83 @@ def fast_form_checks(models, ids, tmp, provider):
             "rel_l2_vs_cpu_emulation": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
             "top1_agreement_vs_cpu_emulation": float((got.argmax(-1) == ref.argmax(-1)).mean()),
         }
+    return out
+
+
+PROMPTS = (
+    "The capital of France is",
+    "Here is a short story about a robot who learns to paint:",
+    "def fibonacci(n):",
+    "The three most important inventions of the 20th century are",
+    "Explain why the sky is blue in one paragraph.",
+)
+
+
+def _prompt_tokens(og, model, config: dict, count: int, length: int = 16) -> list[list[int]]:
+    """Token ids of :data:`PROMPTS` from the folder's tokenizer; a tokenizer that maps English to few
+    distinct ids (the random model's word-level one) gets seeded random ids from its vocabulary."""
+    vocab = int(config["model"]["vocab_size"])
+    try:
+        tokenizer = og.Tokenizer(model)
+        prompts = [list(tokenizer.encode(text)) for text in PROMPTS[:count]]
+        if all(len(set(p)) >= 4 for p in prompts):
+            return prompts
+    except Exception as exc:  # no tokenizer the runtime reads: ids instead
+        print(f"  tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab, length).tolist() for _ in range(count)]
+
+
+def _greedy(og, model, prompt: list[int], new_tokens: int) -> list[int]:
+    params = og.GeneratorParams(model)
+    length = len(prompt) + new_tokens  # min_length: an end-of-sequence token does not stop it early
+    params.set_search_options(max_length=length, min_length=length, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
+
+
+def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
+    """Step 7: tokens per second and tokens of each onnxruntime-genai folder, against the first."""
+    import time
+
+    try:
+        import onnxruntime_genai as og
+    except ImportError as exc:
+        return {"skipped": f"onnxruntime-genai is not installed ({exc})"}
+    out: dict = {"onnxruntime_genai": getattr(og, "__version__", "?"), "new_tokens": new_tokens, "folders": {}}
+    baseline = None
+    for name, folder in folders.items():
+        folder = pathlib.Path(folder)
+        config = json.loads((folder / "genai_config.json").read_text())
+        entry: dict = {"folder": str(folder)}
+        try:
+            start = time.perf_counter()
+            model = og.Model(str(folder))
+            entry["load_s"] = time.perf_counter() - start
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            out["folders"][name] = entry
+            print(f"genai {name}: {entry['error']}")
+            continue
+        ids = _prompt_tokens(og, model, config, prompts)
+        _greedy(og, model, ids[0], new_tokens)  # warm-up: kernels chosen, memory allocated
+        start = time.perf_counter()
+        tokens = [_greedy(og, model, p, new_tokens) for p in ids]
+        seconds = time.perf_counter() - start
+        entry.update(tokens=tokens, seconds=seconds, tokens_per_s=sum(map(len, tokens)) / seconds)
+        if baseline is None:
+            baseline = entry
+        else:
+            same = [a == b for x, y in zip(tokens, baseline["tokens"]) for a, b in zip(x, y)]
+            entry["token_agreement"] = sum(same) / max(1, len(same))
+            entry["identical_sequences"] = sum(x == y for x, y in zip(tokens, baseline["tokens"]))
+            entry["speed_vs_baseline"] = entry["tokens_per_s"] / baseline["tokens_per_s"]
+        out["folders"][name] = entry
+        shown = {k: v for k, v in entry.items() if k not in ("tokens", "folder")}
+        print(f"genai {name}: {json.dumps(shown)}")
     return out
 
 
@@ -219,17 +301,31 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--genai", action="append", default=[], metavar="NAME=FOLDER", help="step 7's folders")
+    ap.add_argument("--only", choices=("genai",), help="run this step alone")
     args = ap.parse_args()
+    genai = dict(item.split("=", 1) for item in args.genai)
     ort = _ort()
     provider = "cpu" if args.cpu_dry_run else "cuda"
     native = not args.cpu_dry_run
     print(f"onnxruntime {ort.__version__}, available providers {ort.get_available_providers()}")
     if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         sys.exit("no CUDA EP in this onnxruntime")
-    import fp8onnx
-
     sample = REPO / "models" / "decoder"
     results: dict = {"onnxruntime": ort.__version__, "provider": provider}
+    if args.only != "genai":
+        steps_1_to_6(results, sample, provider, native, args.runs, args.cpu_dry_run)
+        _write(results, args.out)  # kept if step 7 takes the process down
+    if genai:
+        results["genai"] = genai_checks(genai)
+    else:
+        results["genai"] = {"skipped": "no --genai folders (tests/gpu/stage_genai.py builds them)"}
+    _write(results, args.out)
+
+
+def steps_1_to_6(results: dict, sample, provider: str, native: bool, runs: int, dry_run: bool) -> None:
+    import fp8onnx
+
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = pathlib.Path(tmp_name)
         models = variants(sample / "decoder.onnx", sample / "calib.npz", tmp, provider, native)
@@ -249,18 +345,18 @@ def main() -> None:
         print(cmp.table())
         results["accuracy"] = cmp.to_json()
         tokens = {"input_ids": np.tile(ids, (1, 1))[:64]}  # 64 sequences x 64 bytes = 4,096 tokens
-        results["decoder_latency_ms"] = {k: latency_ms(p, provider, tokens, runs=args.runs) for k, p in models.items()}
-        stack = gemm_stack(tmp / "stack.onnx", *((512, 1376, 1) if args.cpu_dry_run else ()))
-        d = 512 if args.cpu_dry_run else 4096
+        results["decoder_latency_ms"] = {k: latency_ms(p, provider, tokens, runs=runs) for k, p in models.items()}
+        stack = gemm_stack(tmp / "stack.onnx", *((512, 1376, 1) if dry_run else ()))
+        d = 512 if dry_run else 4096
         rng = np.random.default_rng(1)
         np.savez(tmp / "stack_calib.npz", x=rng.standard_normal((256, d)).astype(np.float32))
         stack_models = variants(stack, tmp / "stack_calib.npz", tmp, provider, native)
-        x = {"x": rng.standard_normal((4096 if not args.cpu_dry_run else 256, d)).astype(np.float32)}
-        results["stack_latency_ms"] = {k: latency_ms(p, provider, x, runs=args.runs) for k, p in stack_models.items()}
+        x = {"x": rng.standard_normal((4096 if not dry_run else 256, d)).astype(np.float32)}
+        results["stack_latency_ms"] = {k: latency_ms(p, provider, x, runs=runs) for k, p in stack_models.items()}
         decode = {}
         for m in range(1, 9):  # decode: M rows (the fast form's GEMV path for M <= 8)
             xm = {"x": x["x"][:m]}
-            decode[m] = {k: latency_ms(p, provider, xm, runs=args.runs) for k, p in stack_models.items()}
+            decode[m] = {k: latency_ms(p, provider, xm, runs=runs) for k, p in stack_models.items()}
             print(f"decode M={m}: " + ", ".join(f"{k} {v / decode[m]['fp16']:.2f}x" for k, v in decode[m].items()))
         results["stack_decode_ms"] = decode
         results["fast_form"] = fast_form_checks(models, ids, tmp, provider)
@@ -273,7 +369,10 @@ def main() -> None:
         ratios = {k: v / lat["fp16"] for k, v in lat.items()}
         results[key.replace("latency_ms", "latency_vs_fp16")] = ratios
         print(f"{key}: " + ", ".join(f"{k} {v:.2f} ms ({ratios[k]:.2f}x FP16's latency)" for k, v in lat.items()))
-    out = pathlib.Path(args.out)
+
+
+def _write(results: dict, where) -> None:
+    out = pathlib.Path(where)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_checks.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"wrote {out / 'gpu_checks.json'}")

@@ -160,3 +160,28 @@ def test_bf16_is_for_the_fast_form_only():
     with pytest.raises(fp8onnx.Fp8OnnxError, match="--precision bf16 is for the CUDA fast form"):
         fp8onnx.QuantizeConfig(precision="bf16")
     assert fp8onnx.QuantizeConfig(target="onnxruntime-cuda", precision="bf16").precision == "bf16"
+
+
+def test_types_unknown_to_the_exporter_are_inferred_before_choosing(tmp_path):
+    """An export without value_info (SmolLM2's rotary Cos/Sin, opset 21: no bfloat16 Cos before opset 22,
+    in ONNX or in the CUDA table): the node stays float32, so the graph is valid and all on CUDA."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["m"], name="square"),  # Cos reads a value of no stated type
+        helper.make_node("Cos", ["m"], ["c"], name="cos"),
+        helper.make_node("MatMul", ["c", "w"], ["y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "cos.onnx")
+    model, _, _ = prepare_model(tmp_path / "cos.onnx", "bf16")
+    types = {n.name: n.outputs[0].dtype for n in model.graph}
+    assert types["cos"] == ir.DataType.FLOAT and types["mm"] == ir.DataType.BFLOAT16
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    assert placement_summary(predict_placement(model, "cuda"))["not_on_the_provider"] == {}
