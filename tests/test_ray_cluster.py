@@ -1,8 +1,9 @@
 """Ray on a cluster of nodes on this machine (ray.cluster_utils.Cluster: a head without CPUs and worker
 nodes of one CPU each, every node a process here), through the pool --ray ADDRESS --workers 2 uses: the
 actors spread over the nodes, and a node removed mid-run loses no batch (its batches run again on a
-live worker): the statistics are byte-identical to one process. Marked slow (a cluster starts in
-about 10 s a node)."""
+live worker): calibrate's statistics and quantize's model are byte-identical to one process, whether
+the cluster has room for a replacement worker or not. Marked slow (a cluster starts in about 10 s a
+node)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from helpers import SAMPLE
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
+CALIB = SAMPLE / "calib.npz"
 
 
 @pytest.fixture(scope="module")
@@ -25,37 +27,71 @@ def cluster():
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [c.add_node(num_cpus=1) for _ in range(4)]  # spares: one node is removed per run
     c.wait_for_nodes()
-    yield c, nodes
+    yield c
     distributed.close_all()
     ray.shutdown()
     c.shutdown()
 
 
-@pytest.mark.parametrize("when", [0.1, 0.5, 0.9])
-def test_a_lost_node_loses_no_batch(cluster, tmp_path, monkeypatch, when):
-    c, nodes = cluster
-    calib = SAMPLE / "calib.npz"
-    one = fp8onnx.calibrate(SAMPLE / "decoder.onnx", calib, tmp_path / "one.json", provider="cpu", batch_size=1)
+def _nodes(c, alive: int) -> None:
+    """Exactly ``alive`` one-CPU worker nodes."""
+    while len(c.worker_nodes) < alive:
+        c.add_node(num_cpus=1)
+    while len(c.worker_nodes) > alive:
+        c.remove_node(next(iter(c.worker_nodes)))
+    c.wait_for_nodes()
+
+
+def _remove_a_busy_node(monkeypatch, c, at: int) -> dict:
+    """Remove the node of a worker when the ``at``-th batch is submitted."""
     state = {"n": 0, "removed": None}
     real = distributed.WorkerPool._submit
 
     def submit(self, pending, load, task, item, index, keep, tries):
         state["n"] += 1
-        if state["removed"] is None and state["n"] == max(1, int(one.num_batches * when)):
-            busy = set(self._nodes)
+        if state["removed"] is None and state["n"] == at:
+            busy = {n for n in self._nodes if n is not None}
             assert len(busy) == len(self.workers), "the actors share a node"  # each reserves its CPU
-            victim = next(n for n in nodes if n.node_id in busy and n in c.worker_nodes)
+            victim = next(n for n in c.worker_nodes if n.node_id in busy)
             c.remove_node(victim)
             state["removed"] = victim.node_id
         return real(self, pending, load, task, item, index, keep, tries)
 
     monkeypatch.setattr(distributed.WorkerPool, "_submit", submit)
+    return state
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["a-spare-node", "no-room"])
+@pytest.mark.parametrize("when", [0.1, 0.5, 0.9])
+def test_a_lost_node_loses_no_batch_in_calibrate(cluster, tmp_path, monkeypatch, when, room):
+    """With a spare node the lost worker comes back there (Ray restarts the actor, or fp8onnx replaces
+    it); without one the survivor takes every batch (the replacement waits for room and never holds the
+    run up)."""
+    c = cluster
+    _nodes(c, 3 if room else 2)
+    one = fp8onnx.calibrate(SAMPLE / "decoder.onnx", CALIB, tmp_path / "one.json", provider="cpu", batch_size=1)
+    state = _remove_a_busy_node(monkeypatch, c, max(1, int(one.num_batches * when)))
     two = fp8onnx.calibrate(
-        SAMPLE / "decoder.onnx", calib, tmp_path / "two.json", provider="cpu", batch_size=1,
+        SAMPLE / "decoder.onnx", CALIB, tmp_path / "two.json", provider="cpu", batch_size=1,
         workers=2, ray_address=c.address,
     )  # fmt: skip
     assert state["removed"] is not None and two.num_batches == one.num_batches
     assert (tmp_path / "one.json").read_bytes() == (tmp_path / "two.json").read_bytes()
+    distributed.close_all()
+
+
+@pytest.mark.parametrize("when", [0.1, 0.5, 0.9])
+def test_a_lost_node_loses_no_batch_in_quantize(cluster, tmp_path, monkeypatch, when):
+    c = cluster
+    _nodes(c, 3)
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "one.onnx", CALIB, provider="cpu", batch_size=1)
+    batches = 128  # calib.npz's samples, one a batch
+    state = _remove_a_busy_node(monkeypatch, c, max(1, int(batches * when)))
+    fp8onnx.quantize(
+        SAMPLE / "decoder.onnx", tmp_path / "two.onnx", CALIB, provider="cpu", batch_size=1,
+        workers=2, ray_address=c.address,
+    )  # fmt: skip
+    assert state["removed"] is not None
+    assert (tmp_path / "one.onnx").read_bytes() == (tmp_path / "two.onnx").read_bytes()
     distributed.close_all()

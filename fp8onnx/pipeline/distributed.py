@@ -21,11 +21,10 @@ import atexit
 import hashlib
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.pipeline.ray_cluster import cause, connect, lost_errors, threads_per_worker
 from fp8onnx.runtime import RAY_TIMEOUT, check_ray, portable_model, worker_session
 
 __all__ = [
@@ -78,67 +77,6 @@ class _Worker:
         return ray.get_runtime_context().get_node_id()
 
 
-def _probe(address: str, timeout: float) -> None:
-    """One clear sentence, within ``timeout`` seconds, when nothing answers at a cluster's address (Ray
-    itself retries its GCS connection for minutes). ``auto``/``local`` and names Ray resolves itself
-    are left to it."""
-    import socket
-
-    host_port = address.split("://", 1)[-1]
-    host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
-        return
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise Fp8OnnxError(
-            f"Nothing answers at the Ray address {address!r} within {timeout:g} s ({exc.strerror or exc}): "
-            "is the cluster running (ray start --head), and is that its address? (--ray-timeout sets the wait.)"
-        ) from None
-
-
-def _init_ray(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> bool:
-    """Connect to ``address``, or start a local Ray; True when this call started one. The caller's
-    SIGTERM/SIGINT handlers stay (ray.init installs one that exits with code 15 mid-run)."""
-    import ray
-
-    if address:
-        _probe(address, timeout)
-    if ray.is_initialized():
-        return False
-    kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
-    main = threading.current_thread() is threading.main_thread()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    stopped = None
-    # Ray's own notices (e.g. on token authentication of the local cluster) are not the user's business
-    try:
-        ray.init(**kwargs, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    except SystemExit as exc:  # Ray's SIGTERM handler, while connecting
-        if exc.code != signal.SIGTERM:
-            raise
-        stopped = signal.SIGTERM
-    except Exception as exc:  # no cluster there, or a local one that cannot start
-        from fp8onnx.errors import first_line
-
-        logger.debug("ray.init failed", exc_info=True)
-        where = f"the Ray cluster at {address!r}" if address else "a local Ray"
-        raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}") from None
-    finally:
-        for sig, handler in handlers.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-    if stopped is not None:  # the caller's handler gets it (the CLI: exit 143, nothing left behind)
-        os.kill(os.getpid(), stopped)
-    return not address
-
-
-def _threads(workers: int, address: str | None) -> int:
-    """onnxruntime threads per worker: this machine's cores shared; on a cluster, one per actor
-    (each asks Ray for what it uses, so a cluster's cores are filled by more workers)."""
-    return 1 if address else max(1, (os.cpu_count() or 1) // workers)
-
-
 def remote_tasks(
     fn: Callable, calls: list[tuple], *, workers: int, address: str | None = None, timeout: float = RAY_TIMEOUT
 ) -> Iterator[object]:
@@ -148,15 +86,15 @@ def remote_tasks(
     check_ray(max(workers, 2), address)
     import ray
 
-    started = _init_ray(workers, address, timeout)
+    started = connect(workers, address, timeout)
     try:
-        remote = ray.remote(num_cpus=_threads(workers, address), max_retries=RETRIES)(fn)
+        remote = ray.remote(num_cpus=threads_per_worker(workers, address), max_retries=RETRIES)(fn)
         refs = [remote.remote(*call) for call in calls]
         for ref in refs:
             try:
                 yield ray.get(ref)
             except ray.exceptions.RayError as exc:
-                yield {"error": f"the Ray task failed: {_cause(exc)}"}
+                yield {"error": f"the Ray task failed: {cause(exc)}"}
     finally:
         if started:
             ray.shutdown()
@@ -175,15 +113,20 @@ class WorkerPool:
 
         self._ray = ray
         self.local = not address
-        self._started = _init_ray(workers, address, timeout)
-        self.threads = _threads(workers, address) if threads is None else threads
+        self._started = connect(workers, address, timeout)
+        self.threads = threads_per_worker(workers, address) if threads is None else threads
         # Each actor reserves the cores its session uses, so Ray spreads them over the nodes (with the
         # default of no CPU reserved while running, every actor could land on one 1-CPU node).
         self._actor = ray.remote(
             num_cpus=self.threads, max_restarts=RETRIES, max_task_retries=RETRIES, scheduling_strategy="SPREAD"
         )(_Worker)
+        self.timeout = timeout
         self.workers = [self._actor.remote() for _ in range(workers)]
-        self._nodes = None if self.local else ray.get([w.node.remote() for w in self.workers])  # checked in map
+        # A worker takes batches once Ray has placed it (its node known); one the cluster has no room for
+        # joins when it has, and a run never waits on it while another worker is placed.
+        self._nodes: list[str | None] = [None] * workers
+        self._placing = {w: actor.node.remote() for w, actor in enumerate(self.workers)}
+        self._placed(self.timeout, every=True)
         self._keep = []  # object-store references the loaded models need while the actors live
         self._model = None
         self.replaced = 0  # workers replaced after their node was lost
@@ -200,7 +143,7 @@ class WorkerPool:
     def close(self) -> None:
         for w in self.workers:
             self._ray.kill(w)
-        self.workers, self._keep = [], []
+        self.workers, self._keep, self._placing = [], [], {}
         if self._started:
             self._ray.shutdown()
 
@@ -221,10 +164,11 @@ class WorkerPool:
             key = f"{os.path.abspath(model)}:{st.st_size}:{st.st_mtime_ns}"
         key = f"{key}:{make.__module__}.{make.__qualname__}{args!r}"
         self._model = (key, model, make, (*args, self.threads))
+        placed = [self.workers[w] for w in self._placed(0)]  # the others load with their first batch
         try:
-            self._ray.get([w.load.remote(*self._model) for w in self.workers])
+            self._ray.get([w.load.remote(*self._model) for w in placed])
         except self._ray.exceptions.RayError as exc:  # e.g. the model does not load in onnxruntime
-            raise Fp8OnnxError(_cause(exc)) from None
+            raise Fp8OnnxError(cause(exc)) from None
 
     def map(self, task: Callable, items: Iterable[tuple], *, keep: bool = False) -> Iterator[object]:
         """``task(session, *item)`` for each item, results in item order; at most ``_IN_FLIGHT``
@@ -260,7 +204,7 @@ class WorkerPool:
                 load[worker] -= 1
                 try:
                     done[index] = (ray.get(ref), large) if keep else ray.get(ref)
-                except _lost(ray) as exc:
+                except lost_errors(ray) as exc:
                     # the worker (or its node) was lost, not the batch: a batch is pure, so it runs again
                     # on a live worker and gives the same result
                     if tries >= RETRIES:
@@ -274,10 +218,46 @@ class WorkerPool:
                     self._replace_if_dead(worker)
                     self._submit(pending, load, task, item, index, keep, tries + 1)
                 except ray.exceptions.RayError as exc:
-                    raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {_cause(exc)}") from None
+                    raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {cause(exc)}") from None
+
+    def _placed(self, timeout: float, every: bool = False) -> list[int]:
+        """The workers Ray has placed. Those still being placed are polled; when none is placed yet (with
+        ``every``: until all are) this waits up to ``timeout`` seconds. One sentence when none is."""
+        ray = self._ray
+        if self._placing:
+            refs = {ref: w for w, ref in self._placing.items()}
+            if every:
+                ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+            elif all(node is None for node in self._nodes):
+                ray.wait(list(refs), num_returns=1, timeout=timeout)
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            for ref in ready:
+                w = refs[ref]
+                del self._placing[w]
+                try:
+                    self._nodes[w] = ray.get(ref)
+                except ray.exceptions.RayError as exc:  # it died before it started: a new one is placed
+                    logger.debug("Ray: a worker did not start: %s", exc)
+                    self._replace(w)
+        placed = [w for w, node in enumerate(self._nodes) if node is not None]
+        if not placed:
+            raise Fp8OnnxError(
+                f"No Ray worker could be placed within {self.timeout:g} s: the cluster has no free room for an "
+                f"actor reserving {self.threads} CPU(s) (ray status shows its resources; --ray-timeout sets the wait)."
+            )
+        if every and self._placing:
+            logger.warning(
+                "%d of %d Ray workers placed within %g s (the cluster has no room for the others); they join when "
+                "it has",
+                len(placed),
+                len(self.workers),
+                timeout,
+            )
+        return placed
 
     def _submit(self, pending: dict, load: list, task: Callable, item: tuple, index: int, keep: bool, tries: int):
-        worker = min(range(len(self.workers)), key=lambda w: (load[w], w))  # the least busy
+        placed = self._placed(self.timeout)
+        worker = min(placed, key=lambda w: (load[w], w))  # the least busy
         load[worker] += 1
         call = self.workers[worker].run
         if keep:
@@ -290,10 +270,10 @@ class WorkerPool:
         """Ray may never resolve a batch whose worker's node was removed: the workers on nodes the
         cluster no longer lists as alive are replaced, and their batches run again on live ones."""
         ray = self._ray
-        if self._nodes is None:
+        if self.local:
             return
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        lost = [w for w, node in enumerate(self._nodes) if node not in alive]
+        lost = [w for w, node in enumerate(self._nodes) if node is not None and node not in alive]
         for w in lost:
             logger.warning("a Ray node was lost: its worker is replaced and its batches run again")
             self._replace(w)
@@ -309,8 +289,8 @@ class WorkerPool:
         except Exception:  # already gone
             logger.debug("Ray: killing a lost worker", exc_info=True)
         self.workers[worker] = self._actor.remote()
-        if self._nodes is not None:
-            self._nodes[worker] = self._ray.get(self.workers[worker].node.remote())
+        self._nodes[worker] = None  # takes batches once placed (never waited on while another is)
+        self._placing[worker] = self.workers[worker].node.remote()
         self.replaced += 1
 
     def _replace_if_dead(self, worker: int) -> None:
@@ -323,12 +303,6 @@ class WorkerPool:
         except (ray.exceptions.RayError, TimeoutError):
             pass
         self._replace(worker)
-
-
-def _lost(ray) -> tuple[type, ...]:
-    """Ray's errors for a worker or node that went away (not for a batch that failed)."""
-    e = ray.exceptions
-    return (e.RayActorError, e.NodeDiedError, e.ObjectLostError)
 
 
 def _digest(model) -> str:
@@ -345,16 +319,6 @@ def _digest(model) -> str:
         h.update(name.encode())
         h.update(repr(w).encode() if isinstance(w, tuple) else w.tobytes())
     return h.hexdigest()
-
-
-def _cause(exc: Exception) -> str:
-    """The user-facing sentence inside a Ray error (an Fp8OnnxError raised in the worker, else the
-    last line of the remote traceback)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, Fp8OnnxError):
-        return str(cause)
-    text = str(cause or exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__
 
 
 _SHARED: dict[tuple[int, str | None], WorkerPool] = {}
