@@ -2,8 +2,8 @@
 nodes of one CPU each, every node a process here), through the pool --ray ADDRESS --workers 2 uses: the
 actors spread over the nodes, and a node removed mid-run loses no batch (its batches run again on a
 live worker): calibrate's statistics and quantize's model are byte-identical to one process, whether
-the cluster has room for a replacement worker or not. Marked slow (a cluster starts in about 10 s a
-node)."""
+the cluster has room for a replacement worker or not. One case runs by default (about 15 s: a cluster
+starts in seconds a node); the others with -m slow."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ from fp8onnx.pipeline import distributed
 from helpers import SAMPLE
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
 CALIB = SAMPLE / "calib.npz"
+SLOW = pytest.mark.slow  # the default suite removes one node mid-run; the rest run with -m slow
+
+
+def _cases(*params, default):
+    return [pytest.param(*p, marks=() if p == default else SLOW, id="-".join(map(str, p))) for p in params]
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +66,16 @@ def _remove_a_busy_node(monkeypatch, c, at: int) -> dict:
     return state
 
 
-@pytest.mark.parametrize("room", [True, False], ids=["a-spare-node", "no-room"])
-@pytest.mark.parametrize("when", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize(
+    ("when", "room"),
+    _cases(*[(w, r) for w in (0.1, 0.5, 0.9) for r in ("spare-node", "no-room")], default=(0.5, "no-room")),
+)
 def test_a_lost_node_loses_no_batch_in_calibrate(cluster, tmp_path, monkeypatch, when, room):
     """With a spare node the lost worker comes back there (Ray restarts the actor, or fp8onnx replaces
     it); without one the survivor takes every batch (the replacement waits for room and never holds the
     run up)."""
     c = cluster
-    _nodes(c, 3 if room else 2)
+    _nodes(c, 3 if room == "spare-node" else 2)
     one = fp8onnx.calibrate(SAMPLE / "decoder.onnx", CALIB, tmp_path / "one.json", provider="cpu", batch_size=1)
     state = _remove_a_busy_node(monkeypatch, c, max(1, int(one.num_batches * when)))
     two = fp8onnx.calibrate(
@@ -81,7 +87,7 @@ def test_a_lost_node_loses_no_batch_in_calibrate(cluster, tmp_path, monkeypatch,
     distributed.close_all()
 
 
-@pytest.mark.parametrize("when", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("when", [pytest.param(w, marks=SLOW) for w in (0.1, 0.5, 0.9)])
 def test_a_lost_node_loses_no_batch_in_quantize(cluster, tmp_path, monkeypatch, when):
     c = cluster
     _nodes(c, 3)

@@ -15,6 +15,12 @@ __all__ = ["cause", "connect", "lost_errors", "probe", "threads_per_worker"]
 
 logger = logging.getLogger(__name__)
 
+# Ray's core worker installs absl's failure signal handler, SIGTERM included, and on ray.shutdown() sets
+# SIGTERM's action back to the default: a SIGTERM during the seconds a local Ray takes to shut down then
+# killed the process (-15) instead of reaching fp8onnx's handler (143, nothing left behind). Ray reads this
+# when it is imported, so it is set before fp8onnx imports Ray (a local Ray's processes inherit it).
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
 
 def probe(address: str, timeout: float) -> None:
     """One clear sentence, within ``timeout`` seconds, when nothing answers at a cluster's address (Ray
@@ -61,7 +67,10 @@ def connect(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> 
 
         logger.debug("ray.init failed", exc_info=True)
         where = f"the Ray cluster at {address!r}" if address else "a local Ray"
-        raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}") from None
+        hint = ""
+        if "AF_UNIX path length" in str(exc):
+            hint = " (a local Ray's sockets live under TMPDIR or RAY_TMPDIR: set RAY_TMPDIR to a short path, e.g. /tmp)"
+        raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}{hint}") from None
     finally:
         for sig, handler in handlers.items():
             if handler is not None:

@@ -1,0 +1,70 @@
+"""SIGTERM to a command running on a local Ray (--workers 2) exits 143 with nothing of fp8onnx's left,
+whenever it lands: while Ray starts, while the workers calibrate, and while Ray shuts down after the
+output was written (Ray's core worker used to set SIGTERM's action back to the default there: the
+process died of the signal, -15). Real subprocesses of the console script."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from helpers import SAMPLE
+
+pytest.importorskip("ray")
+
+
+def _run(tmp: pathlib.Path, when: str) -> tuple[int, str]:
+    out = tmp / "stats.json"
+    command = [os.path.join(sys.prefix, "bin", "fp8onnx"), "calibrate", str(SAMPLE / "decoder.onnx")]
+    command += ["--calib", str(SAMPLE / "calib.npz"), "-o", str(out), "--workers", "2", "--provider", "cpu"]
+    command += ["--batch-size", "4"]
+    p = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | {"TMPDIR": str(tmp)}
+    )
+    seen = b""
+    if when == "starting":
+        time.sleep(0.5)
+    else:
+        marker = b"calibration:" if when == "calibrating" else f"wrote {out}".encode()
+        while marker not in seen:
+            chunk = p.stdout.read1(4096)
+            if not chunk:
+                break
+            seen += chunk
+        if when == "shutting down":
+            time.sleep(0.3)  # Ray's shutdown takes about 1 s here
+    p.send_signal(signal.SIGTERM)
+    seen += p.stdout.read()
+    return p.wait(timeout=120), seen.decode(errors="replace")
+
+
+@pytest.fixture
+def short_tmp():
+    """A short TMPDIR: a local Ray's sockets live under it, and AF_UNIX paths stop at 107 bytes."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("when", ["starting", "calibrating", "shutting down"])
+def test_sigterm_on_a_local_ray_exits_143_and_leaves_nothing(short_tmp, when):
+    tmp_path = short_tmp
+    code, output = _run(tmp_path, when)
+    assert code == 128 + signal.SIGTERM, output[-2000:]
+    assert "fp8onnx: interrupted (SIGTERM)" in output or "Stopped" in output or "interrupted" in output
+    assert "Traceback" not in output
+    ours = [p.name for p in tmp_path.iterdir() if p.name.startswith(("fp8onnx", ".fp8onnx")) or p.suffix == ".tmp"]
+    assert not ours, ours  # Ray's own session folder (TMPDIR/ray) is Ray's to keep, as it does after any run
+    stats = tmp_path / "stats.json"
+    if when != "shutting down":
+        assert not stats.exists()
+    else:
+        assert stats.stat().st_size > 0  # written before the signal, complete
