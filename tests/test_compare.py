@@ -6,10 +6,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.accuracy.metrics import _OutputStats
+from fp8onnx.accuracy.metrics import _OutputStats, next_token_labels
 from fp8onnx.errors import Fp8OnnxError
 
-from helpers import mlp_data, mlp_model, run_ort
+from helpers import SAMPLE, mlp_data, mlp_model, run_ort
 
 
 def test_output_stats_metrics():
@@ -69,14 +69,59 @@ def test_accuracy_with_labels_and_criteria(tmp_path):
     assert bad.perplexity > fp32.perplexity and "ppl" in result.table()
 
 
-def test_without_labels_uses_cosine(tmp_path):
+def test_without_labels_a_linear_head_is_a_classifier_and_an_embedding_gets_cosine(tmp_path):
+    """A 2-D output of a linear head (MatMul/Gemm, bias included) is class scores whatever the family: top-1
+    agreement. An output computed after it (a Tanh, a pooling, a normalization) is an embedding: cosine."""
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
     fp8onnx.quantize(path, tmp_path / "q.onnx", data, provider="cpu")
-    result = fp8onnx.compare(path, [tmp_path / "q.onnx"], data, provider="cpu")
-    q = result.rows[-1]
+    head = fp8onnx.compare(path, [tmp_path / "q.onnx"], data, provider="cpu").rows[-1]
+    assert head.headline == "top-1 agreement with FP32" and head.value == head.outputs["y"]["top1_agreement"]
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Tanh", ["h"], ["y"])],
+        "embedding",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "e.onnx")
+    np.savez(tmp_path / "e.npz", x=rng.standard_normal((32, 16)).astype(np.float32))
+    fp8onnx.quantize(tmp_path / "e.onnx", tmp_path / "eq.onnx", tmp_path / "e.npz", provider="cpu")
+    q = fp8onnx.compare(tmp_path / "e.onnx", [tmp_path / "eq.onnx"], tmp_path / "e.npz", provider="cpu").rows[-1]
     assert q.headline == "mean cosine to FP32"
     assert 0.99 < q.outputs["y"]["cosine_mean"] <= 1.0
     assert q.outputs["y"]["top1_agreement"] is None  # 'y' does not look like logits
+
+
+def test_a_decoder_without_labels_is_judged_by_its_next_tokens(tmp_path):
+    """A decoder LLM's data needs no labels: each attended position's next token is one (padding and a
+    row's last position are not scored), so compare (and the accuracy target) report next-token accuracy
+    and perplexity, the same as with those labels written into the data."""
+    ids = np.load(SAMPLE / "eval.npz")["input_ids"][:32]
+    np.savez(tmp_path / "plain.npz", input_ids=ids)  # the sample decoder takes no attention_mask
+    labels = np.full(ids.shape, -1, np.int64)
+    labels[:, :-1] = ids[:, 1:]
+    model = tmp_path / "d.onnx"
+    model.write_bytes((SAMPLE / "decoder.onnx").read_bytes())
+    mine = fp8onnx.compare(model, [], tmp_path / "plain.npz", provider="cpu", generate=0, fp16=False)
+    assert any("the next token of each position of 'input_ids'" in n for n in mine.notes)
+    # the same labels, written into the data (-1: not scored)
+    assert next_token_labels(ids, None).tolist() == labels.tolist()
+    ref = mine.rows[0]
+    assert ref.headline == "task accuracy" and ref.accuracy is not None and ref.perplexity is not None
+    logits = run_ort(onnx.load(SAMPLE / "decoder.onnx"), {"input_ids": ids})[0]
+    scored = labels >= 0
+    expected = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum()
+    assert ref.accuracy == pytest.approx(expected, abs=2 / scored.sum())  # a near-tie may flip at most one
+
+
+def test_next_token_labels_with_a_kv_cache_mask():
+    ids = np.array([[5, 6, 7]])
+    mask = np.array([[1, 1, 0, 1, 1, 1]])  # 3 past positions (one padded), then the 3 new ones
+    assert next_token_labels(ids, mask).tolist() == [[6, 7, -1]]
+    assert next_token_labels(ids, np.array([[1, 1, 1, 1, 1, 0]])).tolist() == [[6, -1, -1]]
+    assert next_token_labels(ids, None).tolist() == [[6, 7, -1]]
 
 
 def test_candidate_with_other_outputs_is_refused(tmp_path):
@@ -212,3 +257,35 @@ def test_the_headline_follows_the_output_and_can_be_chosen(tmp_path):
         fp8onnx.compare(ref, [noisy], tmp_path / "d.npz", metric="accuracy", provider="cpu")
     with pytest.raises(Fp8OnnxError, match="--metric must be one of"):
         fp8onnx.compare(ref, [noisy], tmp_path / "d.npz", metric="f1", provider="cpu")
+
+
+def test_a_byte_input_classifier_is_class_scores_whatever_its_family():
+    """A content-type classifier: bytes in (no token input, family "other"), MatMul + bias Add out."""
+    import onnx_ir as ir
+
+    from fp8onnx.accuracy.metrics import class_outputs
+    from fp8onnx.family import detect_family
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Cast", ["bytes"], ["x"], to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["scores"]),
+        helper.make_node("ReduceMean", ["x"], ["pooled"], axes=[1], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bytes",
+        [helper.make_tensor_value_info("bytes", TensorProto.INT32, ["n", 32])],
+        [
+            helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["n", 5]),
+            helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["n"]),
+        ],
+        [
+            numpy_helper.from_array(rng.standard_normal((32, 5)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b"),
+        ],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert detect_family(model).name == "other"
+    assert class_outputs(model) == {"scores"}

@@ -1,4 +1,7 @@
-"""Quantize to a stated accuracy: the fewest, most sensitive nodes stay in float until the target holds."""
+"""Quantize to a stated accuracy: the fewest, most sensitive nodes stay in float until the target holds.
+
+The toy chain's output is a linear head's [n, 8], which compare judges by top-1 agreement (a classifier);
+these tests of the search itself state the metric they were written for: mean cosine."""
 
 import numpy as np
 import onnx
@@ -25,7 +28,7 @@ def outlier_chain(tmp_path):
 def test_the_sensitive_node_is_kept_and_the_target_holds(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
-    result = quantize_to_target(path, out, calib, eval_data, target=99.9, provider="cpu")
+    result = quantize_to_target(path, out, calib, eval_data, metric="cosine", target=99.9, provider="cpu")
     assert result.met and result.kept_in_float == ["second"]
     assert result.tried[0] < 0.999 <= result.tried[1]
     assert [n.name for n in result.report.quantized] == ["first"]
@@ -34,7 +37,7 @@ def test_the_sensitive_node_is_kept_and_the_target_holds(tmp_path, outlier_chain
     producers = {o: n.op_type for n in onnx.load(out).graph.node for o in n.output}
     second = next(n for n in onnx.load(out).graph.node if n.name == "second")
     assert producers[second.input[0]] != "DequantizeLinear"  # really left in float
-    check = fp8onnx.compare(path, [out], eval_data, provider="cpu")
+    check = fp8onnx.compare(path, [out], eval_data, metric="cosine", provider="cpu")
     assert check.rows[-1].ratio_to_fp16 >= 0.999
 
 
@@ -42,7 +45,9 @@ def test_an_unreachable_target_writes_nothing_and_names_the_best(tmp_path, outli
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
     with pytest.raises(TargetNotMet, match=r"not met .* the best was \d+\.\d\d% of FP16 with 0 in float") as caught:
-        quantize_to_target(path, out, calib, eval_data, target=99.9, max_float_nodes=0, report=tmp_path / "r.json")
+        quantize_to_target(
+            path, out, calib, eval_data, metric="cosine", target=99.9, max_float_nodes=0, report=tmp_path / "r.json"
+        )
     result = caught.value.result
     assert not result.met and list(result.tried) == [0] and result.report is None
     assert result.tried[0] < 0.999 and "NOT met (nothing written)" in result.summary()
@@ -52,7 +57,18 @@ def test_an_unreachable_target_writes_nothing_and_names_the_best(tmp_path, outli
 def test_cli_unreachable_target_exits_2_with_the_best_metric(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
-    args = ["quantize", str(path), "--calib", str(calib), "--eval", str(eval_data), "-o", str(out)]
+    args = [
+        "quantize",
+        str(path),
+        "--calib",
+        str(calib),
+        "--eval",
+        str(eval_data),
+        "-o",
+        str(out),
+        "--metric",
+        "cosine",
+    ]
     r = CliRunner().invoke(main, [*args, "--accuracy-target", "99.9", "--max-float-nodes", "0"])
     assert r.exit_code == 2 and "the best was" in r.output and "nothing written" in r.output, r.output
     last = r.output.strip().splitlines()[-1]  # after the progress bars: one sentence
@@ -63,15 +79,21 @@ def test_cli_unreachable_target_exits_2_with_the_best_metric(tmp_path, outlier_c
 
 def test_the_search_is_deterministic(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
-    first = quantize_to_target(path, tmp_path / "a.onnx", calib, eval_data, target=99.9, provider="cpu")
-    second = quantize_to_target(path, tmp_path / "b.onnx", calib, eval_data, target=99.9, provider="cpu")
+    first = quantize_to_target(
+        path, tmp_path / "a.onnx", calib, eval_data, metric="cosine", target=99.9, provider="cpu"
+    )
+    second = quantize_to_target(
+        path, tmp_path / "b.onnx", calib, eval_data, metric="cosine", target=99.9, provider="cpu"
+    )
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
     assert first.tried == second.tried and first.kept_in_float == second.kept_in_float
 
 
 def test_refinement_orders_by_measured_gain_and_reuses_its_scores(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
-    result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=99.9, refine=2, provider="cpu")
+    result = quantize_to_target(
+        path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", target=99.9, refine=2, provider="cpu"
+    )
     assert result.met and result.kept_in_float == ["second"]
     # all-FP8 plus one model per refined node; counts 0 and 1 come from those, nothing else is scored
     assert result.evaluations == 3 and sorted(result.tried) == [0, 1]
@@ -83,14 +105,16 @@ def test_refinement_orders_by_measured_gain_and_reuses_its_scores(tmp_path, outl
 def test_target_is_a_percentage(tmp_path, outlier_chain, target):
     path, calib, eval_data = outlier_chain
     with pytest.raises(Fp8OnnxError, match="must be a percentage in"):
-        quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=target)
+        quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", target=target)
 
 
 def test_the_report_says_how_the_target_was_met(tmp_path, outlier_chain):
     import json
 
     path, calib, eval_data = outlier_chain
-    quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=99.9, report=tmp_path / "r.json")
+    quantize_to_target(
+        path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", target=99.9, report=tmp_path / "r.json"
+    )
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["accuracy_target"]["kept_in_float"] == ["second"] and doc["accuracy_target"]["met"] is True
     assert [n["name"] for n in doc["sensitivity"]] == ["first", "second"]
@@ -112,14 +136,15 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     built = []
     real = evaluation.make_session
     monkeypatch.setattr(evaluation, "make_session", lambda *a, **k: built.append(a[2]) or real(*a, **k))
-    with Candidates(path, config, stats, eval_data, RunOptions(provider="cpu")) as candidates:
+    with Candidates(path, config, stats, eval_data, RunOptions(provider="cpu"), metric="cosine") as candidates:
         (all_fp8,) = candidates.ratios([()])
         (kept,) = candidates.ratios([("second",)])  # the second round: compare without FP16
         assert candidates.ratios([(), ("second",)]) == [all_fp8, kept] and candidates.evaluated == 2
         assert candidates.rounds == 2
     assert sum(what.startswith("Reference model") for what in built) == 1
     fp8onnx.quantize(path, tmp_path / "k.onnx", config=candidates.config_keeping(["second"]), stats=stats)
-    fresh = fp8onnx.compare(path, [tmp_path / "k.onnx"], eval_data, provider="cpu").rows[-1].ratio_to_fp16
+    fresh = fp8onnx.compare(path, [tmp_path / "k.onnx"], eval_data, metric="cosine", provider="cpu")
+    fresh = fresh.rows[-1].ratio_to_fp16
     assert kept == fresh and all_fp8 < 0.999 <= kept
 
 
@@ -143,7 +168,9 @@ def test_a_count_that_passes_only_by_noise_is_not_chosen():
 def test_the_search_applies_weight_techniques_to_every_candidate(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
-    result = quantize_to_target(path, out, calib, eval_data, target=99.9, weight_rounding="gptq", provider="cpu")
+    result = quantize_to_target(
+        path, out, calib, eval_data, metric="cosine", target=99.9, weight_rounding="gptq", provider="cpu"
+    )
     assert result.met and result.kept_in_float == ["second"]
     assert any("GPTQ rounding of 1 weights" in p for p in result.report.prepared)
     assert result.report.config["weight_rounding"] == "gptq"
@@ -154,9 +181,11 @@ def test_a_target_met_only_with_nearly_every_node_in_float_is_refused_unless_all
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
     with pytest.raises(TargetNotMet, match=r"holds only with 2 of 2 nodes in float.*--max-float-nodes 2"):
-        quantize_to_target(path, out, calib, eval_data, target=100, provider="cpu")
+        quantize_to_target(path, out, calib, eval_data, metric="cosine", target=100, provider="cpu")
     assert not out.exists()
-    allowed = quantize_to_target(path, out, calib, eval_data, target=100, max_float_nodes=2, provider="cpu")
+    allowed = quantize_to_target(
+        path, out, calib, eval_data, metric="cosine", target=100, max_float_nodes=2, provider="cpu"
+    )
     assert allowed.met and sorted(allowed.kept_in_float) == ["first", "second"] and out.exists()
 
 

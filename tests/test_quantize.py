@@ -329,7 +329,7 @@ def test_recipe_choices_are_enums_that_read_as_their_names():
             "Unknown --activations 'sometimes'; choose one of static, dynamic, dynamic-per-token, "
             "dynamic-per-group, none.",
         ),
-        ("precision", "fp8", "Unknown --precision 'fp8'; choose one of model, fp16."),
+        ("precision", "fp8", "Unknown --precision 'fp8'; choose one of model, fp16, bf16."),
         ("target", "coreml", "Unknown --target 'coreml'; choose one of onnxruntime, onnxruntime-cuda, tensorrt."),
     ]:
         with pytest.raises(Fp8OnnxError) as info:

@@ -157,7 +157,8 @@ def test_the_ranking_agrees_with_leave_one_out(tmp_path):
 def test_refinement_scores_the_top_nodes_on_the_end_metric(tmp_path):
     path, data, _ = deep_chain(tmp_path / "m.onnx")
     np.savez(tmp_path / "eval.npz", x=np.abs(np.random.default_rng(9).standard_normal((32, 16))).astype(np.float32))
-    result = sensitivity(path, data, eval_data=tmp_path / "eval.npz", refine=2, provider="cpu")
+    # the chain's output is a linear head's [n, 8] (top-1 agreement by default); this test is about cosine
+    result = sensitivity(path, data, eval_data=tmp_path / "eval.npz", refine=2, metric="cosine", provider="cpu")
     assert result.evaluations == 3 and result.metric == "mean cosine to FP32" and result.base_ratio < 0.5
     refined = [n for n in result.nodes if n.metric_gain is not None]
     assert sorted(n.name for n in refined) == ["mm1", "mm2"]  # the two lowest SQNR

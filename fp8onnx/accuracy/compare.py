@@ -16,6 +16,7 @@ relative loss within 1%.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -33,7 +34,7 @@ from fp8onnx.accuracy.evaluation import (
     _fp16_session,
     _session,
 )
-from fp8onnx.accuracy.metrics import METRICS, class_outputs
+from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.errors import Fp8OnnxError
@@ -79,8 +80,9 @@ def compare(
     model (``input_ids`` in, ``logits`` out) also generates ``generate`` tokens greedily from
     ``prompts`` prompts taken from the data (``generate=0``: not), each model against FP32's tokens.
     ``memory``: measure the heap each session holds (a garbage collection per model, 0.1-0.3 s).
-    ``metric``: the headline compared with FP16 (``METRICS``): auto is task accuracy with labels, else
-    top-1 agreement for class scores (named like logits, or computed by a Softmax), else mean cosine;
+    ``metric``: the headline compared with FP16 (``METRICS``): auto is task accuracy with labels (a decoder
+    LLM's data needs none: each position's next token is its label), else top-1 agreement for class
+    scores (named like logits, computed by a Softmax, or a linear head's 2-D output), else mean cosine;
     ``rel-l2`` scores 1 - relative L2 error (regression outputs). ``reference_run``: a
     :class:`ReferenceRun` that keeps the reference's pass for later calls on the same reference, data
     and batching (the first call fills it; on Ray workers it is not used).
@@ -108,6 +110,9 @@ def compare(
             raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
         models[name] = (str(cand), functools.partial(_session, cand, provider))
     source = as_data(data, input_specs(ref_model), ref_model)
+    token_input = _next_token_input(ref_model)
+    if token_input is not None:
+        source = _NextTokenLabels(source, token_input)
     total = source.count_batches(batch_size)
     if max_samples is not None and total is not None:
         total = min(total, -(-max_samples // batch_size))
@@ -136,6 +141,11 @@ def compare(
     rows, samples, batches = _evaluate_distributed(job) if run.distributed else _evaluate_here(job, reference_run)
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
+    if isinstance(source, _NextTokenLabels) and source.derived:
+        notes.append(
+            f"Labels: the next token of each position of {source._input!r} (padding and each row's last position "
+            "not scored): next-token accuracy and perplexity without labels in the data."
+        )
     _headline(rows, out_names[0], fp16, metric)
     generation = None
     if generate and _is_language_model(ref_model):
@@ -150,6 +160,35 @@ def compare(
         notes,
         generation,
     )
+
+
+def _next_token_input(model) -> str | None:
+    """A decoder LLM's token input: its data needs no labels (each position's next token is one)."""
+    from fp8onnx.family import detect_family
+
+    if detect_family(model).name != "decoder LLM":
+        return None
+    return next((v.name for v in model.graph.inputs if "input_ids" in v.name), None)
+
+
+class _NextTokenLabels:
+    """A data source whose batches without labels get a decoder's own: the next token of each attended
+    position (:func:`fp8onnx.accuracy.metrics.next_token_labels`)."""
+
+    def __init__(self, source, token_input: str):
+        self._source, self._input = source, token_input
+        self.derived = False
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+    def batches(self, batch_size: int):
+        for batch in self._source.batches(batch_size):
+            if batch.labels is None and self._input in batch.feed:
+                self.derived = True
+                mask = batch.feed.get("attention_mask")
+                batch = dataclasses.replace(batch, labels=next_token_labels(batch.feed[self._input], mask))
+            yield batch
 
 
 def _is_language_model(model) -> bool:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from fp8onnx.accuracy.compare_results import _REFERENCE, _row
-from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score
+from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score, labelled
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.model_io import load_model
 from fp8onnx.passes import ConvertFloat16Pass
@@ -65,10 +65,10 @@ def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
     done = cache if cache is not None else ReferenceRun()
     if not done.batches:
         _reference_pass(done, job)
-    spill, labelled, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
+    spill, scored, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
     feed_names = done.feed_names
     try:
-        rows = [_row(_REFERENCE, str(reference), done.score, labelled)]
+        rows = [_row(_REFERENCE, str(reference), done.score, scored)]
         rows[0].latency_ms, rows[0].session_mib = done.cost
         for name, (path, build) in job.models.items():
             try:
@@ -91,7 +91,7 @@ def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
                 continue
             finally:
                 session = None
-            rows.append(_row(name, path, total_score, labelled))
+            rows.append(_row(name, path, total_score, scored))
             rows[-1].latency_ms, rows[-1].session_mib = cost.result()
     finally:
         if cache is None:
@@ -141,7 +141,7 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
             for k, v in batch.feed.items():
                 run.spill.save(f"in/{k}", b, v)
             if run.label_out is not None:
-                run.labelled += batch.labels.size
+                run.labelled += labelled(batch.labels)
                 run.spill.save("labels", b, batch.labels)
             run.samples += batch.size
             run.batches += 1
@@ -236,8 +236,8 @@ def _evaluate_distributed(job: _Evaluation):
             label_out = labelled_output
         if not refs:
             raise Fp8OnnxError("The evaluation data gave no batches.")
-        labelled = sum(b.labels.size for b, _ in batches_in) if label_out is not None else 0
-        rows = [_row(_REFERENCE, str(reference), ref_score, labelled)]
+        scored = sum(labelled(b.labels) for b, _ in batches_in) if label_out is not None else 0
+        rows = [_row(_REFERENCE, str(reference), ref_score, scored)]
         for name, (path, build) in models.items():
             try:
                 if path is None:  # the FP16 baseline, built here
@@ -260,7 +260,7 @@ def _evaluate_distributed(job: _Evaluation):
                     raise
                 _no_fp16(exc, job.notes)
                 continue
-            rows.append(_row(name, path, total_score, labelled))
+            rows.append(_row(name, path, total_score, scored))
     return rows, samples, len(refs)
 
 

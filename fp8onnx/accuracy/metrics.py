@@ -101,12 +101,33 @@ def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, lab
     for o, r, c in zip(out_names, ref, outs):
         score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels, classes))
     if label_out is not None:
-        hit = outs[label_out].argmax(axis=-1) == labels
+        scored = labels >= 0  # a negative label marks a position not scored (padding, a sequence's end)
+        hit = (outs[label_out].argmax(axis=-1) == labels) & scored
         score.correct = int(hit.sum())
         score.nll = _nll(outs[label_out], labels)
         if outs[label_out] is not ref[label_out]:
-            score.discordant = int((hit != (ref[label_out].argmax(axis=-1) == labels)).sum())
+            score.discordant = int((hit != ((ref[label_out].argmax(axis=-1) == labels) & scored)).sum())
     return score
+
+
+def labelled(labels: np.ndarray | None) -> int:
+    """How many positions ``labels`` scores (negative labels are not scored)."""
+    return 0 if labels is None else int((np.asarray(labels) >= 0).sum())
+
+
+def next_token_labels(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """A causal language model's labels from its own input: at each position the next token, where both
+    positions are attended (``mask``'s last ``seq`` columns: a KV cache's mask covers the past too);
+    -1 (not scored) at padding and at each row's last position."""
+    ids = np.asarray(ids)
+    labels = np.full(ids.shape, -1, np.int64)
+    labels[..., :-1] = ids[..., 1:]
+    if mask is not None:
+        mask = np.asarray(mask)[..., -ids.shape[-1] :].astype(bool)
+        keep = np.zeros(ids.shape, bool)
+        keep[..., :-1] = mask[..., :-1] & mask[..., 1:]
+        labels[~keep] = -1
+    return labels
 
 
 def accuracy_noise(discordant: int, labelled: int) -> float | None:
@@ -135,15 +156,31 @@ _PASS_THROUGH = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast
 
 
 def class_outputs(model) -> frozenset[str]:
-    """Outputs computed by a Softmax/LogSoftmax (through reshapes and casts): class scores."""
+    """Class scores: outputs computed by a Softmax/LogSoftmax/Sigmoid (through reshapes and casts), and
+    2-D ``[batch, classes]`` outputs of a linear head (a MatMul/Gemm, its bias Add included), whatever
+    the model's family. A pooled or normalized embedding (ReduceMean, Div, Tanh last) is not one."""
     found = set()
     for value in model.graph.outputs:
         node = value.producer()
         while node is not None and node.op_type in _PASS_THROUGH and node.inputs and node.inputs[0] is not None:
             node = node.inputs[0].producer()
-        if node is not None and node.op_type in ("Softmax", "LogSoftmax"):
+        if node is not None and node.op_type in ("Softmax", "LogSoftmax", "Sigmoid"):
+            found.add(value.name)
+        elif node is not None and _two_d(value) and _linear_head(node):
             found.add(value.name)
     return frozenset(found)
+
+
+def _two_d(value) -> bool:
+    shape = value.shape
+    return shape is not None and len(shape) == 2 and (not isinstance(shape[-1], int) or shape[-1] >= 2)
+
+
+def _linear_head(node) -> bool:
+    if node.op_type == "Add":  # a bias added after the MatMul
+        producers = [v.producer() for v in node.inputs if v is not None and v.const_value is None]
+        node = producers[0] if len(producers) == 1 else None
+    return node is not None and node.op_type in ("MatMul", "Gemm")
 
 
 def _label_output(ref: list[np.ndarray], out_names: list[str], labels: np.ndarray | None) -> int | None:
@@ -167,6 +204,8 @@ def _nll(logits: np.ndarray, labels: np.ndarray) -> float:
     """Sum over the labelled positions of -log softmax(logits)[label] (one batch, float64 sums)."""
     x = logits.reshape(-1, logits.shape[-1])
     y = labels.reshape(-1).astype(np.int64)
+    if y.size and y.min() < 0:  # positions not scored
+        x, y = x[y >= 0], y[y >= 0]
     if y.size and (y.min() < 0 or y.max() >= x.shape[-1]):
         return float("nan")  # labels that are not class indices of this output
     total = 0.0

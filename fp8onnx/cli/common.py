@@ -272,9 +272,9 @@ _metric_option = click.option(
     type=click.Choice(METRICS),
     default="auto",
     show_default=True,
-    help="The headline compared with FP16: auto is task accuracy with labels, else top-1 agreement for class "
-    "scores (named like logits, or computed by a Softmax), else mean cosine; rel-l2 scores 1 - relative L2 "
-    "error (regression).",
+    help="The headline compared with FP16: auto is task accuracy with labels (a decoder LLM's are its next tokens, "
+    "none needed), else top-1 agreement for class scores (named like logits, computed by a Softmax, or a linear "
+    "head's [batch, classes]), else mean cosine; rel-l2 scores 1 - relative L2 error (regression).",
 )
 
 

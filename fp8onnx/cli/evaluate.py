@@ -131,10 +131,23 @@ def compare(
     is_flag=True,
     help="Also smoothing, GPTQ, bias correction, their combinations and the presets (a pass over --calib each).",
 )
+@_metric_option
 @_run
 @_text_options("calib", "data")
 def study(
-    model, calib, data, max_samples, batch_size, workers, ray_address, provider, json_out, csv_out, plot_dir, techniques
+    model,
+    calib,
+    data,
+    max_samples,
+    batch_size,
+    workers,
+    ray_address,
+    provider,
+    json_out,
+    csv_out,
+    plot_dir,
+    techniques,
+    metric,
 ):
     """Run the papers' comparison on MODEL: formats, scaling methods, constant-scale sweep,
     static vs dynamic activations, per-tensor vs per-channel weights; one calibration pass.
@@ -159,6 +172,7 @@ def study(
         data,
         max_samples=max_samples,
         techniques=techniques,
+        metric=metric,
         run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
     )
     click.echo(result.table())

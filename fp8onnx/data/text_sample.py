@@ -1,4 +1,4 @@
-"""The text a token model calibrates on when the user gives no data: about 50 kB of CPython's own
+"""The text a token model calibrates on when the user gives no data: about 136 kB of CPython's own
 documentation (``pydoc_data.topics``, shipped with Python), tokenized by the model's tokenizer."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from fp8onnx.scratch import make_dir
 
 __all__ = ["default_text_sample", "python_text_sample"]
 
-SAMPLE_BYTES = 48_000  # about 80 windows of 128 tokens for a 50k-token BPE vocabulary
+# GPTQ wants 16 rows of X a channel (fp8onnx.techniques.gptq.MIN_ROWS_PER_CHANNEL): SmolLM2-135M's widest
+# input has 1,536 channels, 24.6k tokens; its tokenizer reads this text at 4.1 bytes a token, so 136 kB
+# give about 33k tokens (48 kB gave 11.7k: GPTQ then fitted the sample more than new text).
+SAMPLE_BYTES = 136_000
 
 
 SAMPLE_LABEL = (

@@ -188,11 +188,12 @@ def study(
     constant_scales: list[float] | None = None,
     max_samples: int | None = None,
     techniques: bool = False,
+    metric: str = "auto",
     run: RunOptions | None = None,
     **run_options,
 ) -> StudyResult:
     """Quantize ``model`` in every study configuration (with ``techniques``, also
-    :func:`technique_configs`) and rank them on ``data``."""
+    :func:`technique_configs`) and rank them on ``data`` by ``metric`` (compare's headline)."""
     run = RunOptions.of(run, **run_options)
     stats = calibrate(model, calib, run=run)
     quiet = RunOptions.of(run, progress=False)  # one bar for calibration and one per evaluated model
@@ -207,11 +208,11 @@ def study(
             _run_config(model, tmp, item, stats, quiet, reports)
         for item in technique_configs() if techniques else []:
             _run_config(model, tmp, item, stats, quiet, reports, calib)
-        for item in _fallback_configs(model, data, stats, max_samples, quiet):
+        for item in _fallback_configs(model, data, stats, max_samples, quiet, metric):
             _run_config(model, tmp, item, stats, quiet, reports)
         paths = [pathlib.Path(tmp) / f"{i}.onnx" for i in range(len(reports))]
         unique, same_as = _distinct(paths)
-        result = compare(model, unique, data, max_samples=max_samples, generate=0, memory=False, run=run)
+        result = compare(model, unique, data, max_samples=max_samples, generate=0, memory=False, metric=metric, run=run)
     by_file = {r.name: r for r in result.rows}
     by_file.update({name: by_file[first] for name, first in same_as.items()})
     rows = []
@@ -254,7 +255,9 @@ def study(
 FALLBACK_TARGETS = (99.5, 99.0)  # the FP8 LLM paper's criterion, and the PTQ paper's 1% relative loss
 
 
-def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[tuple[str, str, QuantizeConfig]]:
+def _fallback_configs(
+    model, data, stats, max_samples, run: RunOptions, metric: str = "auto"
+) -> list[tuple[str, str, QuantizeConfig]]:
     """The default configuration with the fewest most sensitive nodes in float such that each of
     ``FALLBACK_TARGETS`` holds on the first half of ``data`` (one sensitivity pass on it, candidates
     shared between the targets)."""
@@ -273,7 +276,7 @@ def _fallback_configs(model, data, stats, max_samples, run: RunOptions) -> list[
     sens = measure_sensitivity(model, None, half, config=config, stats=stats, run=run)
     order = [n.name for n in sens.order()]
     configs = []
-    with Candidates(model, config, stats, half, run) as candidates:
+    with Candidates(model, config, stats, half, run, metric=metric) as candidates:
         for target in FALLBACK_TARGETS:
             _, chosen = search(sens, candidates, target, len(order))
             if chosen is None:

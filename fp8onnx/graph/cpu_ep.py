@@ -3,8 +3,9 @@
 - ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (CUDA only; what ``--gemm-op block-fp8`` writes) has
   no CPU kernel: it is lowered to standard ops with the CUDA kernel's numerics
   (:class:`fp8onnx.passes.EmulateBlockFp8MatMulPass`), in memory;
-- bfloat16 compute (``--precision bf16``; the CPU EP has bfloat16 kernels for few ops) runs in float32
-  with every result rounded to bfloat16 (:class:`fp8onnx.passes.EmulateBfloat16Pass`), in memory;
+- bfloat16 compute in a graph fp8onnx converted for the CUDA EP (``--precision bf16``, marked in its
+  metadata; the CPU EP has bfloat16 kernels for few ops) runs in float32 with every result rounded to
+  bfloat16 (:class:`fp8onnx.passes.EmulateBfloat16Pass`), in memory;
 - onnxruntime 1.32's NchwcTransformer crashes the process (SIGSEGV) on float16 Conv graphs (the corpus
   ViT's patch embedding at --precision fp16): such a session leaves it out (it only changes the layout
   of float32 Convs).
@@ -21,12 +22,11 @@ import os
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["BFLOAT16_COMPUTE", "cuda_only_ops", "emulated", "float16_conv"]
+__all__ = ["BFLOAT16_COMPUTE", "BFLOAT16_MARK", "cuda_only_ops", "emulated", "float16_conv"]
 
 _CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs
-# a Cast to bfloat16 as serialized (AttributeProto name "to", i = 16): every graph fp8onnx converts to
-# bfloat16 has them (inputs and outputs stay float32)
-_BF16_CAST = b"\n\x02to\x18\x10"
+# the metadata key of a graph fp8onnx converted to bfloat16 for the CUDA EP (--precision bf16)
+BFLOAT16_MARK = "fp8onnx_bfloat16"
 BFLOAT16_COMPUTE = "bfloat16 compute"
 # NodeProto.op_type (field 4, a string) "Conv" / "ConvTranspose" as serialized: a node name or a
 # tensor name that contains "Conv" (GPT-2's Conv1D modules) does not match
@@ -46,10 +46,12 @@ def _mentions(model: bytes | str | os.PathLike, words: tuple[bytes, ...]) -> lis
 
 
 def cuda_only_ops(model: bytes | str | os.PathLike) -> list[str]:
-    """What a serialized model (or a model file) has that only the CUDA EP runs and fp8onnx emulates:
-    op types, and :data:`BFLOAT16_COMPUTE` for Casts to bfloat16."""
-    found = _mentions(model, (*_CUDA_ONLY, _BF16_CAST))
-    return [BFLOAT16_COMPUTE if w == _BF16_CAST else w.decode() for w in found]
+    """What a serialized model (or a model file) has that only the CUDA EP runs and fp8onnx emulates: op
+    types, and :data:`BFLOAT16_COMPUTE` for a graph fp8onnx converted to bfloat16 for the CUDA EP (its
+    metadata says so: :data:`BFLOAT16_MARK`). Another bfloat16 model is not emulated: the CPU EP cannot
+    run it, and says so."""
+    found = _mentions(model, (*_CUDA_ONLY, BFLOAT16_MARK.encode()))
+    return [BFLOAT16_COMPUTE if w == BFLOAT16_MARK.encode() else w.decode() for w in found]
 
 
 def float16_conv(model: bytes | str | os.PathLike) -> bool:

@@ -11,6 +11,7 @@ import onnx_ir.passes.common
 
 from fp8onnx.config import SUPPORTED_OP_TYPES, check_precision
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.cpu_ep import BFLOAT16_MARK
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model
 from fp8onnx.graph.placement import no_cuda_kernel_in
 from fp8onnx.passes import (
@@ -38,7 +39,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     convert the float32 graph to float16 (bfloat16, leaving in float32 what the CUDA EP has no bfloat16
     kernel for; inputs and outputs kept). Returns (model, original opset, what was
     done). Deterministic, so that `calibrate` and `quantize` agree on tensor names."""
-    check_precision(precision)
+    precision = check_precision(precision).value
     model = load_model(path)
     external = model.meta[EXTERNAL_META]
     upgrade = UpgradeOpsetPass()
@@ -105,7 +106,10 @@ class _Bfloat16ForCuda(ir.passes.FunctionalPass):
         if keep:
             ops = sorted({n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name in set(keep)})
             logger.info("bfloat16: %d nodes stay float32 (no bfloat16 CUDA kernel): %s", len(keep), ", ".join(ops))
-        return ConvertFloat16Pass(ir.DataType.BFLOAT16, keep=tuple(keep))(model)
+        result = ConvertFloat16Pass(ir.DataType.BFLOAT16, keep=tuple(keep))(model)
+        # fp8onnx's CPU sessions emulate bfloat16 in graphs that say they were written for the CUDA EP
+        result.model.metadata_props[BFLOAT16_MARK] = "bfloat16 compute for onnxruntime's CUDA EP (--precision bf16)"
+        return result
 
 
 def _unique_across_subgraphs(model: ir.Model) -> None:

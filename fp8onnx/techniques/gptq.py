@@ -45,6 +45,7 @@ XTX_COLUMNS = 512  # columns of X in one block of X^T X (see _hessians)
 # 0.966, 0.968, 0.970 and 0.969 from 4k, 8k, 16k, 32k and 62k calibration tokens (2.7 to 40 rows per
 # channel of its widest input, 1,536), next-token accuracy 99.6% -> 99.9% of FP32's from 4k to 32k.
 MIN_ROWS_PER_CHANNEL = 16
+_WARNED: set[int] = set()  # the row counts (calibration data) warned about in this process
 
 
 def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
@@ -163,7 +164,6 @@ class GPTQ(Technique):
         self._plan_for, self._plan_cache = None, {}
         self._waiting: dict[str, np.ndarray] = {}  # rounded with a stack, not yet read (lazy rounding)
         self._stacked: set[str] = set()  # activations whose weights a stack has rounded (lazy rounding)
-        self._warned = False  # about too few calibration rows (once a run)
 
     def statistics(self) -> list[Sums]:
         return [self.hessians] if self.hessians else []
@@ -171,8 +171,8 @@ class GPTQ(Technique):
     def _hessian(self, x: str) -> np.ndarray:
         *blocks, rows = self.hessians.value_of(x)
         k, rows = self.sizes[x], int(rows.reshape(-1)[0])
-        if rows < MIN_ROWS_PER_CHANNEL * k and not self._warned:
-            self._warned = True
+        if rows < MIN_ROWS_PER_CHANNEL * k and rows not in _WARNED:
+            _WARNED.add(rows)  # once for this data (its rows) in a process: an accuracy search rounds every candidate
             logger.warning(
                 "GPTQ: the X^T X of %r sums %d rows of its %d channels (%.1f a channel); below %d a channel "
                 "GPTQ fits the calibration data more than new data: give more --calib data (SmolLM2-135M: "
