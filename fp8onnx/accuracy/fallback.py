@@ -96,6 +96,7 @@ def sensitivity(
     refine: int = 5,
     metric: str = "auto",
     needs_data: bool = False,
+    budget: bool = False,
     **options,
 ) -> SensitivityResult:
     """``fp8onnx sensitivity``: the SQNR ranking (:func:`fp8onnx.accuracy.sensitivity.measure_sensitivity`;
@@ -107,7 +108,7 @@ def sensitivity(
     run = RunOptions.of(run, **run_kw)
     run = RunOptions.of(run, provider=resolve_provider(run.provider))
     config = config or QuantizeConfig(**options)
-    result = measure_sensitivity(model, calib, data, config=config, stats=stats, run=run)
+    result = measure_sensitivity(model, calib, data, config=config, stats=stats, run=run, budget=budget)
     if eval_data is None or refine <= 0:
         return result
     nodes = result.ranked()[:refine]

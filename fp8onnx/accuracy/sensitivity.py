@@ -72,6 +72,7 @@ class SensitivityResult:
     base_ratio: float | None = None  # with refinement: the all-FP8 model's headline / FP16's
     evaluations: int = 0  # models scored on the end metric
     stats: Stats | None = dataclasses.field(default=None, repr=False)  # the statistics the scales came from
+    budget: list | None = None  # with budget=True: fp8onnx.accuracy.budget.NodeBudget per measured node
 
     def ranked(self) -> list[NodeSensitivity]:
         """Measured nodes by SQNR, lowest first."""
@@ -96,6 +97,7 @@ class SensitivityResult:
             "evaluations": self.evaluations,
             "order": [n.name for n in self.order()],
             "nodes": [dataclasses.asdict(n) for n in self.nodes],
+            **({"budget": [_budget_json(b) for b in self.budget]} if self.budget is not None else {}),
         }
 
     def table(self, top: int | None = None) -> str:
@@ -125,7 +127,15 @@ class SensitivityResult:
         for reason, names in reasons.items():
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
             lines.append(f"  not measured: {shown}: {reason}")
+        if self.budget is not None:
+            from fp8onnx.accuracy.budget import budget_rows
+
+            lines.append(budget_rows(self.budget, top))
         return "\n".join(lines)
+
+
+def _budget_json(b) -> dict:
+    return {**dataclasses.asdict(b), "range_share": b.range_share, "mostly": b.verdict()}
 
 
 class _Errors(Statistic):
@@ -158,13 +168,15 @@ def measure_sensitivity(
     config: QuantizeConfig | None = None,
     stats: str | os.PathLike | Stats | None = None,
     run: RunOptions | None = None,
+    budget: bool = False,
     **options,
 ) -> SensitivityResult:
     """Rank the nodes ``quantize`` would quantize (with ``config``, or ``options`` that build one) by
     the SQNR of their output when only they are in FP8: one pass over the data. Scales come from
     ``calib`` (or ``stats``); the measurement runs on ``data`` (default: the calibration data).
     Scoring the lowest-SQNR nodes on an end metric is :func:`fp8onnx.accuracy.fallback.sensitivity`'s (it
-    quantizes and evaluates whole models, a layer above this one)."""
+    quantizes and evaluates whole models, a layer above this one). ``budget``: also the FP8 error budget of
+    each node (:mod:`fp8onnx.accuracy.budget`: weight vs activation, range vs mantissa) in the same pass."""
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
@@ -185,10 +197,16 @@ def measure_sensitivity(
     source = data if data is not None else calib
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
-    errors = _Errors(measured, quant)
+    split = None
+    if budget:  # its "all" shadows are sensitivity's own
+        from fp8onnx.accuracy.budget import Budget
+
+        errors = split = Budget(measured, quant)
+    else:
+        errors = _Errors(measured, quant)
     done = measure(ir_model, [errors], source, run, "sensitivity")
     samples, batches = done.num_samples, done.num_batches
-    sums = [errors.sums.get(o, 0.0) for o in errors.outputs]
+    sums = [errors.sums.get(o, 0.0) for o in (split.sensitivity_outputs() if split else errors.outputs)]
     by_name = {}
     for k, d in enumerate(measured):
         err, energy = sums[2 * k], sums[2 * k + 1]
@@ -201,7 +219,9 @@ def measure_sensitivity(
     rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]
     for row in rows:
         row.risk = risks.get(row.name)
-    return SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
+    result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
+    result.budget = split.rows() if split else None
+    return result
 
 
 def _shadow(node: ir.Node) -> ir.Node:

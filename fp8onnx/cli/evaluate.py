@@ -208,6 +208,20 @@ def study(
     help="With --eval: how many of the lowest-SQNR nodes to score (one model each, plus the all-FP8 one).",
 )
 @click.option("--top", type=click.IntRange(min=1), help="Show only the N most sensitive nodes.")
+@click.option(
+    "--budget",
+    is_flag=True,
+    help="Also the FP8 error budget: per node, its share of the summed error, the weight's and the activation's "
+    "errors alone, and of the activation's the part from clipped or below-normal values (range) vs rounding "
+    "(mantissa); three more shadows a node in the same pass.",
+)
+@click.option(
+    "--weight-block-size",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="One weight scale per this many elements along the reduction axis (the fast form uses 128).",
+)
 @_batch_size_option
 @_workers_options
 @_provider_option
@@ -230,6 +244,8 @@ def sensitivity(
     eval_data,
     refine,
     top,
+    budget,
+    weight_block_size,
     batch_size,
     workers,
     ray_address,
@@ -266,6 +282,7 @@ def sensitivity(
         per_channel=per_channel,
         op_types=op_types,
         activation_matmuls=activation_matmuls,
+        weight_block_size=weight_block_size,
     )
     result = run_sensitivity(
         model,
@@ -276,6 +293,7 @@ def sensitivity(
         eval_data=eval_data,
         refine=refine,
         metric=metric,
+        budget=budget,
         run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
     )
     click.echo(result.table(top))
