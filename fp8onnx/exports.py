@@ -100,7 +100,7 @@ def describe_export(folder: str | os.PathLike) -> Export:
             cfg = json.loads(genai.read_text(encoding="utf-8"))["model"]
             decoder = folder / cfg["decoder"]["filename"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise Fp8OnnxError(f"{str(genai)!r} does not name its decoder (model.decoder.filename): {exc}.") from None
+            raise Fp8OnnxError(f"{str(genai)!r} does not name its decoder (model.decoder.filename): {exc}.") from exc
         others = [m.name for m in models if m != decoder]
         if not decoder.is_file():
             raise Fp8OnnxError(f"{str(genai)!r} names the decoder {decoder.name!r}, which is not in the folder.")
@@ -136,7 +136,7 @@ def describe_export(folder: str | os.PathLike) -> Export:
     try:  # the graph's inputs and outputs only: external weights stay on disk
         graph = onnx.load(str(model), load_external_data=False).graph
     except Exception as exc:
-        raise Fp8OnnxError(f"Model file {str(model)!r} is not a readable ONNX model ({first_line(exc)}).") from None
+        raise Fp8OnnxError(f"Model file {str(model)!r} is not a readable ONNX model ({first_line(exc)}).") from exc
     weights = {t.name for t in graph.initializer}
     inputs = {v.name for v in graph.input if v.name not in weights}
     if "input_ids" in inputs and any(v.name == "logits" for v in graph.output):

@@ -259,7 +259,7 @@ def _input_loads(model, provider: str | None) -> None:
     try:
         make_session(path, provider, f"Model file {str(model)!r}", optimize=False)
     except Fp8OnnxError as exc:
-        raise Fp8OnnxError(f"{exc} (the input: fp8onnx cannot make it load; nothing written)") from None
+        raise Fp8OnnxError(f"{exc} (the input: fp8onnx cannot make it load; nothing written)") from exc
 
 
 def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:

@@ -201,7 +201,7 @@ def make_session(
         try:
             model, weights = emulated(model, weights, _IN_MEMORY), None
         except Exception as exc:
-            raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from None
+            raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from exc
         logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
     if provider == "cpu" and float16_conv(model):
         # onnxruntime 1.32's NchwcTransformer crashes the process (SIGSEGV) on float16 Conv graphs (the
@@ -218,7 +218,7 @@ def make_session(
             src, options, providers=providers, disabled_optimizers=list(disabled_optimizers) or None
         )
     except Exception as exc:
-        raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from None
+        raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from exc
     if weights:
         session._fp8onnx_weights = (weights, values)  # onnxruntime reads them in place: they must outlive it
     return session

@@ -212,4 +212,4 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
         try:
             check_schemas(model, self.target)
         except UpgradeError as exc:
-            raise ir.passes.PostconditionError(str(exc)) from None
+            raise ir.passes.PostconditionError(str(exc)) from exc

@@ -285,7 +285,7 @@ def _fp16_session(ref_model, reference, provider: str, serialized: bool = False)
     except Exception as exc:
         raise Fp8OnnxError(
             f"The FP16 baseline of {str(reference)!r} could not be built ({type(exc).__name__}: {first_line(exc)})."
-        ) from None
+        ) from exc
     if serialized:
         return portable_model(fp16_model, files=False)
     what = f"The FP16 baseline of {str(reference)!r}"
@@ -296,7 +296,7 @@ def _run(session, name: str, feed: dict, batch: int) -> list[np.ndarray]:
     try:
         return session.run(None, feed)
     except Exception as exc:
-        raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {first_line(exc)}") from None
+        raise Fp8OnnxError(f"Model {name!r} failed on batch {batch} in onnxruntime: {first_line(exc)}") from exc
 
 
 def reference_batch(

@@ -109,7 +109,7 @@ class Generator:
         try:
             values = self.sessions[role].run(None, feed)
         except Exception as exc:
-            raise Fp8OnnxError(f"The {role} model of {self.where} failed to run: {str(exc).splitlines()[0]}") from None
+            raise Fp8OnnxError(f"The {role} model of {self.where} failed to run: {str(exc).splitlines()[0]}") from exc
         return dict(zip(self.outputs[role], values))
 
     def _empty_past(self, spec: InputSpec, batch: int) -> np.ndarray:

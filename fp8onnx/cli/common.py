@@ -7,13 +7,13 @@ import functools
 import logging
 import signal
 import sys
+import traceback
 from typing import ClassVar
 
 import click
 from click.core import ParameterSource
 
 from fp8onnx import __version__
-from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.config import (
     DEFAULT_OP_TYPES,
     PRECISIONS,
@@ -93,7 +93,7 @@ _FLOATS = _Floats()
 
 
 def _run(fn):
-    """Turn Fp8OnnxError into one line on stderr and exit code 2; keep tracebacks for --debug."""
+    """Fp8OnnxError: one line on stderr, exit code 2 (with --debug after its traceback and its cause)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -109,6 +109,8 @@ def _run(fn):
             if isinstance(exc, KeyboardInterrupt):
                 drain()  # what the interrupted step had not removed yet (fp8onnx.scratch)
             if isinstance(exc, Fp8OnnxError):
+                if debug:  # the error behind the sentence (onnxruntime's, protobuf's): ``from exc`` keeps it
+                    traceback.print_exception(exc, file=sys.stderr)
                 click.echo(f"fp8onnx: error: {printable(exc)}", err=True)
                 ctx.exit(2)
             if isinstance(exc, KeyboardInterrupt):
@@ -128,7 +130,9 @@ def _run(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="fp8onnx")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-@click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")
+@click.option(
+    "--debug", is_flag=True, help="Show tracebacks: of internal errors, and of errors with the error behind them."
+)
 def main(verbose: int, debug: bool) -> None:
     """FP8 quantization of ONNX models for ONNX Runtime.
 
@@ -264,17 +268,6 @@ _provider_option = click.option(
     default="auto",
     show_default=True,
     help="onnxruntime execution provider: auto picks CUDA when onnxruntime-gpu sees a GPU.",
-)
-
-
-_metric_option = click.option(
-    "--metric",
-    type=click.Choice(METRICS),
-    default="auto",
-    show_default=True,
-    help="The headline compared with FP16: auto is task accuracy with labels (a decoder LLM's are its next tokens, "
-    "none needed), else top-1 agreement for class scores (named like logits, computed by a Softmax, or a linear "
-    "head's [batch, classes]), else mean cosine; rel-l2 scores 1 - relative L2 error (regression).",
 )
 
 

@@ -16,7 +16,6 @@ from fp8onnx.cli.common import (
     _SCALINGS,
     _batch_size_option,
     _csv,
-    _metric_option,
     _per_channel_option,
     _provider_option,
     _run,
@@ -25,6 +24,7 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
+from fp8onnx.cli.options import metric_option
 from fp8onnx.config import (
     ACTIVATION_MODES,
     QuantizeConfig,
@@ -64,7 +64,7 @@ from fp8onnx.graph.model_io import write_text_atomic
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write compare.png into this folder.")
-@_metric_option
+@metric_option
 @_run
 @_text_options("data")
 def compare(
@@ -131,7 +131,7 @@ def compare(
     is_flag=True,
     help="Also smoothing, GPTQ, bias correction, their combinations and the presets (a pass over --calib each).",
 )
-@_metric_option
+@metric_option
 @_run
 @_text_options("calib", "data")
 def study(
@@ -227,7 +227,7 @@ def study(
 @_provider_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every node's SQNR as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write sensitivity.png into this folder.")
-@_metric_option
+@metric_option
 @_run
 @_text_options("calib", "data", "eval_data")
 def sensitivity(

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import click
 
+from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.config import GEMM_OPS, PRECISIONS
 from fp8onnx.targets import TARGETS
 
-__all__ = ["deployment_options"]
+__all__ = ["deployment_options", "metric_option"]
 
 _DEPLOYMENT = [
     click.option(
@@ -54,3 +55,14 @@ def deployment_options(command):
     for option in reversed(_DEPLOYMENT):
         command = option(command)
     return command
+
+
+metric_option = click.option(
+    "--metric",
+    type=click.Choice(METRICS),
+    default="auto",
+    show_default=True,
+    help="The headline compared with FP16: auto is task accuracy with labels (a decoder LLM's are its next tokens, "
+    "none needed), else top-1 agreement for class scores (named like logits, computed by a Softmax, or a linear "
+    "head's [batch, classes]), else mean cosine; rel-l2 scores 1 - relative L2 error (regression).",
+)

@@ -19,7 +19,6 @@ from fp8onnx.cli.common import (
     _batch_memory_option,
     _batch_size_option,
     _csv,
-    _metric_option,
     _per_channel_option,
     _provider_option,
     _QuantizeCommand,
@@ -31,7 +30,7 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.cli.options import deployment_options
+from fp8onnx.cli.options import deployment_options, metric_option
 from fp8onnx.config import (
     ACTIVATION_MODES,
     EMBEDDING_MODES,
@@ -200,7 +199,7 @@ from fp8onnx.phases import table as phases_table
 @click.option(
     "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
 )
-@_metric_option
+@metric_option
 @click.option(
     "--fold-at-load/--no-fold-at-load",
     default=None,

@@ -175,7 +175,7 @@ class NpzData:
         try:
             return np.load(file, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise Fp8OnnxError(f"Data file {str(file)!r} is not a readable .npz archive ({printable(exc)}).") from None
+            raise Fp8OnnxError(f"Data file {str(file)!r} is not a readable .npz archive ({printable(exc)}).") from exc
 
     def _layout(self, file: pathlib.Path) -> tuple[str, int]:
         """Returns ('batch'|'feed', number of samples or feeds) after checking keys and ranks."""
@@ -270,7 +270,7 @@ def _npz_shape(npz, key: str, file: pathlib.Path) -> tuple[int, ...]:
                 shape, dtype, offset = _read_header(fh)
             held = npz.zip.getinfo(key + ".npy").file_size - offset
     except Exception as exc:
-        raise Fp8OnnxError(f"{where} cannot be read ({printable(exc)}); is the file corrupt?") from None
+        raise Fp8OnnxError(f"{where} cannot be read ({printable(exc)}); is the file corrupt?") from exc
     if dtype.hasobject:
         raise Fp8OnnxError(f"{where} holds Python objects; refused (no unpickling).")
     declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
@@ -288,7 +288,7 @@ def _checked_array(npz, spec: InputSpec, file: pathlib.Path, layout: str) -> np.
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise Fp8OnnxError(
             f"Data key {spec.name!r} in {str(file)!r} cannot be read ({printable(exc)}); is the file corrupt?"
-        ) from None
+        ) from exc
     return _conform(arr, spec, f"Data key {spec.name!r} in {str(file)!r}", leading=1 if layout == "feed" else -1)
 
 

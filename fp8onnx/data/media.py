@@ -100,7 +100,7 @@ def _preprocessor(folder: pathlib.Path | None) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise Fp8OnnxError(f"{str(path)!r} is not readable JSON ({printable(exc)}).") from None
+        raise Fp8OnnxError(f"{str(path)!r} is not readable JSON ({printable(exc)}).") from exc
 
 
 def _edge(value) -> int | None:
@@ -159,7 +159,7 @@ def image_samples(source, specs: list[InputSpec], options: ImageOptions, folder:
                 left, top = (im.size[0] - crop) // 2, (im.size[1] - crop) // 2
                 pixels = np.asarray(im.crop((left, top, left + crop, top + crop)), np.float32) / 255.0
         except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise Fp8OnnxError(f"Image file {str(path)!r} cannot be decoded ({printable(exc)}).") from None
+            raise Fp8OnnxError(f"Image file {str(path)!r} cannot be decoded ({printable(exc)}).") from exc
         if pixels.ndim == 2:
             pixels = pixels[..., None]
         if channels == 3 and options.channels == "bgr":
@@ -210,7 +210,7 @@ def audio_samples(source, specs: list[InputSpec], options: AudioOptions, folder:
         try:
             wave, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
         except Exception as exc:
-            raise Fp8OnnxError(f"Audio file {str(path)!r} cannot be decoded ({printable(exc)}).") from None
+            raise Fp8OnnxError(f"Audio file {str(path)!r} cannot be decoded ({printable(exc)}).") from exc
         if not RATES[0] <= rate <= RATES[1]:
             raise Fp8OnnxError(
                 f"Audio file {str(path)!r} is at {rate} Hz; rates from {RATES[0]} to {RATES[1]} Hz are read."

@@ -96,7 +96,7 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:
-        raise Fp8OnnxError(f"Tokenizer file {str(path)!r} is not a tokenizer.json ({printable(exc)}).") from None
+        raise Fp8OnnxError(f"Tokenizer file {str(path)!r} is not a tokenizer.json ({printable(exc)}).") from exc
 
 
 def documents(path: str | os.PathLike, field: str = "text") -> Iterator[str]:
@@ -119,7 +119,7 @@ def documents(path: str | os.PathLike, field: str = "text") -> Iterator[str]:
             else:
                 yield from (line.rstrip("\r\n") for line in fh if line.strip())
     except UnicodeDecodeError as exc:
-        raise Fp8OnnxError(f"Text file {str(path)!r} is not UTF-8 (byte {exc.start} of a chunk).") from None
+        raise Fp8OnnxError(f"Text file {str(path)!r} is not UTF-8 (byte {exc.start} of a chunk).") from exc
 
 
 def _paragraphs(fh) -> Iterator[str]:
@@ -141,7 +141,7 @@ def _json_lines(fh, path: pathlib.Path, field: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise Fp8OnnxError(f"Line {number} of {str(path)!r} is not JSON ({exc.msg}).") from None
+            raise Fp8OnnxError(f"Line {number} of {str(path)!r} is not JSON ({exc.msg}).") from exc
         text = record.get(field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise Fp8OnnxError(f"Line {number} of {str(path)!r} has no text field {field!r} (use --field).")

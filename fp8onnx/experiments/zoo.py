@@ -80,7 +80,7 @@ def _sidecar_json(path: pathlib.Path | None) -> tuple[str, dict]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise Fp8OnnxError(f"Zoo sidecar {str(path)!r} is not readable JSON ({exc}).") from None
+        raise Fp8OnnxError(f"Zoo sidecar {str(path)!r} is not readable JSON ({exc}).") from exc
     if (
         not isinstance(doc, dict)
         or not isinstance(doc.get("family", ""), str)
@@ -100,7 +100,7 @@ def _sidecar_json(path: pathlib.Path | None) -> tuple[str, dict]:
     try:
         QuantizeConfig(**options)
     except (TypeError, ValueError, Fp8OnnxError) as exc:
-        raise Fp8OnnxError(f"Zoo sidecar {str(path)!r}: {exc}") from None
+        raise Fp8OnnxError(f"Zoo sidecar {str(path)!r}: {exc}") from exc
     return doc.get("family", ""), options
 
 
@@ -151,7 +151,7 @@ def find_models(source: str | os.PathLike) -> list[ZooModel]:
         try:
             lines = source.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
-            raise Fp8OnnxError(f"Zoo list {str(source)!r} is not readable text ({exc}).") from None
+            raise Fp8OnnxError(f"Zoo list {str(source)!r} is not readable text ({exc}).") from exc
         paths = [source.parent / line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     else:
         raise Fp8OnnxError(f"Zoo {str(source)!r} does not exist.")

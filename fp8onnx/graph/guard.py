@@ -169,7 +169,7 @@ def output_folder(path: str | os.PathLike, label: str = "Output folder") -> path
     try:
         path.mkdir()
     except OSError as exc:
-        raise Fp8OnnxError(f"{label} {str(path)!r} cannot be made: {exc.strerror}.") from None
+        raise Fp8OnnxError(f"{label} {str(path)!r} cannot be made: {exc.strerror}.") from exc
     return path
 
 

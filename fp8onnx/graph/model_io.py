@@ -75,7 +75,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         _explain_graph(path)
         raise Fp8OnnxError(
             f"Model file {str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})."
-        ) from None
+        ) from exc
     _check_names(model, path)
     check_external_data(model, parsed)
     external = any(True for _ in _external_tensors(model))
@@ -261,7 +261,7 @@ def check_memory(model: ir.Model, path: pathlib.Path) -> None:
             try:
                 size = v.const_value.nbytes
             except (TypeError, ValueError) as exc:  # e.g. a corrupt data type
-                raise Fp8OnnxError(f"Tensor {v.name!r} of {str(path)!r} is malformed ({exc}).") from None
+                raise Fp8OnnxError(f"Tensor {v.name!r} of {str(path)!r} is malformed ({exc}).") from exc
             declared += size
             if size > largest:
                 largest, name = size, v.name
@@ -375,7 +375,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[
         try:
             fd, tmp = make_file(f".{path.name}.", suffix=".tmp", dir=parent)
         except OSError as exc:
-            raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from None
+            raise Fp8OnnxError(f"Cannot write {str(path)!r}: {exc.strerror}.") from exc
         try:
             os.fchmod(fd, new_file_mode())  # mkstemp's 0600 would hide the output from other accounts
             with os.fdopen(fd, "wb") as fh:
@@ -388,7 +388,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[
         except OSError as exc:
             raise Fp8OnnxError(
                 f"Cannot write {str(path)!r}: {exc.strerror or exc}; the previous file, if any, is untouched."
-            ) from None
+            ) from exc
     finally:
         if pool is not None:
             pool.shutdown(wait=True)  # a failed write still waits for the check: no session outlives the call

@@ -76,11 +76,11 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
         except Float16Error as exc:
             raise Float16Unsupported(
                 f"--precision {precision} cannot convert {str(path)!r}: {exc}. Use --precision model."
-            ) from None
+            ) from exc
         except (UpgradeError, ir.passes.PostconditionError) as exc:
             raise Fp8OnnxError(
                 f"Model file {str(path)!r} cannot be upgraded from opset {from_version} to {upgrade.target}: {exc}"
-            ) from None
+            ) from exc
         model = result.model  # ConvertFloat16Pass returns a new model
         if step is upgrade and result.modified and from_version is not None:
             rewritten = f" ({result.rewritten} nodes rewritten)" if result.rewritten else ""

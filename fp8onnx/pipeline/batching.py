@@ -42,7 +42,7 @@ def _run_peak(session, outputs: list[str], feed: dict) -> tuple[int, int]:
     try:
         values = session.run(outputs, feed)
     except Exception as exc:
-        raise Fp8OnnxError(f"Calibration batch 0 failed in onnxruntime: {first_line(exc)}") from None
+        raise Fp8OnnxError(f"Calibration batch 0 failed in onnxruntime: {first_line(exc)}") from exc
     peak = _memory_kib("VmHWM") if start is not None else None
     return sum(v.nbytes for v in values), 0 if peak is None else max(0, peak - start) << 10
 

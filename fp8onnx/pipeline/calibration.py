@@ -77,7 +77,7 @@ class Stats:
         except RecursionError:
             raise Fp8OnnxError(f"{where} is not readable JSON (nested too deeply).") from None
         except (OSError, ValueError) as exc:
-            raise Fp8OnnxError(f"{where} is not readable JSON ({exc}).") from None
+            raise Fp8OnnxError(f"{where} is not readable JSON ({exc}).") from exc
         if not isinstance(doc, dict) or doc.get("fp8onnx_stats_version") != STATS_VERSION:
             raise Fp8OnnxError(f"{where} was not written by `fp8onnx calibrate`.")
         check = _Schema(where)

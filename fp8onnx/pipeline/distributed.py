@@ -168,7 +168,7 @@ class WorkerPool:
         try:
             self._ray.get([w.load.remote(*self._model) for w in placed])
         except self._ray.exceptions.RayError as exc:  # e.g. the model does not load in onnxruntime
-            raise Fp8OnnxError(cause(exc)) from None
+            raise Fp8OnnxError(cause(exc)) from exc
 
     def map(self, task: Callable, items: Iterable[tuple], *, keep: bool = False) -> Iterator[object]:
         """``task(session, *item)`` for each item, results in item order; at most ``_IN_FLIGHT``
@@ -212,13 +212,13 @@ class WorkerPool:
                         raise Fp8OnnxError(
                             f"Batch {index} was lost with its Ray worker {tries + 1} times (a node or worker "
                             "keeps failing); run with --debug for Ray's account."
-                        ) from None
+                        ) from exc
                     logger.warning("batch %d: its Ray worker was lost; running it again on a live one", index)
                     logger.debug("Ray: %s", exc)
                     self._replace_if_dead(worker)
                     self._submit(pending, load, task, item, index, keep, tries + 1)
                 except ray.exceptions.RayError as exc:
-                    raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {cause(exc)}") from None
+                    raise Fp8OnnxError(f"Batch {index} failed on a Ray worker: {cause(exc)}") from exc
 
     def _placed(self, timeout: float, every: bool = False) -> list[int]:
         """The workers Ray has placed. Those still being placed are polled; when none is placed yet (with
@@ -351,7 +351,7 @@ def fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what
     except Exception as exc:
         from fp8onnx.errors import first_line
 
-        raise Fp8OnnxError(f"{what} failed in onnxruntime: {first_line(exc)}") from None
+        raise Fp8OnnxError(f"{what} failed in onnxruntime: {first_line(exc)}") from exc
     return values if reduce is None else reduce(dict(zip(outputs, values)))
 
 

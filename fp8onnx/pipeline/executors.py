@@ -98,7 +98,7 @@ class InProcess(Executor):
                 try:
                     values = self.session.run(self.outputs, feed)
                 except Exception as exc:
-                    raise Fp8OnnxError(f"Calibration batch {b} failed in onnxruntime: {first_line(exc)}") from None
+                    raise Fp8OnnxError(f"Calibration batch {b} failed in onnxruntime: {first_line(exc)}") from exc
                 merge(reduce(dict(zip(self.outputs, values))))
 
 

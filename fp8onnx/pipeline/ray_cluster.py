@@ -39,7 +39,7 @@ def probe(address: str, timeout: float) -> None:
         raise Fp8OnnxError(
             f"Nothing answers at the Ray address {address!r} within {timeout:g} s ({exc.strerror or exc}): "
             "is the cluster running (ray start --head), and is that its address? (--ray-timeout sets the wait.)"
-        ) from None
+        ) from exc
 
 
 def connect(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> bool:
@@ -70,7 +70,7 @@ def connect(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> 
         hint = ""
         if "AF_UNIX path length" in str(exc):
             hint = " (a local Ray's sockets live under TMPDIR or RAY_TMPDIR: set RAY_TMPDIR to a short path, e.g. /tmp)"
-        raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}{hint}") from None
+        raise Fp8OnnxError(f"Could not start or reach {where}: {first_line(exc)}{hint}") from exc
     finally:
         for sig, handler in handlers.items():
             if handler is not None:

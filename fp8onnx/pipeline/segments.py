@@ -192,7 +192,7 @@ class Spill:
             raise Fp8OnnxError(
                 f"Cannot write intermediate arrays to {str(self.root)!r}: {exc.strerror or exc} "
                 "(set TMPDIR to a folder with more space)."
-            ) from None
+            ) from exc
         self.nbytes += array.nbytes
 
     def load(self, name: str, batch: int) -> np.ndarray:
@@ -282,7 +282,7 @@ def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result
             with phase("segment runs"):
                 values = session.run(names, feed)
         except Exception as exc:
-            raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
+            raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from exc
         del feed
         on_result(b, {name: array for name, array in zip(names, values) if name in wanted})
         for name, array in zip(names, values):
@@ -313,7 +313,7 @@ def segment_batch(sess: _SegmentSession, b: int, what: str, names, later, wanted
     try:
         values = dict(zip(names, sess.session.run(names, feed)))
     except Exception as exc:
-        raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from None
+        raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from exc
     return summarize({k: v for k, v in values.items() if k in wanted}), {k: values[k] for k in later}
 
 
