@@ -129,6 +129,7 @@ class QuantizeConfig:
     group_size: int = 128  # --activations dynamic-per-group: channels per in-graph scale
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
+    float_activations: tuple[str, ...] = ()  # globs: these nodes' activations stay in float (W8A16), weights FP8
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
     activation_matmuls: bool = False
     weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (techniques.gptq)
@@ -161,6 +162,7 @@ class QuantizeConfig:
         object.__setattr__(self, "scaling", parse_scaling(self.scaling))
         object.__setattr__(self, "op_types", tuple(self.op_types))
         object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "float_activations", tuple(self.float_activations))
         object.__setattr__(self, "keep_float", tuple(self.keep_float))
         unknown = [t for t in self.op_types if t not in SUPPORTED_OP_TYPES]
         if unknown or not self.op_types:
@@ -349,6 +351,8 @@ class QuantizeConfig:
         }
         if self.preset:  # only then, like keep_float
             doc["preset"] = self.preset
+        if self.float_activations:  # only then, like keep_float
+            doc["float_activations"] = list(self.float_activations)
         if self.weight_rounding != "nearest":  # only then, like keep_float
             doc["weight_rounding"] = self.weight_rounding
         if self.smooth is not None:  # only then, like keep_float

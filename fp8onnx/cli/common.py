@@ -364,6 +364,7 @@ class _QuantizeCommand(_Sectioned):
             "group_size",
             "op_types",
             "exclude",
+            "float_activations",
             "activation_matmuls",
             "weight_rounding",
             "smooth",

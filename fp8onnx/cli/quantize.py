@@ -114,6 +114,13 @@ from fp8onnx.phases import table as phases_table
     "--op-types", callback=_csv, default="MatMul,Gemm", show_default=True, help="Comma-separated: MatMul, Gemm, Conv."
 )
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave nodes whose name matches GLOB (repeatable).")
+@click.option(
+    "--float-activations",
+    multiple=True,
+    metavar="GLOB",
+    help="Nodes whose name matches GLOB keep float activations "
+    "and FP8 weights (W8A16: the fast form without a_scale), the rest as --activations says (repeatable).",
+)
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
     "--preset",
@@ -237,6 +244,7 @@ def quantize(
     native_gemm,
     op_types,
     exclude,
+    float_activations,
     activation_matmuls,
     preset,
     weight_rounding,
@@ -320,6 +328,7 @@ def quantize(
         target=target,
         op_types=op_types,
         exclude=exclude,
+        float_activations=float_activations,
         activation_matmuls=activation_matmuls,
         weight_rounding=weight_rounding,
         smooth=smooth,

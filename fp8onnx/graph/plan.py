@@ -70,6 +70,11 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
         if not inputs:
             return Decision(node, [], "no constant weight (--activations none quantizes weights only)")
         return Decision(node, inputs)
+    if any(fnmatch.fnmatchcase(node.name or "", p) for p in config.float_activations):
+        inputs = [(i, kind) for i, kind in inputs if kind == "weight"]  # W8A16: FP8 weights, float activations
+        if not inputs:
+            return Decision(node, [], "its activations stay in float (--float-activations) and it has no weight")
+        return Decision(node, inputs)
     if all(kind == "activation" for _, kind in inputs) and not config.activation_matmuls:
         return Decision(
             node, [], "both inputs are activations (e.g. attention scores); opt in with --activation-matmuls"

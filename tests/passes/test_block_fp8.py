@@ -231,3 +231,26 @@ def test_options_that_do_not_fit_the_fast_form_are_one_sentence():
     plain = fp8onnx.QuantizeConfig()
     assert (plain.gemm_op, plain.precision, plain.weight_block_size) == ("qdq", "model", 0)
     assert "gemm_op" not in plain.to_json()  # outputs of the other forms stay as they were
+
+
+def test_float_activations_make_chosen_nodes_w8a16_in_one_model(tmp_path):
+    """--float-activations: the matched nodes keep float activations and FP8 weights (the fast form without
+    a_scale), the others take static E4M3 activations (a_scale): one model mixes the two."""
+    from helpers import mlp_data, mlp_model
+
+    path, data = mlp_model(tmp_path / "m.onnx", opset=21), mlp_data(tmp_path / "d.npz")
+    out = tmp_path / "mixed.onnx"
+    report = fp8onnx.quantize(
+        path, out, data, target="onnxruntime-cuda", preset="none", float_activations=("fc2",), provider="cpu"
+    )
+    assert report.fast_form["w8a8"] == ["fc1"] and report.fast_form["w8a16"] == ["fc2"]
+    assert report.config["float_activations"] == ["fc2"]
+    nodes = {n.name: n for n in _fast_nodes(onnx.load(out))}
+    assert len(nodes["fc1"].input) >= 4 and nodes["fc1"].input[3]  # a_scale
+    assert len(nodes["fc2"].input) < 4 or not nodes["fc2"].input[3]
+    plain = tmp_path / "plain.onnx"
+    fp8onnx.quantize(path, plain, data, target="onnxruntime-cuda", preset="none", provider="cpu")
+    x = np.load(data)["x"][:16]
+    ref = run_ort(path, {"x": x})[0]
+    mixed, w8a8 = (make_session(str(p), "cpu").run(None, {"x": x})[0] for p in (out, plain))
+    assert sqnr_db(ref, mixed) > sqnr_db(ref, w8a8)  # fc2's activation error is gone
