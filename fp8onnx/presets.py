@@ -59,13 +59,18 @@ PRESETS = {
 
 def overruled(field: str, value, explicit: dict) -> bool:
     """Whether a preset's ``field = value`` yields to an explicit option it cannot go with: a
-    calibrated scaling to dynamic activations, and data-driven weight techniques to constant scaling
-    (the user's choice wins, the preset's contradicting part is dropped rather than refused)."""
+    calibrated scaling to dynamic activations, the preset's dynamic or weight-only activations to an
+    explicit activation scaling, and data-driven weight techniques to constant scaling (the user's
+    choice wins, the preset's contradicting part is dropped rather than refused)."""
     given = {k: getattr(v, "value", v) for k, v in explicit.items()}  # enum members as their names
     dynamic = given.get("activations") in ("dynamic", "dynamic-per-token", "dynamic-per-group")
     constant = given.get("scaling") == "constant"
     if field == "scaling" and dynamic:
         return True
+    # a scaling the user chose that reads calibration histograms (percentile, MSE) means calibrated
+    # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
+    if field == "activations" and given.get("scaling") in ("percentile", "mse") and "activations" not in given:
+        return str(getattr(value, "value", value)) != "static"
     return constant and (field in ("bias_correction", "smooth") or (field == "weight_rounding" and value == "gptq"))
 
 

@@ -139,3 +139,24 @@ def test_the_accuracy_search_under_auto_uses_the_family_recipe_and_its_data(tmp_
     )
     assert result.met and result.report.family["preset"] == "cnn"
     assert result.report.config["bias_correction"] and result.report.config["float_stem"]
+
+
+def test_an_explicit_calibrated_scaling_wins_over_the_presets_implicit_activations(tmp_path):
+    """`quantize minilm.onnx --calib c.npz --scaling percentile` under auto: the encoder preset's dynamic
+    per-token activations (an option the user never typed) yield to static ones, which the scaling
+    calibrates; the preset's weight settings stay, and activations typed by hand still win."""
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+
+    for scaling in ("percentile", "mse"):
+        config = QuantizeConfig.for_preset("encoder", scaling=scaling)
+        assert (config.activations, config.scaling.value, config.weight_rounding) == ("static", scaling, "gptq")
+    assert QuantizeConfig.for_preset("encoder", scaling="pow2").activations == "dynamic-per-token"  # in-graph pow2
+    with pytest.raises(fp8onnx.Fp8OnnxError, match="needs calibration"):
+        QuantizeConfig.for_preset("encoder", scaling="percentile", activations="dynamic-per-token")
+    args = ["quantize", str(SAMPLE / "decoder.onnx"), "--calib", str(SAMPLE / "calib.npz"), "--scaling", "mse"]
+    r = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "q.onnx"), "--provider", "cpu"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads(onnx.load(tmp_path / "q.onnx").metadata_props[0].value)
+    assert meta["activations"] == "static" and meta["scaling"] == "mse" and meta["preset"] == "llm-weight-only"
