@@ -254,3 +254,19 @@ def test_float_activations_make_chosen_nodes_w8a16_in_one_model(tmp_path):
     ref = run_ort(path, {"x": x})[0]
     mixed, w8a8 = (make_session(str(p), "cpu").run(None, {"x": x})[0] for p in (out, plain))
     assert sqnr_db(ref, mixed) > sqnr_db(ref, w8a8)  # fc2's activation error is gone
+
+
+def test_the_w8a8_preset_on_a_llama_export(tmp_path):
+    """--preset llm-w8a8 on fp8onnx's sample Llama: every weight MatMul in the fast form, the MLP down
+    projections W8A16 and the rest W8A8 (static E4M3 a_scale)."""
+    from fp8onnx.models.build_llama import build
+
+    path = build(tmp_path / "tiny", layers=2, dim=64, heads=4, ffn=160, vocab=300)
+    ids = np.random.default_rng(0).integers(0, 300, (8, 16)).astype(np.int64)
+    np.savez(tmp_path / "c.npz", input_ids=ids)
+    out = tmp_path / "w8a8.onnx"
+    report = fp8onnx.quantize(path, out, tmp_path / "c.npz", preset="llm-w8a8", target="onnxruntime-cuda")
+    form = report.fast_form
+    assert sorted(form["w8a16"]) == ["/layers.0/down", "/layers.1/down"], form
+    layers = [f"/layers.{i}/{p}" for i in range(2) for p in ("q", "k", "v", "o", "gate", "up")]
+    assert set(layers) <= set(form["w8a8"]) and not form["kept_qdq"]
