@@ -31,7 +31,7 @@ def _run(tmp: pathlib.Path, when: str) -> tuple[int, str]:
     )
     seen = b""
     if when == "starting":
-        time.sleep(0.5)
+        _wait_for_ray_processes(p.pid)
     else:
         marker = b"calibration:" if when == "calibrating" else f"wrote {out}".encode()
         while marker not in seen:
@@ -44,6 +44,37 @@ def _run(tmp: pathlib.Path, when: str) -> tuple[int, str]:
     p.send_signal(signal.SIGTERM)
     seen += p.stdout.read()
     return p.wait(timeout=120), seen.decode(errors="replace")
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _wait_for_ray_processes(pid: int, timeout: float = 60) -> None:
+    """Until the command has started Ray's own processes (its GCS server): Ray is starting. (Before it
+    has imported fp8onnx, a SIGTERM ends the interpreter the default way: nothing was written yet.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in _descendants(pid):
+            try:
+                if b"gcs_server" in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
+                    return
+            except OSError:
+                continue
+        time.sleep(0.02)
+    raise AssertionError("Ray's GCS server did not start")
 
 
 @pytest.fixture
