@@ -29,7 +29,7 @@ import onnx_ir as ir
 from fp8onnx.passes import InsertQDQPass
 from fp8onnx.pipeline.statistics import Statistic
 
-__all__ = ["Budget", "NodeBudget", "budget_rows"]
+__all__ = ["Budget", "NodeBudget", "budget_rows", "shadow_of"]
 
 _KINDS = ("all", "weight", "activation", "range")
 
@@ -80,7 +80,7 @@ class Budget(Statistic):
                 picked = [i for i, role in d.inputs if role in wanted]
                 if not picked or (kind == "range" and not self._static(node, picked)):
                     continue
-                shadow = _shadow(node, kind)
+                shadow = shadow_of(node, f"fp8onnx_budget_{kind}")
                 shadows.append((node, kind, shadow, picked))
                 targets += [(shadow, i) for i in picked]
         InsertQDQPass(targets, self.quant)(model)  # one Q/DQ per tensor, shared by the shadows reading it
@@ -203,17 +203,18 @@ def budget_rows(rows: list[NodeBudget], top: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _shadow(node: ir.Node, kind: str) -> ir.Node:
+def shadow_of(node: ir.Node, suffix: str = "fp8onnx_shadow") -> ir.Node:
+    """The same op on the same inputs, right after ``node``; its output is compared with ``node``'s."""
     shadow = ir.node(
         node.op_type,
         list(node.inputs),
         dict(node.attributes),
         domain=node.domain,
-        name=f"{node.name}/fp8onnx_budget_{kind}",
+        name=f"{node.name}/{suffix}",
         num_outputs=len(node.outputs),
     )
     for out, ref in zip(shadow.outputs, node.outputs):
-        out.name = f"{ref.name}/fp8onnx_budget_{kind}"
+        out.name = f"{ref.name}/{suffix}"
         out.dtype, out.shape = ref.dtype, ref.shape
     node.graph.insert_after(node, shadow)
     return shadow

@@ -33,6 +33,7 @@ import os
 
 import onnx_ir as ir
 
+from fp8onnx.accuracy.budget import Budget, budget_rows, shadow_of
 from fp8onnx.assign import activation_stats, assign_scales
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
@@ -128,8 +129,6 @@ class SensitivityResult:
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
             lines.append(f"  not measured: {shown}: {reason}")
         if self.budget is not None:
-            from fp8onnx.accuracy.budget import budget_rows
-
             lines.append(budget_rows(self.budget, top))
         return "\n".join(lines)
 
@@ -149,7 +148,7 @@ class _Errors(Statistic):
 
     def instrument(self, model: ir.Model, tag: str) -> list[str]:
         nodes = {n.name: n for n in model.graph}
-        shadows = [(nodes[d.node.name], _shadow(nodes[d.node.name]), d.inputs) for d in self.decisions]
+        shadows = [(nodes[d.node.name], shadow_of(nodes[d.node.name]), d.inputs) for d in self.decisions]
         InsertQDQPass([(shadow, i) for _, shadow, inputs in shadows for i, _ in inputs], self.quant)(model)
         for node, shadow, _ in shadows:
             self.outputs += _error_outputs(model.graph, node, shadow)
@@ -199,8 +198,6 @@ def measure_sensitivity(
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
     split = None
     if budget:  # its "all" shadows are sensitivity's own
-        from fp8onnx.accuracy.budget import Budget
-
         errors = split = Budget(measured, quant)
     else:
         errors = _Errors(measured, quant)
@@ -222,23 +219,6 @@ def measure_sensitivity(
     result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
     result.budget = split.rows() if split else None
     return result
-
-
-def _shadow(node: ir.Node) -> ir.Node:
-    """The same op on the same inputs, right after ``node``; its output is compared with ``node``'s."""
-    shadow = ir.node(
-        node.op_type,
-        list(node.inputs),
-        dict(node.attributes),
-        domain=node.domain,
-        name=f"{node.name}/fp8onnx_shadow",
-        num_outputs=len(node.outputs),
-    )
-    for out, ref in zip(shadow.outputs, node.outputs):
-        out.name = f"{ref.name}/fp8onnx_shadow"
-        out.dtype, out.shape = ref.dtype, ref.shape
-    node.graph.insert_after(node, shadow)
-    return shadow
 
 
 def _error_outputs(graph: ir.Graph, node: ir.Node, shadow: ir.Node) -> list[str]:

@@ -24,7 +24,7 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.cli.options import metric_option
+from fp8onnx.cli.options import metric_option, weight_block_size_option
 from fp8onnx.config import (
     ACTIVATION_MODES,
     QuantizeConfig,
@@ -215,13 +215,7 @@ def study(
     "errors alone, and of the activation's the part from clipped or below-normal values (range) vs rounding "
     "(mantissa); three more shadows a node in the same pass.",
 )
-@click.option(
-    "--weight-block-size",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="One weight scale per this many elements along the reduction axis (the fast form uses 128).",
-)
+@weight_block_size_option
 @_batch_size_option
 @_workers_options
 @_provider_option

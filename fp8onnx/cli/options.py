@@ -9,7 +9,7 @@ from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.config import GEMM_OPS, PRECISIONS
 from fp8onnx.targets import TARGETS
 
-__all__ = ["deployment_options", "metric_option"]
+__all__ = ["deployment_options", "metric_option", "weight_block_size_option"]
 
 _DEPLOYMENT = [
     click.option(
@@ -65,4 +65,17 @@ metric_option = click.option(
     help="The headline compared with FP16: auto is task accuracy with labels (a decoder LLM's are its next tokens, "
     "none needed), else top-1 agreement for class scores (named like logits, computed by a Softmax, or a linear "
     "head's [batch, classes]), else mean cosine; rel-l2 scores 1 - relative L2 error (regression).",
+)
+
+weight_block_size_option = click.option(
+    "--weight-block-size",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Block-wise weight scales: one scale per N consecutive elements along each MatMul/Gemm weight's reduction "
+    "axis (K) and output channel, stored with opset 21's blocked DequantizeLinear (32, 64, 128 usual; 0: off). "
+    "Conv weights: blocks of their filters flattened (input channels x kernel); ConvTranspose weights: blocks of "
+    "input channels at each output channel and kernel tap. "
+    "Each block adds one float scale: 4/N bytes per element in float32.",
 )

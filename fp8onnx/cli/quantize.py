@@ -30,7 +30,7 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.cli.options import deployment_options, metric_option
+from fp8onnx.cli.options import deployment_options, metric_option, weight_block_size_option
 from fp8onnx.config import (
     ACTIVATION_MODES,
     EMBEDDING_MODES,
@@ -148,18 +148,7 @@ from fp8onnx.phases import table as phases_table
 @click.option(
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
 )
-@click.option(
-    "--weight-block-size",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Block-wise weight scales: one scale per N consecutive elements along each MatMul/Gemm weight's reduction "
-    "axis (K) and output channel, stored with opset 21's blocked DequantizeLinear (32, 64, 128 usual; 0: off). "
-    "Conv weights: blocks of their filters flattened (input channels x kernel); ConvTranspose weights: blocks of "
-    "input channels at each output channel and kernel tap. "
-    "Each block adds one float scale: 4/N bytes per element in float32.",
-)
+@weight_block_size_option
 @click.option(
     "--sequential/--no-sequential",
     default=False,
