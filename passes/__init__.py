@@ -4,7 +4,6 @@ Each pass is an ``onnx_ir.passes.InPlacePass``: ``pass_(model)`` returns a ``Pas
 ``modified`` says whether the model changed; running a pass twice changes nothing the second time.
 """
 
-from ._common import output_channel_axis, release
 from .add_amax_outputs import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from .block_fp8 import (
     BLOCK_FP8_OP,
@@ -14,6 +13,7 @@ from .block_fp8 import (
     block_fp8_reason,
     has_block_fp8,
 )
+from .common import output_channel_axis, release
 from .convert_fp16 import ConvertFloat16Pass, Float16Error
 from .emulate_bf16 import EmulateBfloat16Pass, has_bfloat16
 from .fold_weight_transforms import FoldWeightTransformsPass

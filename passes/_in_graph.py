@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format
 from ..numerics.scaling import SAFE_AMAX, amax_to_scale, mx_emax
-from ._common import initializer
+from .common import initializer
 
 __all__ = ["NODE_PREFIX", "emulated_rounding", "scale_array"]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from ._common import insert_at_definition
+from .common import insert_at_definition
 
 __all__ = ["AMAX_SUFFIX", "VALUE_SUFFIX", "AddAmaxOutputsPass"]
 

@@ -36,7 +36,7 @@ import onnx_ir.passes.common
 from onnx import TensorProto, helper
 from onnxruntime.transformers import float16 as ort_float16
 
-from ._common import derived_tensor, proto_graphs
+from .common import derived_tensor, proto_graphs
 
 __all__ = ["ConvertFloat16Pass", "Float16Error"]
 

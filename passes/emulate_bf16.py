@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from ._common import derived_tensor
+from .common import derived_tensor
 
 __all__ = ["EmulateBfloat16Pass", "has_bfloat16"]
 

@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from ._common import check_initializers
+from .common import check_initializers
 
 __all__ = ["FoldWeightTransformsPass"]
 

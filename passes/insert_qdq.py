@@ -37,7 +37,6 @@ import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format, dequantize, quantize
 from ..numerics.scaling import expand_blocks
-from ._common import channels, derived_tensor, initializer, insert_at_definition
 from ._in_graph import (
     NODE_PREFIX,
     _Builder,
@@ -46,6 +45,7 @@ from ._in_graph import (
     emulated_rounding,
     scale_array,
 )
+from .common import channels, derived_tensor, initializer, insert_at_definition
 
 __all__ = [
     "NODE_PREFIX",

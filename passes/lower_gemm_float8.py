@@ -26,7 +26,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from ..numerics.formats import Fp8Format
-from ._common import initializer
+from .common import initializer
 
 __all__ = ["MS_DOMAIN", "LowerGemmFloat8Pass"]
 

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from ..numerics.formats import Fp8Format, quantize
 from ..numerics.scaling import amax_to_scale
-from ._common import check_initializers, derived_tensor, initializer
+from .common import check_initializers, derived_tensor, initializer
 
 __all__ = ["EmbeddingsResult", "QuantizeEmbeddingsPass"]
 

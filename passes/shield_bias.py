@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from ._common import initializer
+from .common import initializer
 
 __all__ = ["ShieldBiasPass", "bias_of"]
 

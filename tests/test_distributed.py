@@ -77,7 +77,7 @@ def test_compare_and_study_on_two_workers_give_the_single_process_numbers(tmp_pa
 def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
     from fp8onnx.graph.model_io import load_model
     from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
-    from fp8onnx.passes._common import keep_only_outputs
+    from fp8onnx.passes.common import keep_only_outputs
     from fp8onnx.pipeline.distributed import WorkerPool, close_all, fetch
     from fp8onnx.runtime import inline_proto, make_session
 

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.graph.guard import external_locations, model_reads
-from fp8onnx.passes._common import proto_graphs
+from fp8onnx.passes.common import proto_graphs
 
 
 def _reference(path) -> list[str]:

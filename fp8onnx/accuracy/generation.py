@@ -113,9 +113,9 @@ class Generator:
         return dict(zip(self.outputs[role], values))
 
     def _empty_past(self, spec: InputSpec, batch: int) -> np.ndarray:
-        from fp8onnx.data.text import _past_shape
+        from fp8onnx.data.text import past_shape
 
-        return np.zeros(_past_shape(spec, batch, self.sizes), spec.dtype)
+        return np.zeros(past_shape(spec, batch, self.sizes), spec.dtype)
 
     def _feed(self, role: str, ids: np.ndarray, state: _State) -> dict[str, np.ndarray]:
         batch, new = ids.shape

@@ -52,6 +52,7 @@ __all__ = [
     "documents",
     "fill_inputs",
     "load_tokenizer",
+    "past_shape",
     "text_samples",
     "vocabulary_size",
 ]
@@ -197,7 +198,7 @@ def fill_inputs(
             feed[spec.name] = _typed(np.maximum(np.cumsum(mask, axis=1) - 1, 0), spec)
             why[spec.name] = "0, 1, 2, ... over the unpadded tokens"
         elif PAST.search(name):
-            feed[spec.name] = np.zeros(_past_shape(spec, ids.shape[0], sizes), dtype=spec.dtype)
+            feed[spec.name] = np.zeros(past_shape(spec, ids.shape[0], sizes), dtype=spec.dtype)
             why[spec.name] = "empty cache for prefill (past length 0)"
         else:
             raise Fp8OnnxError(
@@ -256,7 +257,7 @@ def cache_sizes(folder: pathlib.Path | None) -> dict[str, int]:
     return out
 
 
-def _past_shape(spec: InputSpec, batch: int, sizes: dict[str, int] | None = None) -> tuple[int, ...]:
+def past_shape(spec: InputSpec, batch: int, sizes: dict[str, int] | None = None) -> tuple[int, ...]:
     """[batch, ..., 0 past positions, ...]: the first axis is the batch; fixed axes keep their size.
     The past-length axis is the one other dynamic axis, or the one whose name says past/sequence;
     a further dynamic axis of a rank-4 cache [batch, kv_heads, past, head_size] takes its size from

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.embedded import externalized
 from fp8onnx.graph.guard import side_file
-from fp8onnx.passes._common import proto_graphs
+from fp8onnx.passes.common import proto_graphs
 from fp8onnx.phases import phase
 from fp8onnx.runtime import inline_proto, machine_memory, make_session, weight_bytes
 from fp8onnx.scratch import held_signals, make_dir, make_file, remove

@@ -28,7 +28,7 @@ from fp8onnx.data.feeds import input_specs
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.numerics.histogram import LogHistogram
 from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
-from fp8onnx.passes._common import initializer, insert_at_definition, keep_only_outputs
+from fp8onnx.passes.common import initializer, insert_at_definition, keep_only_outputs
 from fp8onnx.phases import phase
 from fp8onnx.pipeline.batching import _batched_inputs, _samples, auto_batch_size
 from fp8onnx.pipeline.executors import LayerByLayer, executor_for

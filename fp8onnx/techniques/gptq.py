@@ -27,7 +27,7 @@ import onnx_ir as ir
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.passes import TensorQuant
-from fp8onnx.passes._common import derived_tensor, reduction_size, release
+from fp8onnx.passes.common import derived_tensor, reduction_size, release
 from fp8onnx.pipeline.statistics import F32, Sums
 from fp8onnx.scratch import scratch_folder
 from fp8onnx.techniques.base import Technique

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
-from fp8onnx.passes._common import initializer, insert_at_definition
+from fp8onnx.passes.common import initializer, insert_at_definition
 from fp8onnx.pipeline.statistics import F32, Sums
 from fp8onnx.techniques.base import Technique
 

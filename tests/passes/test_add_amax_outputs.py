@@ -41,7 +41,7 @@ def test_unknown_tensor_is_named(tmp_path):
 
 
 def test_keep_only_outputs_drops_what_no_kept_output_needs():
-    from fp8onnx.passes._common import keep_only_outputs
+    from fp8onnx.passes.common import keep_only_outputs
 
     w1 = np.eye(4, dtype=np.float32) * 2
     w2 = np.ones((4, 1000), np.float32)  # the "logits" projection nobody fetches during calibration

@@ -11,7 +11,7 @@ from test_fold_weight_transforms import model as transposed_weight_model
 
 import fp8onnx.passes as passes
 from fp8onnx.passes import FoldWeightTransformsPass, LowerGemmFloat8Pass, QuantizeEmbeddingsPass
-from fp8onnx.passes._common import check_initializers
+from fp8onnx.passes.common import check_initializers
 
 
 def _pass_classes():

@@ -230,7 +230,7 @@ def test_the_output_folder_is_complete(exported):
 
 
 def _initializers(proto):
-    from fp8onnx.passes._common import proto_graphs
+    from fp8onnx.passes.common import proto_graphs
 
     for graph in proto_graphs(proto.graph):
         yield from graph.initializer

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import pytest
 
-from fp8onnx.passes._common import proto_graphs
+from fp8onnx.passes.common import proto_graphs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
