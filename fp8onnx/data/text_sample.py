@@ -12,8 +12,8 @@ from fp8onnx.scratch import make_dir
 __all__ = ["default_text_sample", "python_text_sample"]
 
 # GPTQ wants 16 rows of X a channel (fp8onnx.techniques.gptq.MIN_ROWS_PER_CHANNEL): SmolLM2-135M's widest
-# input has 1,536 channels, 24.6k tokens; its tokenizer reads this text at 4.1 bytes a token, so 136 kB
-# give about 33k tokens (48 kB gave 11.7k: GPTQ then fitted the sample more than new text).
+# input has 1,536 channels, 24.6k tokens; its tokenizer reads these 136 kB as 33,505 tokens (the 48 kB of
+# before gave 12,498: GPTQ then fitted the sample more than new text).
 SAMPLE_BYTES = 136_000
 
 
@@ -40,10 +40,13 @@ def python_text_sample(tokenizer: str | os.PathLike) -> TextSource:
             size += len(docs[-1]) + 2
             if size >= SAMPLE_BYTES:
                 break
+        # whole topics overshoot (a long last one took 136 kB to 184 kB): cut at a paragraph near the size
+        text = "\n\n".join(docs)[:SAMPLE_BYTES]
+        text = text[: text.rfind("\n\n")] if "\n\n" in text else text
         folder = make_dir("fp8onnx-sample-")  # for the process's life: drained when it exits
         path = pathlib.Path(folder) / "python-docs.txt"
-        path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-        _SAMPLE.extend([folder, path, size])
+        path.write_text(text + "\n", encoding="utf-8")
+        _SAMPLE.extend([folder, path, len(text)])
     _, path, size = _SAMPLE
     return TextSource(path, tokenizer, label=SAMPLE_LABEL.format(kb=round(size / 1000)))
 
