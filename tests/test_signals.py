@@ -9,15 +9,19 @@ subprocess patches one function of that phase to send it, then runs the CLI as a
 """
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+
+from helpers import SAMPLE
 
 SIGNAL_AFTER_A_RUN = """
 import onnxruntime
@@ -142,3 +146,35 @@ def test_stopped_run_leaves_nothing(model, tmp_path, phase, sig):
     assert sorted(p.name for p in out.parent.iterdir()) == ["q.onnx"]
     assert out.read_bytes() == b"previous output"
     assert sorted(spill_dir.iterdir()) == before
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (/proc's SigCgt mask)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_fp8onnx_is_imported_stops_it_with_128_plus_n(tmp_path, sig):
+    """The console script notes stopping signals before it imports fp8onnx (a third of a second or more):
+    one sent as soon as it is caught, mid-import, stops the command before it starts: 128 + N, one line.
+    (SIGINT cannot be timed so: Python catches it from its own start, before any line of fp8onnx runs.)"""
+    code = "import sys; sys.argv[0] = 'fp8onnx'; from fp8onnx_boot import entry; entry()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "inspect", str(SAMPLE / "decoder.onnx")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_signals,
+    )
+    deadline = time.monotonic() + 30
+    while not _catches(proc.pid, sig) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-2000:])
+    assert err.strip() == f"fp8onnx: interrupted ({sig.name})" and "Traceback" not in err and not out

@@ -1,0 +1,24 @@
+"""The ``fp8onnx`` console script's first step, before fp8onnx is imported.
+
+Importing fp8onnx takes a third of a second or more (onnx, onnxruntime, numpy, onnx_ir). A SIGINT,
+SIGTERM or SIGHUP in that time used to end the interpreter the default way (killed by the signal, or a
+KeyboardInterrupt traceback); here it is noted, and the command does not start: exit 128 + N, as at any
+other moment (fp8onnx.cli.entry).
+"""
+
+import signal
+
+
+def entry() -> None:
+    noted: list[int] = []
+
+    def note(signum, frame):
+        noted.append(signum)
+
+    note.fp8onnx_late = True
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, note)
+    from fp8onnx.cli import entry as run
+
+    run(noted)
