@@ -289,3 +289,27 @@ def test_a_byte_input_classifier_is_class_scores_whatever_its_family():
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert detect_family(model).name == "other"
     assert class_outputs(model) == {"scores"}
+
+
+def test_a_softmax_written_out_is_class_scores():
+    """jax2tf / tf2onnx write a softmax as Div(Exp(x - max), sum) (Magika's content-type classifier)."""
+    import onnx_ir as ir
+
+    from fp8onnx.accuracy.metrics import class_outputs
+
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["m"], keepdims=1),
+        helper.make_node("Sub", ["x", "m"], ["d"]),
+        helper.make_node("Exp", ["d"], ["e"]),
+        helper.make_node("ReduceSum", ["e", "axes"], ["s"], keepdims=1),
+        helper.make_node("Div", ["e", "s"], ["p"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["n", 6])],
+        [numpy_helper.from_array(np.array([-1], np.int64), "axes")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert class_outputs(model) == {"p"}

@@ -156,7 +156,8 @@ _PASS_THROUGH = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast
 
 
 def class_outputs(model) -> frozenset[str]:
-    """Class scores: outputs computed by a Softmax/LogSoftmax/Sigmoid (through reshapes and casts), and
+    """Class scores: outputs computed by a Softmax/LogSoftmax/Sigmoid (or a softmax written out as
+    Div(Exp(...), ...)), through reshapes and casts, and
     2-D ``[batch, classes]`` outputs of a linear head (a MatMul/Gemm, its bias Add included), whatever
     the model's family. A pooled or normalized embedding (ReduceMean, Div, Tanh last) is not one."""
     found = set()
@@ -164,11 +165,19 @@ def class_outputs(model) -> frozenset[str]:
         node = value.producer()
         while node is not None and node.op_type in _PASS_THROUGH and node.inputs and node.inputs[0] is not None:
             node = node.inputs[0].producer()
-        if node is not None and node.op_type in ("Softmax", "LogSoftmax", "Sigmoid"):
+        if node is not None and (node.op_type in ("Softmax", "LogSoftmax", "Sigmoid") or _softmax_by_hand(node)):
             found.add(value.name)
         elif node is not None and _two_d(value) and _linear_head(node):
             found.add(value.name)
     return frozenset(found)
+
+
+def _softmax_by_hand(node) -> bool:
+    """Div(Exp(x - max), ReduceSum(...)): a softmax spelled out (jax2tf and tf2onnx write it so)."""
+    if node.op_type != "Div" or not node.inputs or node.inputs[0] is None:
+        return False
+    numerator = node.inputs[0].producer()
+    return numerator is not None and numerator.op_type == "Exp"
 
 
 def _two_d(value) -> bool:
