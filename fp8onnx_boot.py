@@ -9,8 +9,9 @@ other moment (fp8onnx.cli.entry).
 import signal
 
 
-def entry() -> None:
-    noted: list[int] = []
+def note_stops(noted: list[int]) -> None:
+    """SIGINT, SIGTERM and SIGHUP, where they still have their default action, are appended to ``noted``
+    instead of stopping the process (one the parent ignored stays ignored)."""
 
     def note(signum, frame):
         noted.append(signum)
@@ -19,6 +20,11 @@ def entry() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(sig, note)
+
+
+def entry() -> None:
+    noted: list[int] = []
+    note_stops(noted)
     from fp8onnx.cli import entry as run
 
     run(noted)

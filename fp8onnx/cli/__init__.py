@@ -33,15 +33,10 @@ def entry(noted: list[int] | None = None) -> None:
     # Before and after the command (a local Ray shutting down takes seconds), a stopping signal is noted,
     # not fatal halfway: the exit code says it (128 + N), what the command wrote is complete. During the
     # command its own handlers take over (fp8onnx.cli.common) and give this one back when it ends.
+    from fp8onnx_boot import note_stops
+
     late: list[int] = noted if noted is not None else []
-
-    def note(signum, frame):
-        late.append(signum)
-
-    note.fp8onnx_late = True
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-            signal.signal(sig, note)
+    note_stops(late)  # where fp8onnx_boot did not already
     if late:  # stopped while fp8onnx was being imported: nothing was started
         print(f"fp8onnx: interrupted ({signal.Signals(late[0]).name})", file=sys.stderr)
         sys.stderr.flush()
