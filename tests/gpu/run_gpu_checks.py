@@ -128,13 +128,22 @@ def _prompt_tokens(og, model, config: dict, count: int, length: int = 16) -> lis
     """Token ids of :data:`PROMPTS` from the folder's tokenizer; a tokenizer that maps English to few
     distinct ids (the random model's word-level one) gets seeded random ids from its vocabulary."""
     vocab = int(config["model"]["vocab_size"])
+    folder = pathlib.Path(config["_folder"])
     try:
+        kind = json.loads((folder / "tokenizer.json").read_text())["model"]["type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        kind = None
+    # onnxruntime-genai's tokenizer reads BPE, Unigram and WordPiece; on the random model's word-level one it
+    # raised ("Cannot know how to parse line") and once took the process down in a CI run (SIGSEGV)
+    try:
+        if kind not in ("BPE", "Unigram", "WordPiece"):
+            raise ValueError(f"a {kind} tokenizer")
         tokenizer = og.Tokenizer(model)
         prompts = [list(tokenizer.encode(text)) for text in PROMPTS[:count]]
         if all(len(set(p)) >= 4 for p in prompts):
             return prompts
     except Exception as exc:  # no tokenizer the runtime reads: ids instead
-        print(f"  tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        print(f"  tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
     rng = np.random.default_rng(0)
     return [rng.integers(3, vocab, length).tolist() for _ in range(count)]
 
@@ -163,6 +172,7 @@ def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
     for name, folder in folders.items():
         folder = pathlib.Path(folder)
         config = json.loads((folder / "genai_config.json").read_text())
+        config["_folder"] = str(folder)
         entry: dict = {"folder": str(folder)}
         try:
             start = time.perf_counter()
@@ -171,7 +181,7 @@ def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             out["folders"][name] = entry
-            print(f"genai {name}: {entry['error']}")
+            print(f"genai {name}: {entry['error']}", flush=True)
             continue
         ids = _prompt_tokens(og, model, config, prompts)
         _greedy(og, model, ids[0], new_tokens)  # warm-up: kernels chosen, memory allocated
@@ -188,7 +198,7 @@ def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
             entry["speed_vs_baseline"] = entry["tokens_per_s"] / baseline["tokens_per_s"]
         out["folders"][name] = entry
         shown = {k: v for k, v in entry.items() if k not in ("tokens", "folder")}
-        print(f"genai {name}: {json.dumps(shown)}")
+        print(f"genai {name}: {json.dumps(shown)}", flush=True)
     return out
 
 

@@ -32,13 +32,14 @@ def test_the_genai_step_dry_runs_on_the_cpu(folders, tmp_path):
     assert list(folders) == ["fp32", "fp8"]
     args = [f"--genai={name}={path}" for name, path in folders.items()]
     done = subprocess.run(
-        [sys.executable, str(REPO / "tests/gpu/run_gpu_checks.py"), "--cpu-dry-run", "--only", "genai", *args]
+        [sys.executable, "-X", "faulthandler", str(REPO / "tests/gpu/run_gpu_checks.py"), "--cpu-dry-run"]
+        + ["--only", "genai", *args]
         + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])  # a crash: where
     genai = json.loads((tmp_path / "gpu_checks.json").read_text())["genai"]
     base, fp8 = genai["folders"]["fp32"], genai["folders"]["fp8"]
     assert "error" not in base and "error" not in fp8, genai
