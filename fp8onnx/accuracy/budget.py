@@ -62,10 +62,11 @@ class NodeBudget:
 
 
 class Budget(Statistic):
-    """The shadows and their sums (a :class:`fp8onnx.pipeline.statistics.Statistic`)."""
+    """The shadows and their sums (a :class:`fp8onnx.pipeline.statistics.Statistic`); ``kinds``: which of
+    all / weight / activation / range (all of them by default; sensitivity alone measures "all")."""
 
-    def __init__(self, decisions: list, quant: dict):
-        self.decisions, self.quant = decisions, quant
+    def __init__(self, decisions: list, quant: dict, kinds: tuple[str, ...] | None = None):
+        self.decisions, self.quant, self.kinds = decisions, quant, kinds or _KINDS
         self.outputs: list[str] = []
         self.sums: dict[str, float] = {}
         self._names: dict[str, dict[str, str]] = {}  # node -> what -> output name
@@ -75,7 +76,7 @@ class Budget(Statistic):
         shadows, targets = [], []
         for d in self.decisions:
             node = nodes[d.node.name]
-            for kind in _KINDS:
+            for kind in self.kinds:
                 wanted = {"all": ("weight", "activation"), "range": ("activation",)}.get(kind, (kind,))
                 picked = [i for i, role in d.inputs if role in wanted]
                 if not picked or (kind == "range" and not self._static(node, picked)):
@@ -118,8 +119,7 @@ class Budget(Statistic):
             base = f"{shadow.name}/{i}"
 
             def const(name, value, base=base):
-                v = tape.initializer(ir.tensor(np.asarray(value, np.float32), name=f"{base}/{name}"))
-                return v
+                return tape.initializer(ir.tensor(np.asarray(value, np.float32), name=f"{base}/{name}"))
 
             x32 = tape.op("Cast", [x], {"to": f32})
             e = tape.op("Sub", [tape.op("Cast", [xq], {"to": f32}), x32])

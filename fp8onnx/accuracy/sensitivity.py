@@ -31,23 +31,19 @@ import logging
 import math
 import os
 
-import onnx_ir as ir
-
-from fp8onnx.accuracy.budget import Budget, budget_rows, shadow_of
+from fp8onnx.accuracy.budget import Budget, budget_rows
 from fp8onnx.assign import activation_stats, assign_scales
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
-from fp8onnx.passes import InsertQDQPass
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.pipeline.statistics import Statistic, measure
+from fp8onnx.pipeline.statistics import measure
 from fp8onnx.runtime import RunOptions, resolve_provider
 
 __all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
 
 logger = logging.getLogger(__name__)
-_ERR, _ENERGY = "/fp8onnx_sensitivity_err", "/fp8onnx_sensitivity_energy"
 
 
 @dataclasses.dataclass
@@ -137,28 +133,6 @@ def _budget_json(b) -> dict:
     return {**dataclasses.asdict(b), "range_share": b.range_share, "mostly": b.verdict()}
 
 
-class _Errors(Statistic):
-    """Per measured node, sum((y_q - y)^2) and sum(y^2) over the data: ``y`` the node's output, ``y_q``
-    a shadow copy's with only its inputs quantized (``quant``)."""
-
-    def __init__(self, decisions: list, quant: dict):
-        self.decisions, self.quant = decisions, quant
-        self.outputs: list[str] = []
-        self.sums: dict[str, float] = {}
-
-    def instrument(self, model: ir.Model, tag: str) -> list[str]:
-        nodes = {n.name: n for n in model.graph}
-        shadows = [(nodes[d.node.name], shadow_of(nodes[d.node.name]), d.inputs) for d in self.decisions]
-        InsertQDQPass([(shadow, i) for _, shadow, inputs in shadows for i, _ in inputs], self.quant)(model)
-        for node, shadow, _ in shadows:
-            self.outputs += _error_outputs(model.graph, node, shadow)
-        return self.outputs
-
-    def merge(self, summary: dict) -> None:
-        for name, value in summary.items():
-            self.sums[name] = self.sums.get(name, 0.0) + float(value)
-
-
 def measure_sensitivity(
     model: str | os.PathLike,
     calib=None,
@@ -196,14 +170,11 @@ def measure_sensitivity(
     source = data if data is not None else calib
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
-    split = None
-    if budget:  # its "all" shadows are sensitivity's own
-        errors = split = Budget(measured, quant)
-    else:
-        errors = _Errors(measured, quant)
-    done = measure(ir_model, [errors], source, run, "sensitivity")
+    # every measured node's shadow with all its inputs quantized; with budget, also the split shadows
+    split = Budget(measured, quant, kinds=None if budget else ("all",))
+    done = measure(ir_model, [split], source, run, "sensitivity")
     samples, batches = done.num_samples, done.num_batches
-    sums = [errors.sums.get(o, 0.0) for o in (split.sensitivity_outputs() if split else errors.outputs)]
+    sums = [split.sums.get(o, 0.0) for o in split.sensitivity_outputs()]
     by_name = {}
     for k, d in enumerate(measured):
         err, energy = sums[2 * k], sums[2 * k + 1]
@@ -217,33 +188,8 @@ def measure_sensitivity(
     for row in rows:
         row.risk = risks.get(row.name)
     result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
-    result.budget = split.rows() if split else None
+    result.budget = split.rows() if budget else None
     return result
-
-
-def _error_outputs(graph: ir.Graph, node: ir.Node, shadow: ir.Node) -> list[str]:
-    """Graph outputs ``<node>/..._err`` = sum((y_q - y)^2) and ``_energy`` = sum(y^2), in float32."""
-    y, yq = node.outputs[0], shadow.outputs[0]
-    name = node.name
-    nodes = []
-
-    def op(op_type, inputs, suffix, **attrs):
-        n = ir.node(op_type, inputs, attrs or None, name=f"{name}/fp8onnx_sens_{suffix}")
-        n.outputs[0].name = f"{name}/fp8onnx_sens_{suffix}"
-        nodes.append(n)
-        return n.outputs[0]
-
-    f32 = int(ir.DataType.FLOAT)
-    y32, yq32 = op("Cast", [y], "y32", to=f32), op("Cast", [yq], "yq32", to=f32)
-    diff = op("Sub", [yq32, y32], "diff")
-    err = op("ReduceSum", [op("Mul", [diff, diff], "sq")], "err", keepdims=0)
-    energy = op("ReduceSum", [op("Mul", [y32, y32], "ysq")], "energy", keepdims=0)
-    err.name, energy.name = name + _ERR, name + _ENERGY
-    err.dtype = energy.dtype = ir.DataType.FLOAT
-    err.shape = energy.shape = ir.Shape([])
-    graph.insert_after(shadow, nodes)
-    graph.outputs.extend([err, energy])
-    return [err.name, energy.name]
 
 
 def write_json(result: SensitivityResult, path) -> None:
