@@ -124,17 +124,16 @@ PROMPTS = (
 )
 
 
-def _prompt_tokens(og, model, config: dict, count: int, length: int = 16) -> list[list[int]]:
+def _prompt_tokens(og, model, folder: pathlib.Path, count: int, length: int = 16) -> list[list[int]]:
     """Token ids of :data:`PROMPTS` from the folder's tokenizer; a tokenizer that maps English to few
     distinct ids (the random model's word-level one) gets seeded random ids from its vocabulary."""
-    vocab = int(config["model"]["vocab_size"])
-    folder = pathlib.Path(config["_folder"])
+    vocab = int(json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"])
     try:
         kind = json.loads((folder / "tokenizer.json").read_text())["model"]["type"]
     except (OSError, ValueError, KeyError, TypeError):
         kind = None
     # onnxruntime-genai's tokenizer reads BPE, Unigram and WordPiece; on the random model's word-level one it
-    # raised ("Cannot know how to parse line") and once took the process down in a CI run (SIGSEGV)
+    # raises from its C++ side ("Cannot know how to parse line"), the likeliest cause of one CI run's SIGSEGV
     try:
         if kind not in ("BPE", "Unigram", "WordPiece"):
             raise ValueError(f"a {kind} tokenizer")
@@ -171,8 +170,6 @@ def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
     baseline = None
     for name, folder in folders.items():
         folder = pathlib.Path(folder)
-        config = json.loads((folder / "genai_config.json").read_text())
-        config["_folder"] = str(folder)
         entry: dict = {"folder": str(folder)}
         try:
             start = time.perf_counter()
@@ -183,7 +180,7 @@ def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
             out["folders"][name] = entry
             print(f"genai {name}: {entry['error']}", flush=True)
             continue
-        ids = _prompt_tokens(og, model, config, prompts)
+        ids = _prompt_tokens(og, model, folder, prompts)
         _greedy(og, model, ids[0], new_tokens)  # warm-up: kernels chosen, memory allocated
         start = time.perf_counter()
         tokens = [_greedy(og, model, p, new_tokens) for p in ids]
