@@ -168,12 +168,15 @@ class QuantizeReport:
             lines.append(
                 f"  {written} MatMul/Gemm written as {f['op']} (onnxruntime's CUDA fast path, reads the float8 "
                 f"weight itself): {len(f['w8a8'])} W8A8 (static E4M3 activations: a_scale), {len(f['w8a16'])} "
-                "W8A16 (activations in float16, or quantized in the graph before it)"
+                "W8A16 (activations in float16/bfloat16, or quantized in the graph before it)"
             )
             for name, why in f["kept_qdq"].items():
                 lines.append(f"  kept Q/DQ: {name}: {why}")
             if self.runtime_checked == "cpu":
-                lines.append("  checked on the CPU EP with the op emulated (standard ops, the CUDA kernel's numerics)")
+                bf16 = " and bfloat16 (float32 arithmetic, results rounded)" if cfg.get("precision") == "bf16" else ""
+                lines.append(
+                    f"  checked on the CPU EP with the op{bf16} emulated (standard ops, the CUDA kernels' numerics)"
+                )
         if self.runtime_checked is None:
             lines.append(
                 "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker only)"
