@@ -146,7 +146,7 @@ def test_the_sample_decoder_in_bf16_fast_form(tmp_path):
         SAMPLE / "decoder.onnx", out, SAMPLE / "calib.npz", target="onnxruntime-cuda", precision="bf16", provider="cpu"
     )
     assert len(report.fast_form["w8a16"]) == len(report.quantized) and not report.fast_form["kept_qdq"]
-    assert "BF16 graph" in report.summary()
+    assert "BF16 graph" in report.summary() and "the op and bfloat16 (float32 arithmetic" in report.summary()
     model = ir.load(out)
     fast = [n for n in model.graph if n.op_type == "MatMulBlockQuantizedFp8Weight"]
     assert fast and all(n.inputs[0].dtype == ir.DataType.BFLOAT16 for n in fast)
