@@ -205,3 +205,20 @@ def test_quantize_help_leads_with_the_common_jobs_and_groups_its_options():
     assert positions == sorted(positions)
     assert out.index("What most users need:") < out.index("Examples of the other options:") < positions[0]
     assert out.index("--calib") < out.index("Accuracy:") < out.index("--smooth")  # the common ones first
+
+
+def test_recipe_options_are_the_config_fields_declared_once():
+    """requires: quantize's click options; ensures: every QuantizeConfig field a user sets has exactly one
+    option of quantize (by the field's name, or its spelling in ``_PARAM``), and sensitivity's recipe
+    options are a subset: the command builds its config from the fields, not from a re-spelled list."""
+    import dataclasses
+
+    from fp8onnx.cli.common import _PARAM
+    from fp8onnx.cli.options import NOT_OPTIONS
+    from fp8onnx.config import QuantizeConfig
+
+    fields = {_PARAM.get(f.name, f.name) for f in dataclasses.fields(QuantizeConfig)} - NOT_OPTIONS
+    quantize = {p.name for p in main.commands["quantize"].params}
+    assert fields <= quantize, fields - quantize
+    sensitivity = {p.name for p in main.commands["sensitivity"].params}
+    assert {"fmt", "scaling", "activations", "weight_block_size"} <= fields & sensitivity

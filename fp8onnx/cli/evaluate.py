@@ -19,15 +19,13 @@ from fp8onnx.cli.common import (
     _per_channel_option,
     _provider_option,
     _run,
-    _run_options,
     _text_options,
     _workers_options,
     main,
 )
-from fp8onnx.cli.options import metric_option, weight_block_size_option
+from fp8onnx.cli.options import metric_option, recipe_options, run_options, weight_block_size_option
 from fp8onnx.config import (
     ACTIVATION_MODES,
-    QuantizeConfig,
 )
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 from fp8onnx.graph.model_io import write_text_atomic
@@ -74,13 +72,10 @@ def compare(
     no_fp16,
     generate,
     prompts,
-    batch_size,
-    workers,
-    ray_address,
-    provider,
     json_out,
     plot_dir,
     metric,
+    **running,
 ):
     """Accuracy of CANDIDATES against REFERENCE (FP32) and its FP16 baseline; for language models
     also greedy generation against FP32's; for every model its time per batch and session memory.
@@ -97,7 +92,7 @@ def compare(
         output_folder(plot_dir, "Plot folder")
     plot = pathlib.Path(plot_dir) / "compare.png" if plot_dir else None
     check_paths(reads + [("the evaluation data", data)], [("the JSON output", json_out), ("the plot", plot)])
-    run = _run_options(batch_size, provider, workers=workers, ray_address=ray_address)
+    run = run_options(running)
     result = api_compare(
         reference, candidates, data, fp16=not no_fp16, generate=generate, prompts=prompts, metric=metric, run=run
     )
@@ -139,15 +134,12 @@ def study(
     calib,
     data,
     max_samples,
-    batch_size,
-    workers,
-    ray_address,
-    provider,
     json_out,
     csv_out,
     plot_dir,
     techniques,
     metric,
+    **running,
 ):
     """Run the papers' comparison on MODEL: formats, scaling methods, constant-scale sweep,
     static vs dynamic activations, per-tensor vs per-channel weights; one calibration pass.
@@ -173,7 +165,7 @@ def study(
         max_samples=max_samples,
         techniques=techniques,
         metric=metric,
-        run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
+        run=run_options(running),
     )
     click.echo(result.table())
     write_outputs(result, json_out, csv_out)
@@ -224,30 +216,7 @@ def study(
 @metric_option
 @_run
 @_text_options("calib", "data", "eval_data")
-def sensitivity(
-    model,
-    calib,
-    stats,
-    data,
-    fmt,
-    scaling,
-    activations,
-    per_channel,
-    op_types,
-    activation_matmuls,
-    eval_data,
-    refine,
-    top,
-    budget,
-    weight_block_size,
-    batch_size,
-    workers,
-    ray_address,
-    provider,
-    json_out,
-    plot_dir,
-    metric,
-):
+def sensitivity(model, **params):
     """Rank the nodes `quantize` would quantize by the error each contributes alone: the SQNR of its
     output when only it is in FP8, measured for every node in one pass over the data.
 
@@ -260,6 +229,8 @@ def sensitivity(
     from fp8onnx.accuracy.fallback import sensitivity as run_sensitivity
     from fp8onnx.accuracy.sensitivity import write_json
 
+    calib, stats, data, eval_data = (params.pop(k) for k in ("calib", "stats", "data", "eval_data"))
+    json_out, plot_dir = params.pop("json_out"), params.pop("plot_dir")
     if plot_dir:
         output_folder(plot_dir, "Plot folder")
     plot = pathlib.Path(plot_dir) / "sensitivity.png" if plot_dir else None
@@ -269,15 +240,7 @@ def sensitivity(
         + [("the evaluation data", eval_data)],
         [("the JSON output", json_out), ("the plot", plot)],
     )
-    config = QuantizeConfig(
-        format=fmt,
-        scaling=scaling,
-        activations=activations,
-        per_channel=per_channel,
-        op_types=op_types,
-        activation_matmuls=activation_matmuls,
-        weight_block_size=weight_block_size,
-    )
+    config, run = recipe_options(params), run_options(params)
     result = run_sensitivity(
         model,
         calib,
@@ -285,12 +248,12 @@ def sensitivity(
         config=config,
         stats=stats,
         eval_data=eval_data,
-        refine=refine,
-        metric=metric,
-        budget=budget,
-        run=_run_options(batch_size, provider, workers=workers, ray_address=ray_address),
+        refine=params["refine"],
+        metric=params["metric"],
+        budget=params["budget"],
+        run=run,
     )
-    click.echo(result.table(top))
+    click.echo(result.table(params["top"]))
     if json_out:
         write_json(result, json_out)
     if plot:

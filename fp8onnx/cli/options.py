@@ -1,15 +1,33 @@
-"""The options that say which runtime a written model is for (``quantize``'s "Deployment target" group in
---help), declared once."""
+"""Options declared once for every command that takes them: the ones that say which runtime a written model
+is for (``quantize``'s "Deployment target" group in --help), --metric, --weight-block-size; and how a
+command's parameters become the library's: the recipe options are :class:`~fp8onnx.config.QuantizeConfig`'s
+fields (:func:`recipe_options`), the runtime ones :class:`~fp8onnx.runtime.RunOptions` (:func:`run_options`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import click
 
 from fp8onnx.accuracy.metrics import METRICS
-from fp8onnx.config import GEMM_OPS, PRECISIONS
+from fp8onnx.cli.common import _DEFAULT, _PARAM, _run_options
+from fp8onnx.config import GEMM_OPS, PRECISIONS, QuantizeConfig
+from fp8onnx.runtime import RunOptions
 from fp8onnx.targets import TARGETS
 
-__all__ = ["deployment_options", "metric_option", "weight_block_size_option"]
+__all__ = [
+    "NOT_OPTIONS",
+    "deployment_options",
+    "metric_option",
+    "recipe_options",
+    "run_options",
+    "weight_block_size_option",
+]
+
+# QuantizeConfig fields no command line sets: the library's own (the search's float nodes, the preset's
+# bookkeeping); --preset is read apart, since a preset yields to the options given explicitly.
+NOT_OPTIONS = frozenset({"keep_float", "preset", "explicit", "precision_derived"})
+_RUN = ("batch_size", "provider", "weight_memory", "batch_memory", "workers", "ray_address")
 
 _DEPLOYMENT = [
     click.option(
@@ -79,3 +97,34 @@ weight_block_size_option = click.option(
     "input channels at each output channel and kernel tap. "
     "Each block adds one float scale: 4/N bytes per element in float32.",
 )
+
+
+def recipe_options(params: dict) -> QuantizeConfig:
+    """Takes out of a command's ``params`` the ones that are QuantizeConfig fields (the config declares
+    them; each command has the options it offers) and ``preset``: the config they give. A preset's
+    settings yield to the options the command line gave explicitly."""
+    ctx = click.get_current_context()
+    options, given = {}, {}
+    for field in dataclasses.fields(QuantizeConfig):
+        name = _PARAM.get(field.name, field.name)
+        if field.name in NOT_OPTIONS or name not in params:
+            continue
+        options[field.name] = params.pop(name)
+        if ctx.get_parameter_source(name) != _DEFAULT:
+            given[field.name] = options[field.name]
+    preset = params.pop("preset", None)
+    return QuantizeConfig.for_preset(preset, **given) if preset else QuantizeConfig(**options)
+
+
+def run_options(params: dict) -> RunOptions:
+    """Takes the runtime options out of a command's ``params``: :class:`RunOptions` (those the command
+    does not offer at their defaults)."""
+    got = {name: params.pop(name) for name in _RUN if name in params}
+    return _run_options(
+        got.get("batch_size"),
+        got.get("provider", "auto"),
+        got.get("weight_memory"),
+        got.get("batch_memory"),
+        got.get("workers", 1),
+        got.get("ray_address"),
+    )

@@ -12,9 +12,7 @@ import click
 from fp8onnx import compare as api_compare
 from fp8onnx import quantize as api_quantize
 from fp8onnx.cli.common import (
-    _DEFAULT,
     _FORMATS,
-    _PARAM,
     _SCALINGS,
     _batch_memory_option,
     _batch_size_option,
@@ -30,7 +28,13 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.cli.options import deployment_options, metric_option, weight_block_size_option
+from fp8onnx.cli.options import (
+    deployment_options,
+    metric_option,
+    recipe_options,
+    run_options,
+    weight_block_size_option,
+)
 from fp8onnx.config import (
     ACTIVATION_MODES,
     EMBEDDING_MODES,
@@ -213,53 +217,7 @@ from fp8onnx.phases import table as phases_table
 )
 @_run
 @_text_options("calib", "eval_data", "check_data")
-def quantize(
-    model,
-    output,
-    calib,
-    stats,
-    fmt,
-    weight_format,
-    activation_format,
-    scaling,
-    margin,
-    percentile,
-    scale,
-    activations,
-    per_channel,
-    precision,
-    target,
-    gemm_op,
-    native_gemm,
-    op_types,
-    exclude,
-    float_activations,
-    activation_matmuls,
-    preset,
-    weight_rounding,
-    smooth,
-    bias_correction,
-    sequential,
-    weight_block_size,
-    group_size,
-    float_vocab,
-    float_stem,
-    embeddings,
-    batch_size,
-    batch_memory,
-    workers,
-    ray_address,
-    weight_memory,
-    provider,
-    report,
-    check_data,
-    eval_data,
-    accuracy_target,
-    max_float_nodes,
-    metric,
-    fold_at_load,
-    refine,
-):
+def quantize(model, output, **params):
     """Quantize the MatMul/Gemm nodes of MODEL to float8 (Q/DQ) and write the result.
 
     MODEL is an .onnx file or an export folder. A folder (onnxruntime-genai, Optimum decoder or
@@ -287,96 +245,79 @@ def quantize(
       fp8onnx quantize model.onnx --calib calib.npz --target onnxruntime-cuda -o model.cuda.onnx  # the CUDA fast path
       fp8onnx quantize llama.onnx --calib calib.npz --weight-memory 256 -o llama.fp8.onnx  # layer by layer
     """
-    if (eval_data is None) != (accuracy_target is None):
-        raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
-    if (max_float_nodes is not None or refine) and accuracy_target is None:
-        raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
     folder_mode = pathlib.Path(model).is_dir() and not str(output).endswith(".onnx")
-    if folder_mode and report:
-        for label, folder in (("the output folder", output), ("the export folder", model)):
-            if pathlib.Path(folder).resolve() in pathlib.Path(report).resolve().parents:
-                raise Fp8OnnxError(f"The report {report!r} lies inside {label} {folder!r}; write it elsewhere.")
-    # The library guards what it reads itself; --check's data is read only here.
-    check_paths(
-        [("the evaluation data", check_data), ("the evaluation data", eval_data)],
-        ([] if folder_mode else model_writes("the output model", output)) + [("the report", report)],
-    )
-    options = dict(
-        format=fmt,
-        weight_format=weight_format,
-        activation_format=activation_format,
-        scaling=scaling,
-        margin=margin,
-        percentile=percentile,
-        scale=scale,
-        activations=activations,
-        per_channel=per_channel,
-        precision=precision,
-        native_gemm=native_gemm,
-        gemm_op=gemm_op,
-        target=target,
-        op_types=op_types,
-        exclude=exclude,
-        float_activations=float_activations,
-        activation_matmuls=activation_matmuls,
-        weight_rounding=weight_rounding,
-        smooth=smooth,
-        bias_correction=bias_correction,
-        sequential=sequential,
-        weight_block_size=weight_block_size,
-        group_size=group_size,
-        float_vocab=float_vocab,
-        float_stem=float_stem,
-        embeddings=embeddings,
-    )
-    if preset:  # the preset's settings, except where the command line says otherwise
-        ctx = click.get_current_context()
-        given = {k: v for k, v in options.items() if ctx.get_parameter_source(_PARAM.get(k, k)) != _DEFAULT}
-        config = QuantizeConfig.for_preset(preset, **given)
-    else:
-        config = QuantizeConfig(**options)
-    t0 = time.perf_counter()
-    startup = process_age()
-    run = _run_options(batch_size, provider, weight_memory, batch_memory, workers, ray_address)
-    if fold_at_load and not folder_mode:
-        raise Fp8OnnxError("--fold-at-load applies to an onnxruntime-genai folder written as a folder (-o OUT_DIR).")
+    _check(model, output, folder_mode, params)
+    recipe, run = recipe_options(params), run_options(params)
+    t0, startup = time.perf_counter(), process_age()
+    report = params["report"]
     if folder_mode:
-        from fp8onnx.exports import quantize_folder
-
-        if accuracy_target is not None or stats or check_data:
-            raise Fp8OnnxError(
-                "--accuracy-target, --stats and --check take one model: give MODEL/model.onnx, or -o OUT.onnx."
-            )
-        result = quantize_folder(model, output, calib, config=config, run=run, fold_at_load=fold_at_load)
-        click.echo(result.summary())
-        if report:
-            write_text_atomic(report, json.dumps(result.to_json(), indent=1) + "\n")
-        click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
-        return
-    if accuracy_target is not None:
-        from fp8onnx.accuracy.fallback import quantize_to_target
-
-        if stats:
-            raise Fp8OnnxError("--accuracy-target measures sensitivity on --calib DATA; --stats cannot stand in.")
-        fallback = quantize_to_target(
-            model,
-            output,
-            calib,
-            eval_data,
-            target=accuracy_target,
-            max_float_nodes=max_float_nodes,
-            refine=refine,
-            config=config,
-            report=report,
-            metric=metric,
-            run=run,
-        )
-        click.echo(fallback.summary())
+        _quantize_folder(model, output, recipe, run, params)
+    elif params["accuracy_target"] is not None:
+        _quantize_to_target(model, output, recipe, run, params)
     else:
-        result = api_quantize(model, output, calib, config=config, stats=stats, report=report, run=run)
+        result = api_quantize(
+            model, output, params["calib"], config=recipe, stats=params["stats"], report=report, run=run
+        )
         click.echo(result.summary())
         if logging.getLogger("fp8onnx").isEnabledFor(logging.INFO):  # -v
             click.echo(phases_table(result.phases, startup))
     click.echo(f"  done in {time.perf_counter() - t0:.1f}s" + (f"; report in {report}" if report else ""))
-    if check_data:
-        click.echo(api_compare(model, [output], check_data, run=_run_options(batch_size, provider)).table())
+    if params["check_data"] and not folder_mode:
+        checked = api_compare(model, [output], params["check_data"], run=_run_options(run.batch_size, run.provider))
+        click.echo(checked.table())
+
+
+def _check(model, output, folder_mode: bool, params: dict) -> None:
+    """Which options go together, and what the command writes against what it reads (the library
+    guards what it reads itself; the data of --check and --eval are read here)."""
+    eval_data, target, report = params["eval_data"], params["accuracy_target"], params["report"]
+    if (eval_data is None) != (target is None):
+        raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
+    if (params["max_float_nodes"] is not None or params["refine"]) and target is None:
+        raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
+    if params["fold_at_load"] and not folder_mode:
+        raise Fp8OnnxError("--fold-at-load applies to an onnxruntime-genai folder written as a folder (-o OUT_DIR).")
+    if folder_mode and (target is not None or params["stats"] or params["check_data"]):
+        raise Fp8OnnxError(
+            "--accuracy-target, --stats and --check take one model: give MODEL/model.onnx, or -o OUT.onnx."
+        )
+    if target is not None and params["stats"]:
+        raise Fp8OnnxError("--accuracy-target measures sensitivity on --calib DATA; --stats cannot stand in.")
+    if folder_mode and report:
+        for label, folder in (("the output folder", output), ("the export folder", model)):
+            if pathlib.Path(folder).resolve() in pathlib.Path(report).resolve().parents:
+                raise Fp8OnnxError(f"The report {report!r} lies inside {label} {folder!r}; write it elsewhere.")
+    check_paths(
+        [("the evaluation data", params["check_data"]), ("the evaluation data", eval_data)],
+        ([] if folder_mode else model_writes("the output model", output)) + [("the report", report)],
+    )
+
+
+def _quantize_folder(model, output, config: QuantizeConfig, run, params: dict) -> None:
+    from fp8onnx.exports import quantize_folder
+
+    result = quantize_folder(
+        model, output, params["calib"], config=config, run=run, fold_at_load=params["fold_at_load"]
+    )
+    click.echo(result.summary())
+    if params["report"]:
+        write_text_atomic(params["report"], json.dumps(result.to_json(), indent=1) + "\n")
+
+
+def _quantize_to_target(model, output, config: QuantizeConfig, run, params: dict) -> None:
+    from fp8onnx.accuracy.fallback import quantize_to_target
+
+    fallback = quantize_to_target(
+        model,
+        output,
+        params["calib"],
+        params["eval_data"],
+        target=params["accuracy_target"],
+        max_float_nodes=params["max_float_nodes"],
+        refine=params["refine"],
+        config=config,
+        report=params["report"],
+        metric=params["metric"],
+        run=run,
+    )
+    click.echo(fallback.summary())
