@@ -11,10 +11,10 @@ import numpy as np
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import write_bytes_atomic
 
-__all__ = ["compare_rows", "constant_window", "pass_rates", "save_png", "scale_exponents", "sensitivity_bars"]
+__all__ = ["compare_rows", "constant_window", "pass_rates", "pyplot", "save_png", "scale_exponents", "sensitivity_bars"]
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -54,7 +54,7 @@ def constant_window(
     points: list[tuple[float, float]], amax: float | None, fp16: float | None, metric: str, path: pathlib.Path
 ) -> pathlib.Path:
     """The metric against one constant scale for every tensor (FP8-CSCALE), with FP8-AMAX and FP16."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
     if points:
         ax.plot([math.log2(s) for s, _ in points], [v for _, v in points], "o-", label="FP8-CSCALE (constant scale)")
@@ -70,7 +70,7 @@ def constant_window(
 
 def scale_exponents(exponents: dict[str, list[float]], path: pathlib.Path) -> pathlib.Path:
     """Histogram of log2 of the per-tensor scales, one series per kind (weights, activations)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for kind, values in exponents.items():
         if values:
@@ -83,7 +83,7 @@ def scale_exponents(exponents: dict[str, list[float]], path: pathlib.Path) -> pa
 
 def sensitivity_bars(names: list[str], sqnr_db: list[float], path: pathlib.Path) -> pathlib.Path:
     """SQNR of each node's output with only it in FP8, one bar per node in graph order."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.4, 0.18 * len(names) + 2), 4))
     shown = [min(v, 99.0) for v in sqnr_db]  # a lossless node (inf) is drawn at the top
     ax.bar(range(len(names)), shown, color="tab:blue", label="SQNR of the node's output (dB)")
@@ -95,7 +95,7 @@ def sensitivity_bars(names: list[str], sqnr_db: list[float], path: pathlib.Path)
 
 def pass_rates(labels: list[str], ptq: list[float], llm: list[float], path: pathlib.Path) -> pathlib.Path:
     """Per configuration, the share of models within 1% relative loss and within 99.5% of FP16."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.4, 0.5 * len(labels) + 2), 4.2))
     x = np.arange(len(labels))
     ax.bar(x - 0.2, [100 * v for v in ptq], 0.4, label="within 1% relative loss (PTQ paper)")
@@ -110,7 +110,7 @@ def pass_rates(labels: list[str], ptq: list[float], llm: list[float], path: path
 def compare_rows(rows, generation: dict | None, path: pathlib.Path) -> pathlib.Path:
     """``compare``'s models side by side: the headline metric, the greedy tokens kept before the first
     divergence from FP32 (language models), and the time per batch relative to FP32."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = 3 if generation else 2
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8))
     names = [r.name for r in rows]

@@ -300,9 +300,9 @@ def write_plots(result: TrainStudy, folder) -> list:
     last step; inputs, weights, gradients) of the first FP8-AMAX run."""
     import pathlib
 
-    from fp8onnx.plots import _pyplot, save_png
+    from fp8onnx.plots import pyplot, save_png
 
-    plt = _pyplot()
+    plt = pyplot()
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
 
