@@ -17,6 +17,7 @@ __all__ = [
     "ACTIVATION_MODES",
     "DEFAULT_OP_TYPES",
     "EMBEDDING_MODES",
+    "FALLBACK_UNITS",
     "GEMM_OPS",
     "PRECISIONS",
     "PRESETS",
@@ -34,6 +35,9 @@ SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 PER_CHANNEL_BY_DEFAULT = ("Conv", "ConvTranspose")
 EMBEDDING_MODES = ("float", "fp8")
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
+# What an accuracy target leaves in float, node by node: the whole node (float weight and activation), or
+# only its activation (W8A16: the FP8 weight stays; the fast form's op without a_scale).
+FALLBACK_UNITS = ("nodes", "activations")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
 
 
@@ -131,6 +135,7 @@ class QuantizeConfig:
     exclude: tuple[str, ...] = ()
     float_activations: tuple[str, ...] = ()  # globs: these nodes' activations stay in float (W8A16), weights FP8
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
+    fallback: str = "nodes"  # FALLBACK_UNITS: what keep_float leaves in float (with activations none: nodes)
     activation_matmuls: bool = False
     weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (techniques.gptq)
     smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (techniques)
@@ -186,6 +191,8 @@ class QuantizeConfig:
             raise Fp8OnnxError(
                 f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."
             )
+        if self.fallback not in FALLBACK_UNITS:
+            raise Fp8OnnxError(f"Unknown --fallback {self.fallback!r}; choose one of {', '.join(FALLBACK_UNITS)}.")
         if self.smooth is not None and not 0 <= self.smooth <= 1:
             raise Fp8OnnxError(f"--smooth must be in [0, 1], got {self.smooth!r}.")
         if self.bias_correction and self.scaling is Scaling.CONSTANT:
@@ -204,6 +211,8 @@ class QuantizeConfig:
             raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
 
         object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
+        if self.activations is Activations.NONE:  # no activation to keep in float: the unit is the node
+            object.__setattr__(self, "fallback", "nodes")
         if Fp8Format.INT8 in (self.weight_format, self.activation_format) and self.native_gemm:
             raise Fp8OnnxError("--native-gemm is onnxruntime's float8 GEMM; int8 takes standard Q/DQ only.")
         if self.target == "onnxruntime-cuda" and not (self.weight_format.cuda_ok and self.activation_format.cuda_ok):
@@ -353,6 +362,8 @@ class QuantizeConfig:
             doc["preset"] = self.preset
         if self.float_activations:  # only then, like keep_float
             doc["float_activations"] = list(self.float_activations)
+        if self.fallback != "nodes":  # only then, like keep_float
+            doc["fallback"] = self.fallback
         if self.weight_rounding != "nearest":  # only then, like keep_float
             doc["weight_rounding"] = self.weight_rounding
         if self.smooth is not None:  # only then, like keep_float

@@ -205,3 +205,85 @@ def test_a_target_missed_with_every_node_allowed_says_what_is_left(tmp_path):
     last = r.output.strip().splitlines()[-1]
     assert r.exit_code == 2 and "with up to 29 of 29 nodes in float" in last, r.output
     assert "every node was allowed in float" in last and "--max-float-nodes" not in last and not out.exists()
+
+
+def _activation_outlier_chain(tmp_path):
+    """x (positive) -> MatMul(a) -> Add(c) -> Relu -> MatMul(b) -> y, where the bias puts channel 0 of the Relu
+    at ~1e5x the others: one static E4M3 scale for ``second``'s input leaves the other channels a few
+    subnormal steps (its activation's error), while both weights are tame (b's row 0 is zero: that channel
+    only sets the scale)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((16, 32)) * 0.25).astype(np.float32)
+    c = np.zeros(32, np.float32)
+    c[0] = 60000.0
+    b = (rng.standard_normal((32, 8)) * 0.25).astype(np.float32)
+    b[0, :] = 0.0
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "a"], ["h"], name="first"),
+            helper.make_node("Add", ["h", "c"], ["hc"], name="bias"),
+            helper.make_node("Relu", ["hc"], ["r"], name="relu"),
+            helper.make_node("MatMul", ["r", "b"], ["y"], name="second"),
+        ],
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        [numpy_helper.from_array(a, "a"), numpy_helper.from_array(c, "c"), numpy_helper.from_array(b, "b")],
+    )
+    path = tmp_path / "act.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    np.savez(tmp_path / "act_calib.npz", x=np.abs(rng.standard_normal((48, 16))).astype(np.float32))
+    np.savez(tmp_path / "act_eval.npz", x=np.abs(rng.standard_normal((32, 16))).astype(np.float32))
+    return path, tmp_path / "act_calib.npz", tmp_path / "act_eval.npz"
+
+
+def test_the_activation_unit_takes_back_the_activation_and_keeps_the_fp8_weight(tmp_path):
+    """requires: a node whose error is its activation's; ensures: --fallback activations leaves only that
+    activation in float (W8A16: its weight still float8 behind a DequantizeLinear) and the target holds."""
+    path, calib, eval_data = _activation_outlier_chain(tmp_path)
+    out = tmp_path / "q.onnx"
+    opts = dict(metric="cosine", target=99.9, provider="cpu")
+    result = quantize_to_target(path, out, calib, eval_data, fallback="activations", **opts)
+    assert result.met and result.kept_in_float == ["second"] and result.unit == "activations"
+    assert result.tried[0] < 0.999 <= result.tried[1]
+    summary = result.summary()
+    assert "1 with float activations" in summary and "activations kept in float (W8A16)" in summary
+    assert sorted(n.name for n in result.report.quantized) == ["first", "second"]
+    graph = onnx.load(out).graph
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    second = next(n for n in graph.node if n.name == "second")
+    assert producers[second.input[0]] != "DequantizeLinear"  # its activation in float
+    assert producers[second.input[1]] == "DequantizeLinear"  # its weight float8
+    assert result.report.config["fallback"] == "activations"
+    check = fp8onnx.compare(path, [out], eval_data, metric="cosine", provider="cpu")
+    assert check.rows[-1].ratio_to_fp16 >= 0.999
+
+
+def test_the_activation_unit_cannot_take_back_a_weights_error(tmp_path, outlier_chain):
+    """The weight outlier chain's error is its weight's: activations alone back in float do not meet the
+    target (nothing written), whole nodes do."""
+    path, calib, eval_data = outlier_chain
+    out = tmp_path / "q.onnx"
+    with pytest.raises(TargetNotMet, match=r"with float activations|in float"):
+        quantize_to_target(
+            path, out, calib, eval_data, metric="cosine", target=99.9, fallback="activations", provider="cpu"
+        )
+    assert not out.exists()
+
+
+def test_cli_fallback_activations_and_the_w8a8_preset_sets_it(tmp_path):
+    from fp8onnx.config import QuantizeConfig
+
+    assert QuantizeConfig.for_preset("llm-w8a8").fallback == "activations"
+    assert QuantizeConfig(activations="none", fallback="activations").fallback == "nodes"  # nothing else to keep
+    path, calib, eval_data = _activation_outlier_chain(tmp_path)
+    out = tmp_path / "q.onnx"
+    args = ["quantize", str(path), "--calib", str(calib), "--eval", str(eval_data), "--accuracy-target", "99.9"]
+    args += ["--metric", "cosine", "--fallback", "activations", "-o", str(out), "--provider", "cpu"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "activations kept in float (W8A16) (most sensitive first): second" in result.output
+    bad = CliRunner().invoke(main, [*args[:-4], "--fallback", "weights", "-o", str(out)])
+    assert bad.exit_code == 2 and "weights" in bad.output

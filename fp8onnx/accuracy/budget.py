@@ -94,10 +94,11 @@ class Budget(Statistic):
         self.outputs = [o for names in self._names.values() for o in names.values()]
         return self.outputs
 
-    def sensitivity_outputs(self) -> list[str]:
-        """Per node, its error and energy outputs with every input quantized: what sensitivity ranks."""
-        names = [self._names[d.node.name] for d in self.decisions]
-        return [o for n in names for o in (n["all"], n["energy"])]
+    def sensitivity_outputs(self, kind: str = "all") -> list[tuple[str, str] | None]:
+        """Per node, its error and energy outputs with ``kind``'s inputs quantized (every input, or the
+        activation alone): what sensitivity ranks; None where the node has no such shadow."""
+        names = [self._names.get(d.node.name, {}) for d in self.decisions]
+        return [(n[kind], n["energy"]) if kind in n else None for n in names]
 
     def merge(self, summary: dict) -> None:
         for name, value in summary.items():

@@ -46,6 +46,7 @@ class FallbackResult:
     report: QuantizeReport | None  # None when the target was not met (nothing written)
     evaluations: int = 0  # models scored on the end metric, refinement included
     sensitivity: list[dict] = dataclasses.field(default_factory=list)  # per node, as SensitivityResult.to_json()
+    unit: str = "nodes"  # what was kept in float: whole nodes, or only their activations (W8A16)
 
     def summary(self) -> str:
         lines = [self.report.summary()] if self.report else []
@@ -57,11 +58,16 @@ class FallbackResult:
         for k, ratio in sorted(self.tried.items()):
             shown = "-" if ratio is None else f"{ratio:.2%}"
             mark = "  <- written" if self.met and k == len(self.kept_in_float) else ""
-            lines.append(f"    {k:>4} nodes in float: {shown}{mark}")
+            lines.append(f"    {k:>4} {self._in_float}: {shown}{mark}")
         if self.kept_in_float:
             shown = ", ".join(self.kept_in_float[:8]) + (" ..." if len(self.kept_in_float) > 8 else "")
-            lines.append(f"  kept in float (most sensitive first): {shown}")
+            what = "kept in float" if self.unit == "nodes" else "activations kept in float (W8A16)"
+            lines.append(f"  {what} (most sensitive first): {shown}")
         return "\n".join(lines)
+
+    @property
+    def _in_float(self) -> str:
+        return "nodes in float" if self.unit == "nodes" else "with float activations"
 
     def to_json(self) -> dict:
         return {
@@ -71,6 +77,7 @@ class FallbackResult:
             "kept_in_float": self.kept_in_float,
             "met": self.met,
             "evaluations": self.evaluations,
+            "unit": self.unit,
             "report": self.report.to_json() if self.report else None,
         }
 
@@ -245,7 +252,9 @@ def quantize_to_target(
     metric = candidates.metric
     if chosen is None:
         best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
-        result = FallbackResult(target, metric, tried, order[:best], False, None, evaluations, sens.to_json()["nodes"])
+        result = FallbackResult(
+            target, metric, tried, order[:best], False, None, evaluations, sens.to_json()["nodes"], ranked.fallback
+        )
         shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
         if tried[best] is not None and tried[best] * 100 >= target:
             shown += " (not confirmed: a count with more nodes in float missed the target)"
@@ -262,7 +271,7 @@ def quantize_to_target(
         )
     nodes = sens.to_json()["nodes"]
     if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
-        result = FallbackResult(target, metric, tried, order[:chosen], False, None, evaluations, nodes)
+        result = FallbackResult(target, metric, tried, order[:chosen], False, None, evaluations, nodes, ranked.fallback)
         raise TargetNotMet(
             f"Accuracy target {target:g}% of FP16 ({metric}) holds only with {chosen} of {len(order)} nodes in float: "
             "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
@@ -271,7 +280,9 @@ def quantize_to_target(
         )
     final = candidates.write(order[:chosen], output, run)
     logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, target, evaluations)
-    result = FallbackResult(target, metric, tried, order[:chosen], True, final, evaluations, sens.to_json()["nodes"])
+    result = FallbackResult(
+        target, metric, tried, order[:chosen], True, final, evaluations, sens.to_json()["nodes"], ranked.fallback
+    )
     if report is not None:  # the usual report, plus how the target was met and the sensitivity it used
         doc = {**final.to_json(), "accuracy_target": result.to_json(), "sensitivity": result.sensitivity}
         del doc["accuracy_target"]["report"]

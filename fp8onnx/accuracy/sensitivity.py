@@ -88,7 +88,9 @@ class SensitivityResult:
             "config": self.config,
             "samples": self.samples,
             "batches": self.batches,
-            "metric": "SQNR in dB of the node's output with only that node quantized (lower = more sensitive)",
+            "metric": "SQNR in dB of the node's output with only that node quantized (lower = more sensitive)"
+            if self.config.get("fallback", "nodes") == "nodes"
+            else "SQNR in dB of the node's output with only its activation quantized (lower = more sensitive)",
             "end_metric": self.metric or None,
             "base_ratio_to_fp16": self.base_ratio,
             "evaluations": self.evaluations,
@@ -101,9 +103,10 @@ class SensitivityResult:
         rows = self.ranked()[:top] if top else self.ranked()
         width = max([len("node"), *(len(n.name) for n in rows)])
         refined = self.base_ratio is not None
+        what = "it" if self.config.get("fallback", "nodes") == "nodes" else "its activation"
         lines = [
             f"{self.model}: {len(self.ranked())} nodes measured on {self.samples} samples; SQNR of each node's "
-            "output with only it in FP8 (lowest first)",
+            f"output with only {what} in FP8 (lowest first)",
             f"{'rank':>4}  {'node':<{width}}  {'op':<13}  {'SQNR dB':>7}" + ("  gain if float" if refined else ""),
         ]
         for n in rows:
@@ -170,18 +173,23 @@ def measure_sensitivity(
     source = data if data is not None else calib
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
-    # every measured node's shadow with all its inputs quantized; with budget, also the split shadows
-    split = Budget(measured, quant, kinds=None if budget else ("all",))
+    # every measured node's shadow with all its inputs quantized (for --fallback activations: its activation
+    # alone, the part the accuracy search can take back); with budget, also the split shadows
+    kind = "activation" if config.fallback == "activations" else "all"
+    split = Budget(measured, quant, kinds=None if budget else (kind,))
     done = measure(ir_model, [split], source, run, "sensitivity")
     samples, batches = done.num_samples, done.num_batches
-    sums = [split.sums.get(o, 0.0) for o in split.sensitivity_outputs()]
     by_name = {}
-    for k, d in enumerate(measured):
-        err, energy = sums[2 * k], sums[2 * k + 1]
+    for d, names in zip(measured, split.sensitivity_outputs(kind)):
+        if names is None:
+            continue
+        err, energy = (split.sums.get(o, 0.0) for o in names)
         by_name[d.node.name] = math.inf if err == 0 else (10 * math.log10(energy / err) if energy > 0 else -math.inf)
     for row in rows:
         if row.name in by_name:
             row.sqnr_db = by_name[row.name]
+        elif row.reason is None:
+            row.reason = "its activation is not quantized (nothing to keep in float with --fallback activations)"
     for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
         row.rank = rank
     rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]

@@ -346,39 +346,6 @@ class _Sectioned(click.Command):
                 formatter.write_dl(rest)
 
 
-class _QuantizeCommand(_Sectioned):
-    sections: ClassVar[dict[str, tuple[str, ...]]] = {
-        "Model, data and output": ("output", "calib", "tokenizer", "seq_len", "preset", "report"),
-        "Accuracy": ("eval_data", "accuracy_target", "metric", "max_float_nodes", "refine", "check_data", "stats"),
-        "Recipe (what a preset sets; rarely needed by hand)": (
-            "fmt",
-            "weight_format",
-            "activation_format",
-            "scaling",
-            "margin",
-            "percentile",
-            "scale",
-            "activations",
-            "per_channel",
-            "weight_block_size",
-            "group_size",
-            "op_types",
-            "exclude",
-            "float_activations",
-            "activation_matmuls",
-            "weight_rounding",
-            "smooth",
-            "bias_correction",
-            "sequential",
-            "float_vocab",
-            "float_stem",
-            "embeddings",
-        ),
-        "Deployment target": ("precision", "target", "gemm_op", "native_gemm", "fold_at_load"),
-        "Running": ("batch_size", "batch_memory", "workers", "ray_address", "ray_timeout", "weight_memory", "provider"),
-    }
-
-
 def _csv(ctx, param, value):
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else DEFAULT_OP_TYPES
 

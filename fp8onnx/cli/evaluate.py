@@ -23,7 +23,13 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.cli.options import metric_option, recipe_options, run_options, weight_block_size_option
+from fp8onnx.cli.options import (
+    fallback_option,
+    metric_option,
+    recipe_options,
+    run_options,
+    weight_block_size_option,
+)
 from fp8onnx.config import (
     ACTIVATION_MODES,
 )
@@ -214,6 +220,7 @@ def study(
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every node's SQNR as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write sensitivity.png into this folder.")
 @metric_option
+@fallback_option
 @_run
 @_text_options("calib", "data", "eval_data")
 def sensitivity(model, **params):

@@ -11,13 +11,14 @@ import click
 
 from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.cli.common import _DEFAULT, _PARAM, _run_options
-from fp8onnx.config import GEMM_OPS, PRECISIONS, QuantizeConfig
+from fp8onnx.config import FALLBACK_UNITS, GEMM_OPS, PRECISIONS, QuantizeConfig
 from fp8onnx.runtime import RunOptions
 from fp8onnx.targets import TARGETS
 
 __all__ = [
     "NOT_OPTIONS",
     "deployment_options",
+    "fallback_option",
     "metric_option",
     "recipe_options",
     "run_options",
@@ -83,6 +84,15 @@ metric_option = click.option(
     help="The headline compared with FP16: auto is task accuracy with labels (a decoder LLM's are its next tokens, "
     "none needed), else top-1 agreement for class scores (named like logits, computed by a Softmax, or a linear "
     "head's [batch, classes]), else mean cosine; rel-l2 scores 1 - relative L2 error (regression).",
+)
+
+fallback_option = click.option(
+    "--fallback",
+    type=click.Choice(FALLBACK_UNITS),
+    default="nodes",
+    show_default=True,
+    help="What --accuracy-target leaves in float, most sensitive first: whole nodes, or only their activations "
+    "(W8A16: the FP8 weight stays; ranked by the SQNR with only the activation in FP8). [llm-w8a8: activations]",
 )
 
 weight_block_size_option = click.option(

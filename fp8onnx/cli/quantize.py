@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
 import time
+from typing import ClassVar
 
 import click
 
@@ -13,15 +15,16 @@ from fp8onnx import compare as api_compare
 from fp8onnx import quantize as api_quantize
 from fp8onnx.cli.common import (
     _FORMATS,
+    _PARAM,
     _SCALINGS,
     _batch_memory_option,
     _batch_size_option,
     _csv,
     _per_channel_option,
     _provider_option,
-    _QuantizeCommand,
     _run,
     _run_options,
+    _Sectioned,
     _SmoothAlpha,
     _text_options,
     _weight_memory_option,
@@ -29,7 +32,9 @@ from fp8onnx.cli.common import (
     main,
 )
 from fp8onnx.cli.options import (
+    NOT_OPTIONS,
     deployment_options,
+    fallback_option,
     metric_option,
     recipe_options,
     run_options,
@@ -47,6 +52,25 @@ from fp8onnx.graph.guard import check_paths, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.phases import process_age
 from fp8onnx.phases import table as phases_table
+
+
+def _sections() -> dict[str, tuple[str, ...]]:
+    """quantize's --help sections; the recipe's are the QuantizeConfig fields no other section shows."""
+    sections = {
+        "Model, data and output": ("output", "calib", "tokenizer", "seq_len", "preset", "report"),
+        "Accuracy": ("eval_data", "accuracy_target", "metric", "max_float_nodes", "fallback", "refine", "check_data"),
+        "Deployment target": ("precision", "target", "gemm_op", "native_gemm", "fold_at_load"),
+        "Running": ("batch_size", "batch_memory", "workers", "ray_address", "ray_timeout", "weight_memory", "provider"),
+    }
+    sections["Accuracy"] += ("stats",)
+    shown = {name for names in sections.values() for name in names}
+    fields = (_PARAM.get(f.name, f.name) for f in dataclasses.fields(QuantizeConfig) if f.name not in NOT_OPTIONS)
+    recipe = {"Recipe (what a preset sets; rarely needed by hand)": tuple(n for n in fields if n not in shown)}
+    return {**dict(list(sections.items())[:2]), **recipe, **dict(list(sections.items())[2:])}
+
+
+class _QuantizeCommand(_Sectioned):
+    sections: ClassVar[dict[str, tuple[str, ...]]] = _sections()
 
 
 @main.command(cls=_QuantizeCommand)
@@ -200,6 +224,7 @@ from fp8onnx.phases import table as phases_table
     "--max-float-nodes", type=click.IntRange(min=0), help="With --accuracy-target: keep at most N nodes in float."
 )
 @metric_option
+@fallback_option
 @click.option(
     "--fold-at-load/--no-fold-at-load",
     default=None,

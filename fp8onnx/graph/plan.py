@@ -48,7 +48,8 @@ def _is_weight(value: ir.Value) -> bool:
 
 
 def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
-    if node.name in config.keep_float:
+    kept = node.name in config.keep_float
+    if kept and config.fallback == "nodes":
         return Decision(node, [], "kept in float for --accuracy-target (among the most sensitive nodes)")
     for pattern in config.exclude:
         if fnmatch.fnmatchcase(node.name or "", pattern):
@@ -70,7 +71,7 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
         if not inputs:
             return Decision(node, [], "no constant weight (--activations none quantizes weights only)")
         return Decision(node, inputs)
-    if any(fnmatch.fnmatchcase(node.name or "", p) for p in config.float_activations):
+    if kept or any(fnmatch.fnmatchcase(node.name or "", p) for p in config.float_activations):
         inputs = [(i, kind) for i, kind in inputs if kind == "weight"]  # W8A16: FP8 weights, float activations
         if not inputs:
             return Decision(node, [], "its activations stay in float (--float-activations) and it has no weight")
