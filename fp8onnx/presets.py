@@ -43,7 +43,7 @@ PRESETS = {
             "weight_rounding": "gptq",
             "float_vocab": True,
             "embeddings": "fp8",
-            # the attention projections W8A16: Llama names (torch, Optimum, onnxruntime-genai's qkv_proj; fp8onnx's sample)
+            # the attention projections W8A16: Llama names (torch, Optimum, genai's qkv_proj; fp8onnx's sample)
             "float_activations": ("*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*", "*/q", "*/k", "*/v", "*/o"),
             "fallback": "activations",
         },

@@ -1,21 +1,26 @@
 """The package's layout: its imports point one way (no module of fp8onnx imports, at the top or
-inside a function, a module that imports it back, directly or through others)."""
+inside a function, a module that imports it back, directly or through others), and graphs are edited
+only in passes/."""
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "fp8onnx"
+PASSES = ROOT.parent / "passes"  # installed as fp8onnx.passes
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    """Dotted names below fp8onnx ("quantize", "cli.common"; a package by its name) -> file."""
+    """Dotted names below fp8onnx ("quantize", "cli.common", "passes.insert_qdq"; a package by its
+    name) -> file."""
     found = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        if parts and "models" not in parts:
-            found[".".join(parts)] = path
+    for top, prefix in ((ROOT, ()), (PASSES, ("passes",))):
+        for path in top.rglob("*.py"):
+            parts = (*prefix, *path.relative_to(top).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if parts and "models" not in parts:
+                found[".".join(parts)] = path
     return found
 
 
@@ -69,11 +74,24 @@ def test_no_import_circle():
         if name not in state:
             visit(name)
     assert len(graph) > 30 and "accuracy.fallback" in graph["cli.quantize"]  # the scan sees the package
+    assert "passes.common" in graph["passes.instrument"]  # and passes/, relative imports included
+
+
+def test_graph_nodes_are_built_only_in_passes():
+    """docs/development.md's rule: a module outside passes/ asks a pass (or passes.instrument) for the
+    nodes it needs; it never builds one (onnx_ir's node/Node/Tape, onnx.helper.make_node)."""
+    builds = re.compile(r"\bir\.(node|Node)\(|\bTape\(|\bmake_node\(|\bop_multi_out\(")
+    offenders = {
+        name: [n for n, line in enumerate(path.read_text().splitlines(), 1) if builds.search(line)]
+        for name, path in _modules().items()
+        if not name.startswith("passes")
+    }
+    assert {name: lines for name, lines in offenders.items() if lines} == {}
 
 
 def test_no_module_over_400_lines():
     """Modules stay small, one noun each: a module that outgrows 400 lines is split by what its parts do."""
-    files = [*_modules().values(), *(ROOT.parent / "passes").glob("*.py")]  # fp8onnx.passes too
+    files = list(_modules().values())  # fp8onnx.passes too
     sizes = {str(p.relative_to(ROOT.parent)): len(p.read_text().splitlines()) for p in files}
     assert {name: n for name, n in sizes.items() if n > 400} == {}
 

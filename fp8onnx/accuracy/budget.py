@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import onnx_ir as ir
 
 from fp8onnx.passes import InsertQDQPass
+from fp8onnx.passes.instrument import error_outputs, range_only, shadow_of
 from fp8onnx.pipeline.statistics import Statistic
 
-__all__ = ["Budget", "NodeBudget", "budget_rows", "shadow_of"]
+__all__ = ["Budget", "NodeBudget", "budget_rows"]
 
 _KINDS = ("all", "weight", "activation", "range")
 
@@ -88,8 +88,8 @@ class Budget(Statistic):
         for node, kind, shadow, picked in shadows:
             names = self._names.setdefault(node.name, {})
             if kind == "range":
-                names.update(self._range_only(model.graph, node, shadow, picked))
-            names[kind], energy = _error(model.graph, node, shadow, kind, names.get("energy"))
+                names.update(range_only(model.graph, node, shadow, picked, self.quant))
+            names[kind], energy = error_outputs(model.graph, node, shadow, kind, "energy" not in names)
             names.setdefault("energy", energy)
         self.outputs = [o for names in self._names.values() for o in names.values()]
         return self.outputs
@@ -106,50 +106,6 @@ class Budget(Statistic):
 
     def _static(self, node: ir.Node, picked: list[int]) -> bool:
         return all(isinstance(self.quant[node.inputs[i].name].scale, float) for i in picked)
-
-    def _range_only(self, graph: ir.Graph, node: ir.Node, shadow: ir.Node, picked: list[int]) -> dict[str, str]:
-        """The shadow reads x + (DQ(Q(x)) - x) where x is clipped or below normal, x elsewhere; returns
-        the names of the clipped, below-normal and element counts of its (first) activation."""
-        tape = ir.tape.Tape()
-        counts = {}
-        f32 = int(ir.DataType.FLOAT)
-        for i in picked:
-            x, xq = node.inputs[i], shadow.inputs[i]
-            tq = self.quant[x.name]
-            s, fmt = np.float32(tq.scale), tq.format
-            base = f"{shadow.name}/{i}"
-
-            def const(name, value, base=base):
-                return tape.initializer(ir.tensor(np.asarray(value, np.float32), name=f"{base}/{name}"))
-
-            x32 = tape.op("Cast", [x], {"to": f32})
-            e = tape.op("Sub", [tape.op("Cast", [xq], {"to": f32}), x32])
-            ax = tape.op("Abs", [x32])
-            # beyond the largest value by more than rounding to it (half its step): saturated, not rounded
-            top = fmt.fmax * (1 + 2.0 ** -(fmt.mantissa_bits + 1)) * s
-            over = tape.op("Greater", [ax, const("top", top)])
-            tiny = tape.op("Less", [ax, const("normal", 2.0**fmt.min_normal_exponent * s)])
-            under = tape.op("And", [tiny, tape.op("Greater", [ax, const("zero", 0.0)])])
-            out_of_range = tape.op("Or", [over, under])
-            kept = tape.op("Where", [out_of_range, e, const("nothing", 0.0)])
-            xr = tape.op("Cast", [tape.op("Add", [x32, kept])], {"to": int(x.dtype)})
-            shadow.replace_input_with(i, xr)
-            if not counts:
-                for key, flag in (("clipped", over), ("below_normal", under)):
-                    counts[key] = tape.op("ReduceSum", [tape.op("Cast", [flag], {"to": f32})], {"keepdims": 0})
-                counts["elements"] = tape.op("Cast", [tape.op("Size", [x])], {"to": f32})
-        for n, v in enumerate(v for node_ in tape.nodes for v in node_.outputs):
-            v.name = v.name or f"{shadow.name}/range_{n}"
-        graph.insert_before(shadow, tape.nodes)
-        for init in tape.initializers:
-            graph.register_initializer(init)
-        names = {}
-        for key, value in counts.items():
-            value.name = f"{node.name}/fp8onnx_budget_{key}"
-            value.dtype, value.shape = ir.DataType.FLOAT, ir.Shape([])
-            graph.outputs.append(value)
-            names[key] = value.name
-        return names
 
     def rows(self) -> list[NodeBudget]:
         """Per node, its budget; shares of the measured nodes' summed relative squared errors."""
@@ -202,44 +158,3 @@ def budget_rows(rows: list[NodeBudget], top: int | None = None) -> str:
             f"{r.verdict()}"
         )
     return "\n".join(lines)
-
-
-def shadow_of(node: ir.Node, suffix: str = "fp8onnx_shadow") -> ir.Node:
-    """The same op on the same inputs, right after ``node``; its output is compared with ``node``'s."""
-    shadow = ir.node(
-        node.op_type,
-        list(node.inputs),
-        dict(node.attributes),
-        domain=node.domain,
-        name=f"{node.name}/{suffix}",
-        num_outputs=len(node.outputs),
-    )
-    for out, ref in zip(shadow.outputs, node.outputs):
-        out.name = f"{ref.name}/{suffix}"
-        out.dtype, out.shape = ref.dtype, ref.shape
-    node.graph.insert_after(node, shadow)
-    return shadow
-
-
-def _error(graph: ir.Graph, node: ir.Node, shadow: ir.Node, kind: str, energy: str | None) -> tuple[str, str | None]:
-    """Graph outputs: sum((y' - y)^2) of the shadow, and (once a node) sum(y^2), in float32."""
-    tape = ir.tape.Tape()
-    f32 = int(ir.DataType.FLOAT)
-    y = tape.op("Cast", [node.outputs[0]], {"to": f32})
-    diff = tape.op("Sub", [tape.op("Cast", [shadow.outputs[0]], {"to": f32}), y])
-    err = tape.op("ReduceSum", [tape.op("Mul", [diff, diff])], {"keepdims": 0})
-    outputs = [err]
-    energy_value = None
-    if energy is None:
-        energy_value = tape.op("ReduceSum", [tape.op("Mul", [y, y])], {"keepdims": 0})
-        outputs.append(energy_value)
-    for n, v in enumerate(v for node_ in tape.nodes for v in node_.outputs):
-        v.name = v.name or f"{shadow.name}/err_{n}"
-    err.name = f"{node.name}/fp8onnx_budget_err_{kind}"
-    if energy_value is not None:
-        energy_value.name = f"{node.name}/fp8onnx_budget_energy"
-    for v in outputs:
-        v.dtype, v.shape = ir.DataType.FLOAT, ir.Shape([])
-    graph.insert_after(shadow, tape.nodes)
-    graph.outputs.extend(outputs)
-    return err.name, (energy_value.name if energy_value is not None else None)

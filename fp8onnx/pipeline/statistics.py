@@ -28,7 +28,8 @@ from fp8onnx.data.feeds import input_specs
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.numerics.histogram import LogHistogram
 from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
-from fp8onnx.passes.common import initializer, insert_at_definition, keep_only_outputs
+from fp8onnx.passes.common import keep_only_outputs
+from fp8onnx.passes.instrument import Reductions
 from fp8onnx.phases import phase
 from fp8onnx.pipeline.batching import _batched_inputs, _samples, auto_batch_size
 from fp8onnx.pipeline.executors import LayerByLayer, executor_for
@@ -124,25 +125,9 @@ class Sums(Statistic):
         values = {v.name: v for n in graph for v in n.outputs}
         values.update({v.name: v for v in graph.inputs})
         for k, (name, build) in enumerate(self.builders.items()):
-            prefix = f"fp8onnx_stat/{tag}{k}"
-            nodes: list[ir.Node] = []
-
-            def add(op_type, inputs, suffix, dtype=None, shape=None, _p=prefix, _nodes=nodes, **attrs):
-                inputs = [
-                    initializer(graph, f"{_p}/c{len(_nodes)}_{i}", v) if isinstance(v, np.ndarray) else v
-                    for i, v in enumerate(inputs)
-                ]
-                node = ir.node(op_type, inputs, attrs or None, name=f"{_p}/{suffix}{len(_nodes)}")
-                node.outputs[0].name = node.name
-                if dtype is not None:
-                    node.outputs[0].dtype = dtype
-                if shape is not None:
-                    node.outputs[0].shape = ir.Shape(shape)
-                _nodes.append(node)
-                return node.outputs[0]
-
-            outs = build(values[name], add)
-            insert_at_definition(values[name], nodes)
+            nodes = Reductions(graph, f"fp8onnx_stat/{tag}{k}")
+            outs = build(values[name], nodes.add)
+            nodes.insert(values[name])
             graph.outputs.extend(outs)
             self.fetch[name] = [o.name for o in outs]
         return [o for names in self.fetch.values() for o in names]

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
-from fp8onnx.passes.common import initializer, insert_at_definition
+from fp8onnx.passes.instrument import scaled
 from fp8onnx.pipeline.statistics import F32, Sums
 from fp8onnx.techniques.base import Technique
 
@@ -225,14 +225,7 @@ class Smoothing(Technique):
             if folded:
                 done[name] = f"folded into {folded}"
                 continue
-            const = initializer(model.graph, f"fp8onnx/{name}/smooth_inv", inv.astype(x.dtype.numpy()))
-            mul = ir.node("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
-            # not under the "fp8onnx/" prefix: that marks values InsertQDQPass takes as already quantized
-            mul.outputs[0].name = f"{name}/smoothed"
-            mul.outputs[0].dtype, mul.outputs[0].shape = x.dtype, x.shape
-            insert_at_definition(x, [mul])
-            for node in nodes:
-                node.replace_input_with(0, mul.outputs[0])
+            scaled(model.graph, x, inv, name, nodes)
             done[name] = "Mul inserted"
         logger.info("smoothed %d activations (alpha %g)", len(done), alpha)
         return done
