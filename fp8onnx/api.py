@@ -14,6 +14,8 @@ import onnx_ir as ir
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
+from fp8onnx.graph.placement import placement_summary, predict_placement
+from fp8onnx.graph.plan import vocabulary_projections
 from fp8onnx.numerics.formats import EMULATED_NOTE, format_of
 from fp8onnx.passes import BLOCK_FP8_OP, ConvertFloat16Pass
 from fp8onnx.pipeline.calibration import Stats, collect_amax
@@ -114,12 +116,9 @@ def inspect(model: str | os.PathLike, target: str | None = None) -> dict:
         if v.const_value is not None:
             by_type[str(v.const_value.dtype)] += v.const_value.nbytes
     meta = m.metadata_props.get("fp8onnx")
-    from fp8onnx.graph.plan import vocabulary_projections
 
     placement = None
     if target is not None:
-        from fp8onnx.graph.placement import placement_summary, predict_placement
-
         provider = {"onnxruntime": "cpu", "onnxruntime-cuda": "cuda"}.get(target)
         if provider is None:
             raise Fp8OnnxError(f"inspect --target takes onnxruntime or onnxruntime-cuda, not {target!r}.")

@@ -40,12 +40,15 @@ import numpy as np
 import onnx
 
 from fp8onnx.accuracy.generation import Generator, start_token
+from fp8onnx.config import QuantizeConfig
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import InputSpec, TextSource, is_text
+from fp8onnx.data.text import cache_sizes
 from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
+from fp8onnx.quantize import quantize
 from fp8onnx.report import FolderReport
 from fp8onnx.runtime import RunOptions, make_session
 from fp8onnx.scratch import make_dir, remove
@@ -202,7 +205,6 @@ class _Recorder:
 
 def _calibration_feeds(export: Export, calib, run: RunOptions, root: pathlib.Path, decode_steps: int) -> dict:
     """role-in-plan -> folder of feeds, for every model of the export."""
-    from fp8onnx.data.text import cache_sizes
 
     plans = export.plans()
     data: dict[pathlib.Path, pathlib.Path] = {}
@@ -273,8 +275,6 @@ def quantize_folder(
     (the default): so for an onnxruntime-genai folder, unless it is for the CUDA EP. With ``--target
     onnxruntime-cuda`` an onnxruntime-genai folder's decoder names the CUDA provider, as the runtime's
     own builder writes it."""
-    from fp8onnx.config import QuantizeConfig
-    from fp8onnx.quantize import quantize
 
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)

@@ -31,6 +31,7 @@ import onnx_ir as ir
 from fp8onnx.config import PRESETS
 from fp8onnx.data.text import PAST as _PAST
 from fp8onnx.data.text import vocabulary_size
+from fp8onnx.graph.plan import vocabulary_projections
 
 __all__ = ["Family", "detect_family"]
 
@@ -69,7 +70,6 @@ class Family:
 def detect_family(model: ir.Model, fp8_gemm: bool = False) -> Family:
     """``model``'s family and preset; ``fp8_gemm``: the user asked for FP8 GEMMs (``--native-gemm``),
     which take static per-tensor FP8 activations, so a decoder or an encoder gets plain amax (None)."""
-    from fp8onnx.graph.plan import vocabulary_projections
 
     graph = model.graph
     inputs = [v for v in graph.inputs if v.const_value is None]

@@ -17,6 +17,7 @@ import os
 import pathlib
 
 from fp8onnx import __version__
+from fp8onnx.accuracy.sensitivity import measure_sensitivity
 from fp8onnx.assign import (
     activation_ranges,
     assign_scales,
@@ -30,7 +31,9 @@ from fp8onnx.assign import (
 from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import FeedData, input_specs
+from fp8onnx.data.text_sample import default_text_sample
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.family import detect_family
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
@@ -47,7 +50,7 @@ from fp8onnx.passes import (
 from fp8onnx.phases import current_phases, lap, recording
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.report import NodeReport, QuantizeReport
-from fp8onnx.runtime import RunOptions, resolve_provider, weight_bytes
+from fp8onnx.runtime import RunOptions, make_session, resolve_provider, weight_bytes
 from fp8onnx.scratch import scratch
 from fp8onnx.targets import check_tensorrt
 from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_for
@@ -127,8 +130,6 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
     family, explicit = None, config.explicit
     if config.preset == "auto":  # the family's recipe, under what the user set explicitly
-        from fp8onnx.family import detect_family
-
         family = detect_family(ir_model, fp8_gemm=config.native_gemm)
         config = config.for_family(family.preset)
         logger.info("%s", family.describe())
@@ -253,7 +254,6 @@ def _input_loads(model, provider: str | None) -> None:
     """When the output does not load: if the input does not load either, say so (nothing was written)."""
     if provider is None or not isinstance(model, (str, os.PathLike)):
         return
-    from fp8onnx.runtime import make_session
 
     path = model_file(model)
     try:
@@ -334,7 +334,6 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
     if not needed:
         return None, config
-    from fp8onnx.data.text_sample import default_text_sample
 
     sample = default_text_sample(model) if tokens else None
     if sample is not None:
@@ -370,8 +369,6 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
     elif config.weights_need_data:
         why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
-        from fp8onnx.accuracy.sensitivity import measure_sensitivity
-
         measured = measure_sensitivity(
             model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False)
         )

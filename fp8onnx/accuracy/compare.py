@@ -34,10 +34,13 @@ from fp8onnx.accuracy.evaluation import (
     _fp16_session,
     _session,
 )
+from fp8onnx.accuracy.generation import Generator, agreement
 from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import input_specs
+from fp8onnx.data.text import cache_sizes
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.family import detect_family
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.passes import BLOCK_FP8_OP
@@ -164,7 +167,6 @@ def compare(
 
 def _next_token_input(model) -> str | None:
     """A decoder LLM's token input: its data needs no labels (each position's next token is one)."""
-    from fp8onnx.family import detect_family
 
     if detect_family(model).name != "decoder LLM":
         return None
@@ -200,8 +202,6 @@ def _is_language_model(model) -> bool:
 def _generation(reference, models, rows, source, tokens: int, prompts: int, provider: str, notes) -> dict | None:
     """Greedy generation of every model (fp8onnx.accuracy.generation) from the first ``prompts`` rows of the
     data's input_ids (their first PROMPT_TOKENS tokens), each row's agreement with FP32's tokens."""
-    from fp8onnx.accuracy.generation import Generator, agreement
-    from fp8onnx.data.text import cache_sizes
 
     rows_ids = []
     for batch in source.batches(prompts):

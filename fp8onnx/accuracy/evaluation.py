@@ -19,6 +19,7 @@ from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.model_io import load_model
 from fp8onnx.passes import ConvertFloat16Pass
+from fp8onnx.pipeline.distributed import shared_pool
 from fp8onnx.pipeline.segments import Spill
 from fp8onnx.progress import progress_bar
 from fp8onnx.runtime import (
@@ -196,7 +197,6 @@ def _evaluate_distributed(job: _Evaluation):
     """Every model's batches shared by Ray workers (:mod:`fp8onnx.pipeline.distributed`): inputs and the
     reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
     and the per-batch sums are merged here in batch order - the single-process numbers exactly."""
-    from fp8onnx.pipeline.distributed import shared_pool
 
     reference, models, out_names, classes, provider = (
         job.reference,

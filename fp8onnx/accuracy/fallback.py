@@ -26,8 +26,10 @@ from fp8onnx.accuracy.candidates import Candidates
 from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.family import detect_family
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.report import QuantizeReport
 from fp8onnx.runtime import RunOptions, resolve_provider
 
@@ -233,9 +235,6 @@ def quantize_to_target(
     )
     ranked = config  # the search starts from the family's recipe: rank the nodes under it
     if config.preset == "auto":
-        from fp8onnx.family import detect_family
-        from fp8onnx.graph.prepare import prepare_model
-
         ranked = config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
     needs_data = ranked.weights_need_data
     scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from fp8onnx.data.feeds import InputSpec
+from fp8onnx.data.text import past_shape
 from fp8onnx.errors import Fp8OnnxError
 
 __all__ = ["ROLES", "Generator", "agreement"]
@@ -113,7 +114,6 @@ class Generator:
         return dict(zip(self.outputs[role], values))
 
     def _empty_past(self, spec: InputSpec, batch: int) -> np.ndarray:
-        from fp8onnx.data.text import past_shape
 
         return np.zeros(past_shape(spec, batch, self.sizes), spec.dtype)
 

@@ -35,6 +35,7 @@ from fp8onnx.accuracy.budget import Budget, budget_rows
 from fp8onnx.assign import activation_stats, assign_scales
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.pipeline.calibration import Stats
@@ -201,6 +202,5 @@ def measure_sensitivity(
 
 
 def write_json(result: SensitivityResult, path) -> None:
-    from fp8onnx.graph.model_io import write_text_atomic
 
     write_text_atomic(path, json.dumps(result.to_json(), indent=1) + "\n")

@@ -18,7 +18,9 @@ import signal
 import sys
 
 from fp8onnx.cli import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
-from fp8onnx.cli.common import main
+from fp8onnx.cli.common import _STOPPED, main
+from fp8onnx.scratch import drain
+from fp8onnx_boot import note_stops
 
 __all__ = ["entry", "main"]
 
@@ -33,8 +35,6 @@ def entry(noted: list[int] | None = None) -> None:
     # Before and after the command (a local Ray shutting down takes seconds), a stopping signal is noted,
     # not fatal halfway: the exit code says it (128 + N), what the command wrote is complete. During the
     # command its own handlers take over (fp8onnx.cli.common) and give this one back when it ends.
-    from fp8onnx_boot import note_stops
-
     late: list[int] = noted if noted is not None else []
     note_stops(late)  # where fp8onnx_boot did not already
     if late:  # stopped while fp8onnx was being imported: nothing was started
@@ -49,15 +49,11 @@ def entry(noted: list[int] | None = None) -> None:
     if code is not None and not isinstance(code, int):  # sys.exit("message")
         print(code, file=sys.stderr)
         code = 1
-    from fp8onnx.cli.common import _STOPPED
-
     if _STOPPED and code == 1:  # stopped before the command's own handling began: click said "Aborted!"
         print(f"fp8onnx: interrupted ({signal.Signals(_STOPPED[0]).name})", file=sys.stderr)
         code = 128 + _STOPPED[0]
     if "fp8onnx.pipeline.distributed" in sys.modules:  # Ray workers and a local Ray started for them
         sys.modules["fp8onnx.pipeline.distributed"].close_all()
-    from fp8onnx.scratch import drain
-
     drain()  # os._exit below runs no atexit handler
     if late and not code:
         print(f"fp8onnx: interrupted ({signal.Signals(late[0]).name})", file=sys.stderr)

@@ -11,6 +11,8 @@ import click
 from fp8onnx import compare as api_compare
 from fp8onnx import study as run_study
 from fp8onnx.accuracy.compare import GENERATE_PROMPTS, GENERATE_TOKENS
+from fp8onnx.accuracy.fallback import sensitivity as run_sensitivity
+from fp8onnx.accuracy.sensitivity import write_json
 from fp8onnx.cli.common import (
     _FORMATS,
     _SCALINGS,
@@ -33,8 +35,10 @@ from fp8onnx.cli.options import (
 from fp8onnx.config import (
     ACTIVATION_MODES,
 )
+from fp8onnx.experiments.study import PLOT_FILES, write_outputs, write_plots
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.plots import compare_rows, sensitivity_bars
 
 
 @main.command()
@@ -106,8 +110,6 @@ def compare(
     if json_out:
         write_text_atomic(json_out, json.dumps(result.to_json(), indent=1) + "\n")
     if plot:
-        from fp8onnx.plots import compare_rows
-
         click.echo(f"wrote {compare_rows(result.rows, result.generation, plot)}")
 
 
@@ -154,7 +156,6 @@ def study(
     Example:
       fp8onnx study model.onnx --calib calib.npz --data eval.npz --json study.json --csv study.csv --plot plots/
     """
-    from fp8onnx.experiments.study import PLOT_FILES, write_outputs, write_plots
 
     if plot_dir:
         output_folder(plot_dir, "Plot folder")
@@ -233,8 +234,6 @@ def sensitivity(model, **params):
       fp8onnx sensitivity model.onnx --calib calib.npz --data eval.npz --json sens.json --plot plots/
       fp8onnx sensitivity model.onnx --calib calib.npz --eval eval.npz --refine 8  # end-metric gain of the top 8
     """
-    from fp8onnx.accuracy.fallback import sensitivity as run_sensitivity
-    from fp8onnx.accuracy.sensitivity import write_json
 
     calib, stats, data, eval_data = (params.pop(k) for k in ("calib", "stats", "data", "eval_data"))
     json_out, plot_dir = params.pop("json_out"), params.pop("plot_dir")
@@ -264,8 +263,6 @@ def sensitivity(model, **params):
     if json_out:
         write_json(result, json_out)
     if plot:
-        from fp8onnx import plots
-
         measured = [n for n in result.nodes if n.sqnr_db is not None]
-        plots.sensitivity_bars([n.name for n in measured], [n.sqnr_db for n in measured], plot)
+        sensitivity_bars([n.name for n in measured], [n.sqnr_db for n in measured], plot)
         click.echo(f"wrote {plot}")

@@ -19,7 +19,11 @@ from fp8onnx.cli.common import (
     main,
 )
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.experiments.zoo import find_models, zoo_configs
+from fp8onnx.experiments.zoo import zoo as run_zoo
+from fp8onnx.experiments.zoo_results import write_outputs, write_plot
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
+from fp8onnx.graph.model_io import write_text_atomic as write
 
 
 @main.command()
@@ -52,9 +56,6 @@ def zoo(source, out, configs, list_configs, plot, batch_size, workers, ray_addre
     Example:
       fp8onnx zoo models/zoo/ -o zoo-results/ --workers 2 --plot zoo-results/pass_rates.png
     """
-    from fp8onnx.experiments.zoo import find_models, zoo_configs
-    from fp8onnx.experiments.zoo import zoo as run_zoo
-    from fp8onnx.experiments.zoo_results import write_outputs, write_plot
 
     every = zoo_configs()
     if list_configs:
@@ -127,9 +128,9 @@ def train_study(task, steps, seeds, scales, margin, max_minutes, json_out, csv_o
     Example:
       fp8onnx train-study --steps 300 --json train.json --csv train.csv --plot plots/
     """
+    # here, not at the top: train-study trains in torch, an optional dependency (the [train] extra)
     from fp8onnx.experiments.train_study import DEFAULT_SCALES, to_json_text, write_plots
     from fp8onnx.experiments.train_study import train_study as run
-    from fp8onnx.graph.model_io import write_text_atomic as write
 
     check_paths([], [("the JSON output", json_out), ("the CSV output", csv_out)])
     if scales and any(s <= 0 or not math.log2(s).is_integer() for s in scales):

@@ -13,6 +13,7 @@ import click
 
 from fp8onnx import compare as api_compare
 from fp8onnx import quantize as api_quantize
+from fp8onnx.accuracy.fallback import quantize_to_target
 from fp8onnx.cli.common import (
     _FORMATS,
     _PARAM,
@@ -48,6 +49,7 @@ from fp8onnx.config import (
     QuantizeConfig,
 )
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.exports import quantize_folder
 from fp8onnx.graph.guard import check_paths, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.phases import process_age
@@ -319,7 +321,6 @@ def _check(model, output, folder_mode: bool, params: dict) -> None:
 
 
 def _quantize_folder(model, output, config: QuantizeConfig, run, params: dict) -> None:
-    from fp8onnx.exports import quantize_folder
 
     result = quantize_folder(
         model, output, params["calib"], config=config, run=run, fold_at_load=params["fold_at_load"]
@@ -330,7 +331,6 @@ def _quantize_folder(model, output, config: QuantizeConfig, run, params: dict) -
 
 
 def _quantize_to_target(model, output, config: QuantizeConfig, run, params: dict) -> None:
-    from fp8onnx.accuracy.fallback import quantize_to_target
 
     fallback = quantize_to_target(
         model,

@@ -29,8 +29,11 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
+from fp8onnx.data.media import AudioOptions, ImageOptions
+from fp8onnx.data.sources import make_data
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
+from fp8onnx.plots import scale_exponents
 from fp8onnx.scratch import temporary_dir
 
 
@@ -104,13 +107,11 @@ def inspect(model, as_json, plot_dir, target):
     info = api_inspect(model, target)
     click.echo(json.dumps(info, indent=1) if as_json else inspect_summary(info))
     if plot_dir:
-        from fp8onnx import plots
-
         exponents = {"weights": [], "activations": []}
         for t in info["float8_tensors"]:
             if isinstance(t["scale"], float):
                 exponents["weights" if t["kind"] == "weight" else "activations"].append(math.log2(t["scale"]))
-        path = plots.scale_exponents(exponents, pathlib.Path(plot_dir) / "scale_exponents.png")
+        path = scale_exponents(exponents, pathlib.Path(plot_dir) / "scale_exponents.png")
         if not as_json:
             click.echo(f"wrote {path}")
 
@@ -152,8 +153,6 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
       fp8onnx data resnet.onnx images/ --size 256 --crop 224 --mean 0.485,0.456,0.406 -o calib.npz
       fp8onnx data wav2vec.onnx clips/ --sample-rate 16000 --chunk 16000 -o calib.npz
     """
-    from fp8onnx.data.media import AudioOptions, ImageOptions
-    from fp8onnx.data.sources import make_data
 
     image = ImageOptions(media["size"], media["crop"], media["mean"], media["std"], media["layout"], media["channels"])
     audio = AudioOptions(media["sample_rate"], media["chunk"])

@@ -31,6 +31,9 @@ from fp8onnx.data.text import (
     vocabulary_size,
 )
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.guard import check_paths, model_reads
+from fp8onnx.graph.model_io import SOURCE_META, load_model, model_file
+from fp8onnx.progress import progress_bar
 from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["DataSummary", "MediaData", "TextData", "make_data", "write_text_data"]
@@ -160,9 +163,6 @@ def make_data(
     """``fp8onnx data``: feeds for ``model`` (a file, or an export folder: its ``tokenizer.json`` and
     ``preprocessor_config.json`` give the defaults) from ``source``: a text file, images or audio
     (see :mod:`fp8onnx.data.media`), written to ``output``."""
-    from fp8onnx.graph.guard import check_paths, model_reads
-    from fp8onnx.graph.model_io import load_model, model_file
-    from fp8onnx.progress import progress_bar
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
     path = model_file(model)
@@ -298,7 +298,6 @@ def _stacked(samples) -> Batch:
 def find_tokenizer(text: str | os.PathLike, model: ir.Model | None = None) -> pathlib.Path:
     """The ``tokenizer.json`` for a text source given straight to --calib/--data: the one beside the
     model file (an export folder), else the one beside the text."""
-    from fp8onnx.graph.model_io import SOURCE_META
 
     if not pathlib.Path(text).is_file():
         raise Fp8OnnxError(f"Text file {str(text)!r} does not exist.")

@@ -42,6 +42,7 @@ import onnx_ir as ir
 
 from fp8onnx.data.feeds import TEXT_SUFFIXES, InputSpec, input_specs
 from fp8onnx.errors import Fp8OnnxError, printable
+from fp8onnx.graph.model_io import SOURCE_META
 
 __all__ = [
     "PAST",
@@ -223,7 +224,6 @@ def _typed(array: np.ndarray, spec: InputSpec) -> np.ndarray:
 
 
 def _model_folder(model: ir.Model | None) -> pathlib.Path | None:
-    from fp8onnx.graph.model_io import SOURCE_META
 
     source = model.meta.get(SOURCE_META) if model is not None else None
     return pathlib.Path(source).parent if source else None

@@ -7,6 +7,7 @@ import os
 import pathlib
 
 from fp8onnx.data.feeds import TextSource
+from fp8onnx.graph.model_io import model_file
 from fp8onnx.scratch import make_dir
 
 __all__ = ["default_text_sample", "python_text_sample"]
@@ -54,7 +55,6 @@ def python_text_sample(tokenizer: str | os.PathLike) -> TextSource:
 def default_text_sample(model: str | os.PathLike) -> TextSource | None:
     """The Python-docs sample for a model whose tokenizer.json sits beside it (an export folder), or
     None (a model without token inputs or without a tokenizer: give --calib)."""
-    from fp8onnx.graph.model_io import model_file
 
     tokenizer = model_file(model).parent / "tokenizer.json"
     return python_text_sample(tokenizer) if tokenizer.is_file() else None

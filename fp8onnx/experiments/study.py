@@ -34,7 +34,10 @@ import pathlib
 import numpy as np
 
 from fp8onnx import plots
+from fp8onnx.accuracy.candidates import Candidates
 from fp8onnx.accuracy.compare import compare
+from fp8onnx.accuracy.fallback import search
+from fp8onnx.accuracy.sensitivity import measure_sensitivity
 from fp8onnx.api import calibrate
 from fp8onnx.config import DEFAULT_OP_TYPES, PRESETS
 from fp8onnx.data.datasource import as_data
@@ -261,9 +264,6 @@ def _fallback_configs(
     """The default configuration with the fewest most sensitive nodes in float such that each of
     ``FALLBACK_TARGETS`` holds on the first half of ``data`` (one sensitivity pass on it, candidates
     shared between the targets)."""
-    from fp8onnx.accuracy.candidates import Candidates
-    from fp8onnx.accuracy.fallback import search
-    from fp8onnx.accuracy.sensitivity import measure_sensitivity
 
     feeds = []
     ir_model = load_model(model)

@@ -39,9 +39,12 @@ import time
 import numpy as np
 import torch
 
+from fp8onnx.accuracy.compare import compare
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.experiments.train_tasks import TASKS
-from fp8onnx.experiments.training import FP8Linear, Recipe, swap_linear
+from fp8onnx.experiments.training import FP8Linear, Recipe, export, swap_linear
+from fp8onnx.plots import pyplot, save_png
+from fp8onnx.quantize import quantize
 
 __all__ = ["TrainRun", "TrainStudy", "train_study"]
 
@@ -254,10 +257,6 @@ def train_study(
 def _deploy(spec, fp32_model, fp8_model, folder) -> dict:
     import pathlib
 
-    from fp8onnx.accuracy.compare import compare
-    from fp8onnx.experiments.training import export
-    from fp8onnx.quantize import quantize
-
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     calib, held_out = spec[5]()
@@ -299,8 +298,6 @@ def write_plots(result: TrainStudy, folder) -> list:
     """Loss curves, the CSCALE convergence window, and the scale-bias histograms (first, middle and
     last step; inputs, weights, gradients) of the first FP8-AMAX run."""
     import pathlib
-
-    from fp8onnx.plots import pyplot, save_png
 
     plt = pyplot()
     folder = pathlib.Path(folder)

@@ -11,12 +11,13 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from fp8onnx.models.build_decoder import VOCAB, Decoder, corpus, windows
+
 logger = logging.getLogger(__name__)
 BATCH, SEQ = 16, 64  # training batch and sequence length of both tasks
 
 
 def _decoder_task():
-    from fp8onnx.models.build_decoder import VOCAB, Decoder, corpus, windows
 
     train, valid = corpus()
     n = len(valid) // (SEQ + 1)

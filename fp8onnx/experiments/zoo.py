@@ -34,9 +34,15 @@ import os
 import pathlib
 import re
 
+from fp8onnx.accuracy.compare import compare
+from fp8onnx.api import calibrate
+from fp8onnx.config import PRESETS
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.experiments.study import _distinct, _run_config, study_configs
 from fp8onnx.experiments.zoo_results import ZooResult
 from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.pipeline.distributed import remote_tasks
+from fp8onnx.progress import progress_bar
 from fp8onnx.quantize import QuantizeConfig
 from fp8onnx.runtime import RunOptions
 from fp8onnx.scratch import temporary_dir
@@ -51,8 +57,6 @@ CELLS = "cells"
 def zoo_configs() -> list[tuple[str, str, QuantizeConfig]]:
     """(label, group, config): the PTQ paper's formats, the scaling methods, static against dynamic
     activations, weight-only, and the presets."""
-    from fp8onnx.config import PRESETS
-    from fp8onnx.experiments.study import study_configs
 
     configs = [c for c in study_configs([]) if c[1] in ("format", "scaling", "activations")]
     configs += [(f"preset {name}", "preset", QuantizeConfig.for_preset(name)) for name in PRESETS]
@@ -174,9 +178,6 @@ def run_model(model: ZooModel, configs: list[tuple[str, str, QuantizeConfig]], r
     """One model's cells: calibrate once, quantize each configuration, evaluate all in one compare.
     Returns {"fp32", "fp16", "metric", "cells": {label: cell}}; a configuration that cannot be built
     for this model gets a cell with its ``error``."""
-    from fp8onnx.accuracy.compare import compare
-    from fp8onnx.api import calibrate
-    from fp8onnx.experiments.study import _distinct, _run_config
 
     quiet = RunOptions.of(run, progress=False)
     stats = calibrate(model.model, model.calib, run=quiet)
@@ -309,14 +310,12 @@ def zoo(
 
 def _execute(todo, run: RunOptions):
     """(model, result) for each (model, configurations) to compute: here, or as Ray tasks."""
-    from fp8onnx.progress import progress_bar
 
     if not run.distributed:
         inner = RunOptions.of(run, progress=False)
         for m, configs in progress_bar(todo, total=len(todo), desc="zoo", unit="model", enable=run.progress):
             yield m, _run_model_task(m, configs, inner)
         return
-    from fp8onnx.pipeline.distributed import remote_tasks
 
     inner = RunOptions.of(run, progress=False, workers=1, ray_address=None)  # each task runs in its own process
     calls = [(m, configs, inner) for m, configs in todo]

@@ -11,6 +11,7 @@ import os
 import pathlib
 
 from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.plots import pass_rates
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +106,7 @@ def write_outputs(result: ZooResult, out: str | os.PathLike) -> list[pathlib.Pat
 
 
 def write_plot(result: ZooResult, path: str | os.PathLike) -> pathlib.Path:
-    from fp8onnx import plots
-
-    return plots.pass_rates(
+    return pass_rates(
         [c["label"] for c in result.configs],
         [c["passes_ptq"] / c["models"] if c["models"] else 0.0 for c in result.configs],
         [c["passes_llm"] / c["models"] if c["models"] else 0.0 for c in result.configs],

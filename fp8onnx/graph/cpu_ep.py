@@ -22,6 +22,8 @@ import os
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.passes import EmulateBfloat16Pass, EmulateBlockFp8MatMulPass
+
 __all__ = ["BFLOAT16_COMPUTE", "BFLOAT16_MARK", "cuda_only_ops", "emulated", "float16_conv"]
 
 _CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs
@@ -77,8 +79,6 @@ def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | 
     external location ``in_memory``; or a file) with its CUDA-only ops lowered to standard ones, as one
     self-contained serialized model."""
     import onnx
-
-    from fp8onnx.passes import EmulateBfloat16Pass, EmulateBlockFp8MatMulPass
 
     if isinstance(model, bytes):
         loaded = ir.serde.deserialize_model(onnx.load_from_string(model))

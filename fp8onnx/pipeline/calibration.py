@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.numerics.histogram import NUM_BINS, LogHistogram
 from fp8onnx.passes import release
 from fp8onnx.pipeline.statistics import Measured, Ranges, measure
@@ -58,7 +59,6 @@ class Stats:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        from fp8onnx.graph.model_io import write_text_atomic
 
         write_text_atomic(path, json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 

@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.pipeline.ray_cluster import cause, connect, lost_errors, threads_per_worker
 from fp8onnx.runtime import RAY_TIMEOUT, check_ray, portable_model, worker_session
 
@@ -349,8 +349,6 @@ def fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what
     try:
         values = session.run(outputs, feed)
     except Exception as exc:
-        from fp8onnx.errors import first_line
-
         raise Fp8OnnxError(f"{what} failed in onnxruntime: {first_line(exc)}") from exc
     return values if reduce is None else reduce(dict(zip(outputs, values)))
 

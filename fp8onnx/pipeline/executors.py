@@ -27,6 +27,7 @@ import onnx_ir as ir
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.phases import phase
 from fp8onnx.pipeline.batching import _run_peak, _segmented_values
+from fp8onnx.pipeline.distributed import fetch, shared_pool, statistics_pool
 from fp8onnx.pipeline.segments import run_segmented, run_segmented_on
 from fp8onnx.progress import progress_bar
 from fp8onnx.runtime import RunOptions, session_for_model, weight_bytes
@@ -161,7 +162,6 @@ class RayWorkers(Executor):
     name = "Ray workers"
 
     def __enter__(self):
-        from fp8onnx.pipeline.distributed import shared_pool, statistics_pool
 
         with phase("Ray workers"):
             if self.layered:  # each segment's batches shared by the workers
@@ -181,7 +181,6 @@ class RayWorkers(Executor):
         return lambda feed: next(iter(self.pool.map(_run_peak, [(self.outputs, feed)])))
 
     def map(self, feeds, reduce, merge, total, desc) -> None:
-        from fp8onnx.pipeline.distributed import fetch
 
         run = self.run
         if self.layered:

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.runtime import RAY_TIMEOUT
 
 __all__ = ["cause", "connect", "lost_errors", "probe", "threads_per_worker"]
@@ -63,8 +63,6 @@ def connect(workers: int, address: str | None, timeout: float = RAY_TIMEOUT) -> 
             raise
         stopped = signal.SIGTERM
     except Exception as exc:  # no cluster there, or a local one that cannot start
-        from fp8onnx.errors import first_line
-
         logger.debug("ray.init failed", exc_info=True)
         where = f"the Ray cluster at {address!r}" if address else "a local Ray"
         hint = ""

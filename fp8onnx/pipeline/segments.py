@@ -29,7 +29,7 @@ from onnx import helper
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.passes import release
 from fp8onnx.phases import phase
-from fp8onnx.runtime import make_session
+from fp8onnx.runtime import make_session, open_weights, session_from_portable, weight_location
 from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
@@ -297,7 +297,6 @@ class _SegmentSession:
     """A Ray worker's session of one segment, with its large weights memory-mapped (or as arrays)."""
 
     def __init__(self, portable, provider: str, what: str, threads: int):
-        from fp8onnx.runtime import open_weights, session_from_portable
 
         graph, where = portable
         self.weights = open_weights(where)  # the segment's large weights are inputs, fed at every run
@@ -337,7 +336,6 @@ def run_segmented_on(
     order. Returns the number of batches."""
     wanted = list(dict.fromkeys(wanted))
     segments = split(model.graph, budget, wanted)
-    from fp8onnx.runtime import weight_location
 
     logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
     graph_inputs = {v.name for v in model.graph.inputs}

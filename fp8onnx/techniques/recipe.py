@@ -21,6 +21,9 @@ from fp8onnx.pipeline.calibration import Stats, ranges_stats
 from fp8onnx.pipeline.statistics import Ranges, measure
 from fp8onnx.runtime import RunOptions
 from fp8onnx.techniques.base import Technique, stored_values
+from fp8onnx.techniques.bias_correction import BiasCorrection
+from fp8onnx.techniques.gptq import GPTQ
+from fp8onnx.techniques.smoothing import Smoothing
 
 __all__ = ["measure_techniques", "settling", "techniques_for"]
 
@@ -36,8 +39,6 @@ def techniques_for(
     techniques: list[Technique] = []
     if before_scales:
         if config.smooth is not None:
-            from fp8onnx.techniques.smoothing import Smoothing
-
             quantized = {id(d.node) for d in decisions if any(kind == "weight" for _, kind in d.inputs)}
 
             def per_channel(node):  # a producer's weight: per output channel, or not quantized at all
@@ -47,13 +48,9 @@ def techniques_for(
         return techniques
     originals = None
     if config.weight_rounding == "gptq":
-        from fp8onnx.techniques.gptq import GPTQ
-
         techniques.append(GPTQ(model, decisions))
         originals = techniques[-1].originals
     if config.bias_correction:
-        from fp8onnx.techniques.bias_correction import BiasCorrection
-
         techniques.append(BiasCorrection(model, decisions, originals))
     return techniques
 
@@ -95,7 +92,6 @@ def settling(decisions: list[Decision], quant: dict, techniques: list[Technique]
     stored (GPTQ's rounding once its X^T X is measured, else the nearest value on their grid) and
     returns them by name, for the segments after them to read. Otherwise it has GPTQ round every
     weight whose X^T X is complete, so that the sums of a segment are dropped once it has run."""
-    from fp8onnx.techniques.gptq import GPTQ
 
     gptq = next((t for t in techniques if isinstance(t, GPTQ) and t.targets), None)
     layers = {
