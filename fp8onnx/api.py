@@ -11,6 +11,7 @@ import pathlib
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.data.datasource import Data
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def calibrate(
     model: str | os.PathLike,
-    calib,
+    calib: Data,
     output: str | os.PathLike | None = None,
     *,
     precision: str = "model",

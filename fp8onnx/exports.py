@@ -41,7 +41,7 @@ import onnx
 
 from fp8onnx.accuracy.generation import Generator, start_token
 from fp8onnx.config import QuantizeConfig
-from fp8onnx.data.datasource import as_data
+from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import InputSpec, TextSource, is_text
 from fp8onnx.data.text import cache_sizes
 from fp8onnx.data.text_sample import python_text_sample
@@ -257,9 +257,9 @@ def _copy_other_files(export: Export, out: pathlib.Path) -> list[str]:
 def quantize_folder(
     export_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
-    calib=None,
+    calib: Data | None = None,
     *,
-    config=None,
+    config: QuantizeConfig | None = None,
     run: RunOptions | None = None,
     decode_steps: int = DECODE_STEPS,
     fold_at_load: bool | None = None,

@@ -29,7 +29,7 @@ from fp8onnx.assign import (
     weight_quant,
 )
 from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
-from fp8onnx.data.datasource import as_data
+from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.data.text_sample import default_text_sample
 from fp8onnx.errors import Fp8OnnxError
@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 def quantize(
     model: str | os.PathLike,
     output: str | os.PathLike,
-    calib=None,
+    calib: Data | None = None,
     *,
     config: QuantizeConfig | None = None,
     stats: str | os.PathLike | Stats | None = None,

@@ -36,7 +36,7 @@ from fp8onnx.accuracy.evaluation import (
 )
 from fp8onnx.accuracy.generation import Generator, agreement
 from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
-from fp8onnx.data.datasource import as_data
+from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.data.text import cache_sizes
 from fp8onnx.errors import Fp8OnnxError
@@ -66,7 +66,7 @@ PROMPT_TOKENS = 32  # each prompt: the first tokens of a row of the data
 def compare(
     reference: str | os.PathLike,
     candidates: Sequence[str | os.PathLike],
-    data,
+    data: Data,
     *,
     fp16: bool = True,
     max_samples: int | None = None,

@@ -25,11 +25,13 @@ import os
 from fp8onnx.accuracy.candidates import Candidates
 from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from fp8onnx.config import QuantizeConfig
+from fp8onnx.data.datasource import Data
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.family import detect_family
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.report import QuantizeReport
 from fp8onnx.runtime import RunOptions, resolve_provider
 
@@ -95,13 +97,13 @@ class TargetNotMet(Fp8OnnxError):
 
 def sensitivity(
     model: str | os.PathLike,
-    calib=None,
-    data=None,
+    calib: Data | None = None,
+    data: Data | None = None,
     *,
     config: QuantizeConfig | None = None,
-    stats=None,
+    stats: str | os.PathLike | Stats | None = None,
     run: RunOptions | None = None,
-    eval_data=None,
+    eval_data: Data | None = None,
     refine: int = 5,
     metric: str = "auto",
     needs_data: bool = False,
@@ -195,8 +197,8 @@ def search(sens: SensitivityResult, candidates: Candidates, target: float, limit
 def quantize_to_target(
     model: str | os.PathLike,
     output: str | os.PathLike,
-    calib,
-    eval_data,
+    calib: Data,
+    eval_data: Data,
     *,
     target: float = 99.5,
     max_float_nodes: int | None = None,

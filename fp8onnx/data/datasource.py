@@ -8,14 +8,32 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol, TypeAlias, Union
 
+import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.data.feeds import FeedData, InputSpec, NpzData, TextSource, is_text
+from fp8onnx.data.feeds import Batch, FeedData, InputSpec, NpzData, TextSource, is_text
 from fp8onnx.data.media import kind_of
 from fp8onnx.data.sources import MediaData, TextData
 
-__all__ = ["as_data"]
+__all__ = ["Data", "DataSource", "as_data"]
+
+
+class DataSource(Protocol):
+    """Data fp8onnx reads as it is: its batches (feeds, input name -> array, and labels if any), and
+    how many there are (None: not known before reading them)."""
+
+    def batches(self, batch_size: int) -> Iterator[Batch]: ...
+
+    def count_batches(self, batch_size: int) -> int | None: ...
+
+
+# What the public functions take as data (calib, data, eval_data): a path (an .npz/.npy file or a folder
+# of them, .txt/.jsonl text, images, audio), a TextSource, a DataSource, or feed dicts (one sample or a
+# batch each).
+Data: TypeAlias = Union[str, os.PathLike, DataSource, Iterable[Mapping[str, np.ndarray]]]
 
 
 def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):

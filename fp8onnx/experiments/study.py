@@ -40,7 +40,7 @@ from fp8onnx.accuracy.fallback import search
 from fp8onnx.accuracy.sensitivity import measure_sensitivity
 from fp8onnx.api import calibrate
 from fp8onnx.config import DEFAULT_OP_TYPES, PRESETS
-from fp8onnx.data.datasource import as_data
+from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import LABELS, input_specs
 from fp8onnx.graph.model_io import load_model, write_text_atomic
 from fp8onnx.numerics.formats import Fp8Format
@@ -185,8 +185,8 @@ def _yes(v):
 
 def study(
     model: str | os.PathLike,
-    calib,
-    data,
+    calib: Data,
+    data: Data,
     *,
     constant_scales: list[float] | None = None,
     max_samples: int | None = None,

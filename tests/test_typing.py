@@ -1,0 +1,47 @@
+"""The public API's hints reach users' type checkers: the wheel ships py.typed, mypy accepts the calls a
+user writes (tests/typing/public_api.py) and refuses wrong ones (tests/typing/wrong_calls.py)."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent / "typing"
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def mypy_errors() -> dict[str, set[str]]:
+    """mypy over both files in one run: per file name, the lines it reports an error on. fp8onnx's own
+    bodies are not checked here (silent): only what a user's code sees of its API."""
+    pytest.importorskip("mypy")
+    args = ["--follow-imports=silent", "--ignore-missing-imports", "--no-error-summary", "--no-incremental"]
+    files = [str(HERE / "public_api.py"), str(HERE / "wrong_calls.py")]
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", *args, *files], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert "error: " in result.stdout or result.returncode == 0, result.stdout + result.stderr
+    errors: dict[str, set[str]] = {"public_api.py": set(), "wrong_calls.py": set()}
+    for line in result.stdout.splitlines():
+        if ": error:" in line:
+            path, lineno = line.split(":")[:2]
+            errors.setdefault(pathlib.Path(path).name, set()).add(lineno)
+    errors["output"] = {result.stdout}
+    return errors
+
+
+def test_the_wheel_ships_py_typed():
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["fp8onnx"]
+    assert (ROOT / "fp8onnx" / "py.typed").exists()
+
+
+def test_a_users_calls_type_check(mypy_errors):
+    assert mypy_errors["public_api.py"] == set(), mypy_errors["output"]
+
+
+def test_wrong_calls_are_refused(mypy_errors):
+    assert mypy_errors["wrong_calls.py"] == {"7", "8", "9", "10"}, mypy_errors["output"]
