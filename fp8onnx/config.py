@@ -134,6 +134,7 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     float_activations: tuple[str, ...] = ()  # globs: these nodes' activations stay in float (W8A16), weights FP8
+    float_last_layers: int = 0  # the last N decoder layers' (named layers.K/) activations in float (W8A16)
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
     fallback: str = "nodes"  # FALLBACK_UNITS: what keep_float leaves in float (with activations none: nodes)
     activation_matmuls: bool = False
@@ -202,6 +203,9 @@ class QuantizeConfig:
         block = self.weight_block_size
         if isinstance(block, bool) or not isinstance(block, int) or block < 0:
             raise Fp8OnnxError(f"--weight-block-size must be a non-negative integer, got {block!r}.")
+        last = self.float_last_layers
+        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+            raise Fp8OnnxError(f"--float-last-layers must be a non-negative integer, got {last!r}.")
         group = self.group_size
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise Fp8OnnxError(f"--group-size must be a positive integer, got {group!r}.")
@@ -362,6 +366,8 @@ class QuantizeConfig:
             doc["preset"] = self.preset
         if self.float_activations:  # only then, like keep_float
             doc["float_activations"] = list(self.float_activations)
+        if self.float_last_layers:  # only then, like keep_float
+            doc["float_last_layers"] = self.float_last_layers
         if self.fallback != "nodes":  # only then, like keep_float
             doc["fallback"] = self.fallback
         if self.weight_rounding != "nearest":  # only then, like keep_float

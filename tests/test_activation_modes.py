@@ -158,6 +158,7 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     assert (w8a8.activations, w8a8.weight_block_size, w8a8.gemm_op) == ("static", 32, "block-fp8")
     assert w8a8.float_activations[:4] == ("*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*")
     assert w8a8.float_vocab and w8a8.weight_rounding == "gptq" and w8a8.fallback == "activations"
+    assert w8a8.float_last_layers == 1
     # a preset's part that contradicts an explicit option yields to it
     assert QuantizeConfig.for_preset("cnn", activations="dynamic").scaling.value == "amax"
     constant = QuantizeConfig.for_preset("llm-weight-only", scaling="constant", scale=0.5)

@@ -151,6 +151,15 @@ class _QuantizeCommand(_Sectioned):
     help="Nodes whose name matches GLOB keep float activations "
     "and FP8 weights (W8A16: the fast form without a_scale), the rest as --activations says (repeatable).",
 )
+@click.option(
+    "--float-last-layers",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="The MatMul/Gemm nodes of the last N decoder layers (told by 'layers.K' in their names, as torch, Optimum "
+    "and onnxruntime-genai name them) keep float activations and FP8 weights (W8A16), like --float-activations.",
+)
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
     "--preset",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
+import re
 from collections.abc import Iterable
 
 import onnx_ir as ir
@@ -47,7 +48,7 @@ def _is_weight(value: ir.Value) -> bool:
     return value.const_value is not None and value.is_initializer() and not value.is_graph_input()
 
 
-def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
+def _decide(node: ir.Node, config: QuantizeConfig, late: frozenset[str] = frozenset()) -> Decision:
     kept = node.name in config.keep_float
     if kept and config.fallback == "nodes":
         return Decision(node, [], "kept in float for --accuracy-target (among the most sensitive nodes)")
@@ -71,7 +72,7 @@ def _decide(node: ir.Node, config: QuantizeConfig) -> Decision:
         if not inputs:
             return Decision(node, [], "no constant weight (--activations none quantizes weights only)")
         return Decision(node, inputs)
-    if kept or any(fnmatch.fnmatchcase(node.name or "", p) for p in config.float_activations):
+    if kept or node.name in late or any(fnmatch.fnmatchcase(node.name or "", p) for p in config.float_activations):
         inputs = [(i, kind) for i, kind in inputs if kind == "weight"]  # W8A16: FP8 weights, float activations
         if not inputs:
             return Decision(node, [], "its activations stay in float (--float-activations) and it has no weight")
@@ -92,6 +93,7 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
         by_name = {n.name: n for n in candidates}
         vocab_nodes = {by_name[name]: why for name, why in vocabulary_projections(model, candidates).items()}
     stem = stem_convolutions(model) if config.float_stem else set()
+    late = last_layers(model, config.float_last_layers)
     # If/Loop/Scan bodies included: their activations get dynamic scales (see in_main_graph).
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx"):
@@ -102,7 +104,7 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
                 reason += f" (opt in with --op-types MatMul,Gemm,{node.op_type})"
             skipped.append(NodeReport(node.name, node.op_type, False, reason))
             continue
-        decision = _decide(node, config)
+        decision = _decide(node, config, late)
         if not decision.reason and config.float_vocab and node in vocab_nodes:
             decision = Decision(node, [], f"kept in float: {vocab_nodes[node]} (--float-vocab)")
         if not decision.reason and node in stem:
@@ -121,6 +123,26 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
 
 
 _LINEAR = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+# A decoder layer's index in a node name, as torch, Optimum and onnxruntime-genai's builder write it
+# ("/model/layers.29/mlp/up_proj/MatMul", "/layers.1/q"; BERT's "layer.N", GPT-2's "h.N", "blocks.N")
+_LAYER = re.compile(r"(?:^|[/.])(?:layers|layer|h|blocks)\.(\d+)(?=[/.])")
+
+
+def last_layers(model: ir.Model, count: int) -> frozenset[str]:
+    """The names of the MatMul/Gemm nodes in the model's last ``count`` layers, told by the layer index in
+    their names (none when no name has one: a warning says so)."""
+    if count <= 0:
+        return frozenset()
+    index = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        found = _LAYER.search(node.name or "") if node.op_type in ("MatMul", "Gemm") else None
+        if found:
+            index[node.name] = int(found.group(1))
+    if not index:
+        logger.warning("--float-last-layers %d: no MatMul/Gemm is named like 'layers.N/'; none kept in float", count)
+        return frozenset()
+    top = sorted(set(index.values()))[-count:]
+    return frozenset(name for name, i in index.items() if i in top)
 
 
 def stem_convolutions(model: ir.Model) -> set[ir.Node]:

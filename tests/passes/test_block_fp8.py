@@ -258,7 +258,7 @@ def test_float_activations_make_chosen_nodes_w8a16_in_one_model(tmp_path):
 
 def test_the_w8a8_preset_on_a_llama_export(tmp_path):
     """--preset llm-w8a8 on fp8onnx's sample Llama: every weight MatMul in the fast form, the attention
-    projections W8A16 and the MLP's W8A8 (static E4M3 a_scale)."""
+    projections and the last layer W8A16, the other MLPs W8A8 (static E4M3 a_scale)."""
     from fp8onnx.models.build_llama import build
 
     path = build(tmp_path / "tiny", layers=2, dim=64, heads=4, ffn=160, vocab=300)
@@ -267,8 +267,34 @@ def test_the_w8a8_preset_on_a_llama_export(tmp_path):
     out = tmp_path / "w8a8.onnx"
     report = fp8onnx.quantize(path, out, tmp_path / "c.npz", preset="llm-w8a8", target="onnxruntime-cuda")
     form = report.fast_form
-    attention = [f"/layers.{i}/{p}" for i in range(2) for p in ("q", "k", "v", "o")]
-    mlp = [f"/layers.{i}/{p}" for i in range(2) for p in ("gate", "up", "down")]
-    assert sorted(form["w8a16"]) == sorted(attention), form
-    assert set(mlp) <= set(form["w8a8"]) and not form["kept_qdq"]
+    attention = [f"/layers.0/{p}" for p in ("q", "k", "v", "o")]
+    last = [f"/layers.1/{p}" for p in ("q", "k", "v", "o", "gate", "up", "down")]
+    assert sorted(form["w8a16"]) == sorted(attention + last), form
+    w8a8 = [name for name in form["w8a8"] if name.startswith("/layers.")]  # the tiny head (300 outputs) too
+    assert sorted(w8a8) == [f"/layers.0/{p}" for p in ("down", "gate", "up")] and not form["kept_qdq"]
 
+
+
+def test_float_last_layers_keeps_the_last_layers_activations_in_float(tmp_path, caplog):
+    """requires: Llama names (layers.K); ensures: --float-last-layers 1 makes every MatMul of the last layer
+    W8A16 and leaves the others W8A8; on a graph without such names, none is kept, with a warning."""
+    from fp8onnx.models.build_llama import build
+
+    path = build(tmp_path / "tiny", layers=3, dim=64, heads=4, ffn=160, vocab=300)
+    ids = np.random.default_rng(0).integers(0, 300, (8, 16)).astype(np.int64)
+    np.savez(tmp_path / "c.npz", input_ids=ids)
+    common = dict(preset="none", target="onnxruntime-cuda", provider="cpu")
+    report = fp8onnx.quantize(path, tmp_path / "w.onnx", tmp_path / "c.npz", float_last_layers=1, **common)
+    last = sorted(f"/layers.2/{p}" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+    assert sorted(report.fast_form["w8a16"]) == last, report.fast_form
+    layer = {name: name.split("/")[1] for name in report.fast_form["w8a8"]}  # lm_head too (preset none)
+    assert sorted(layer.values()).count("layers.0") == 7 and "layers.2" not in layer.values()
+    assert report.config["float_last_layers"] == 1
+    two = fp8onnx.quantize(path, tmp_path / "w2.onnx", tmp_path / "c.npz", float_last_layers=2, **common)
+    assert len(two.fast_form["w8a16"]) == 14 and len(two.fast_form["w8a8"]) == 8  # layers.0 and lm_head
+    from helpers import mlp_data, mlp_model
+
+    plain, data = mlp_model(tmp_path / "m.onnx", opset=21), mlp_data(tmp_path / "d.npz")  # fc1, fc2: no index
+    caplog.set_level("WARNING", logger="fp8onnx")
+    fp8onnx.quantize(plain, tmp_path / "m8.onnx", data, float_last_layers=1, **common)
+    assert "no MatMul/Gemm is named like 'layers.N/'" in caplog.text
