@@ -188,6 +188,11 @@ class QuantizeConfig:
                 "--precision bf16 is for the CUDA fast form (--target onnxruntime-cuda, --gemm-op block-fp8): float8 "
                 "Q/DQ to bfloat16 has no CUDA kernel, and onnxruntime's CPU EP runs few ops in bfloat16."
             )
+        self._check_techniques()
+        self._check_modes()
+
+    def _check_techniques(self) -> None:
+        """Weight rounding, smoothing, bias correction, blocks, groups, the fallback unit, embeddings."""
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise Fp8OnnxError(
                 f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."
@@ -214,6 +219,8 @@ class QuantizeConfig:
         if self.embeddings not in EMBEDDING_MODES:
             raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
 
+    def _check_modes(self) -> None:
+        """Activations against formats, targets and scaling: what can go together."""
         object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
         if self.activations is Activations.NONE:  # no activation to keep in float: the unit is the node
             object.__setattr__(self, "fallback", "nodes")
