@@ -243,6 +243,8 @@ class QuantizeConfig:
                     f"{self.activations.value} and --native-gemm."
                 )
         if self.scaling is Scaling.CONSTANT:
+            if self.scale is None:  # the baseline as such: values cast to the format as they are
+                object.__setattr__(self, "scale", 1.0)
             amax_to_scale(1.0, self.weight_format, self.scaling, constant=self.scale)  # validates --scale
             if self.activations.dynamic:
                 raise Fp8OnnxError(

@@ -389,7 +389,6 @@ CASES = [
     ("unknown provider", QC + ["--provider", "rocm"], "Invalid value for '--provider'"),
     ("batch size 0", QC + ["--batch-size", "0"], "Invalid value for '--batch-size'"),
     ("weight memory 0", QC + ["--weight-memory", "0"], "Invalid value for '--weight-memory'"),
-    ("constant without scale", Q + ["--scaling", "constant"], "needs a positive finite --scale"),
     ("negative constant scale", Q + ["--scaling", "constant", "--scale", "-1"], "needs a positive finite --scale"),
     ("scale without constant", QC + ["--scale", "0.1"], "--scale only applies to --scaling constant"),
     ("margin without pow2", QC + ["--margin", "2"], "--margin only applies to --scaling pow2"),

@@ -169,7 +169,7 @@ def test_deterministic_output(mlp, tmp_path):
     [
         ({"format": "e3m5"}, "Unknown float8 format"),
         ({"scaling": "mean"}, "Unknown scaling method"),
-        ({"scaling": "constant"}, "Constant scaling needs a positive finite --scale"),
+        ({"scaling": "constant", "scale": float("inf")}, "Constant scaling needs a positive finite --scale"),
         ({"scale": 0.1}, "--scale only applies to --scaling constant"),
         ({"margin": 2}, "--margin only applies to --scaling pow2"),
         ({"op_types": ("LSTM",)}, "Unsupported op type 'LSTM'"),
@@ -335,3 +335,15 @@ def test_recipe_choices_are_enums_that_read_as_their_names():
         with pytest.raises(Fp8OnnxError) as info:
             QuantizeConfig(**{field: bad})
         assert str(info.value) == message
+
+
+def test_constant_scaling_alone_casts_with_scale_one(tmp_path):
+    """--scaling constant without --scale is the constant-scale baseline at 1 (values cast as they are):
+    it runs without calibration, and the report says the scale."""
+    from helpers import mlp_model
+
+    path = mlp_model(tmp_path / "m.onnx", opset=21)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", scaling="constant", preset="none", provider="cpu")
+    assert report.config["scale"] == 1.0 and report.modified
+    scales = [t.scale for n in report.quantized for t in n.tensors]
+    assert scales and all(s == 1.0 for s in scales)  # exact: the constant is the scale itself

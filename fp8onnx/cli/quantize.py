@@ -120,7 +120,9 @@ class _QuantizeCommand(_Sectioned):
 @click.option(
     "--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99]."
 )
-@click.option("--scale", type=float, help="constant only: the scale used for every tensor.")
+@click.option(
+    "--scale", type=float, help="constant only: the scale used for every tensor [default: 1, values cast as they are]."
+)
 @click.option(
     "--activations",
     type=click.Choice(ACTIVATION_MODES),
