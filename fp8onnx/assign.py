@@ -107,7 +107,16 @@ def activation_ranges(model, names, config, calib, stats) -> Stats | Ranges | No
     check_calibration_source(calib, stats)
     if config.activations.dynamic or config.activations == "none":
         # with --weight-rounding gptq the calibration data serves the weights' Hessians only
-        if stats is not None or (calib is not None and not config.weights_need_data):
+        unread = calib is not None and not config.weights_need_data
+        if unread and stats is None and config.preset not in (None, "none") and "activations" not in config.explicit:
+            # the preset chose these activations, not the user: the data given is not needed, not wrong
+            logger.warning(
+                "the calibration data is not read: --preset %s's --activations %s needs none",
+                config.preset,
+                config.activations.value,
+            )
+            return None
+        if stats is not None or unread:
             raise Fp8OnnxError(
                 f"--activations {config.activations.value} needs no calibration; drop --calib/--stats (they "
                 "contradict it)."

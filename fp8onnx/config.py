@@ -317,7 +317,7 @@ class QuantizeConfig:
         if name not in PRESETS:
             raise Fp8OnnxError(f"Unknown --preset {name!r}; choose one of auto, none, {', '.join(PRESETS)}.")
         settings = {k: v for k, v in PRESETS[name]["settings"].items() if not overruled(k, v, explicit)}
-        return cls(**{**settings, **explicit, "preset": name})
+        return cls(**{**settings, **explicit, "preset": name, "explicit": tuple(explicit)})
 
     def for_family(self, preset: str | None) -> QuantizeConfig:
         """This ``auto`` config resolved: the family's ``preset`` (None: none) under the user's fields."""

@@ -79,8 +79,8 @@ PRESETS = {
 def overruled(field: str, value, explicit: dict) -> bool:
     """Whether a preset's ``field = value`` yields to an explicit option it cannot go with: a
     calibrated scaling to dynamic activations, the preset's dynamic or weight-only activations to an
-    explicit activation scaling, and data-driven weight techniques to constant scaling (the user's
-    choice wins, the preset's contradicting part is dropped rather than refused)."""
+    explicit activation scaling, its dynamic activations and data-driven weight techniques to constant
+    scaling (the user's choice wins, the preset's contradicting part is dropped rather than refused)."""
     given = {k: getattr(v, "value", v) for k, v in explicit.items()}  # enum members as their names
     dynamic = given.get("activations") in ("dynamic", "dynamic-per-token", "dynamic-per-group")
     constant = given.get("scaling") == "constant"
@@ -90,6 +90,9 @@ def overruled(field: str, value, explicit: dict) -> bool:
     # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
     if field == "activations" and given.get("scaling") in ("percentile", "mse") and "activations" not in given:
         return str(getattr(value, "value", value)) != "static"
+    # one constant scale: the preset's per-batch (dynamic) activation scales yield (static, at that scale)
+    if field == "activations" and constant and "activations" not in given:
+        return str(getattr(value, "value", value)).startswith("dynamic")
     return constant and (field in ("bias_correction", "smooth") or (field == "weight_rounding" and value == "gptq"))
 
 

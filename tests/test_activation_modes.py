@@ -262,3 +262,19 @@ def test_per_group_falls_back_to_per_row_where_channels_are_not_groups(tmp_path,
     assert "'x': 16 channels are not groups of 5; one scale per row there" in caplog.text
     x = tokens(rng)
     assert np.array_equal(run_ort(tmp_path / "q.onnx", {"x": x})[0], per_token_reference(x))
+
+
+def test_constant_scaling_given_alone_overrules_the_presets_activations(tmp_path, caplog):
+    """--scaling constant with a preset whose activations are dynamic (encoder) runs static at the one
+    scale; with a weight-only preset, the calibration data given is not read (a warning, not an error:
+    the preset chose the activations, not the user)."""
+    from helpers import mlp_data, mlp_model
+
+    encoder = fp8onnx.QuantizeConfig.for_preset("encoder", scaling="constant")
+    assert encoder.activations == "static" and encoder.scale == 1.0 and encoder.weight_rounding == "nearest"
+    path, data = mlp_model(tmp_path / "m.onnx", opset=21), mlp_data(tmp_path / "d.npz")
+    caplog.set_level("WARNING", logger="fp8onnx")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", data, preset="llm-weight-only", scaling="constant")
+    assert report.modified and "the calibration data is not read" in caplog.text
+    with pytest.raises(fp8onnx.Fp8OnnxError, match="needs no calibration"):  # the user's own choice: refused
+        fp8onnx.quantize(path, tmp_path / "q2.onnx", data, activations="none", preset="none")
