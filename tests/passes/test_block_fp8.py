@@ -274,7 +274,6 @@ def test_the_w8a8_preset_on_a_llama_export(tmp_path):
     assert sorted(w8a8) == [f"/layers.0/{p}" for p in ("down", "gate", "up")] and not form["kept_qdq"]
 
 
-
 def test_float_last_layers_keeps_the_last_layers_activations_in_float(tmp_path, caplog):
     """requires: Llama names (layers.K); ensures: --float-last-layers 1 makes every MatMul of the last layer
     W8A16 and leaves the others W8A8; on a graph without such names, none is kept, with a warning."""
