@@ -33,29 +33,31 @@ def _scale_range(dtype: ir.DataType) -> tuple[float, float]:
 
 
 class _Builder:
-    """Adds nodes and constants to one graph, with names under ``fp8onnx/``."""
+    """Adds nodes (on an onnx_ir Tape) and constants to one graph, with names under ``fp8onnx/``."""
 
     def __init__(self, graph: ir.Graph):
         self.graph = graph
-        self.nodes: list[ir.Node] = []
+        self.tape = ir.tape.Tape()
+
+    @property
+    def nodes(self) -> list[ir.Node]:
+        return list(self.tape.nodes)
 
     def const(self, name: str, array: np.ndarray) -> ir.Value:
         return initializer(self.graph, f"{NODE_PREFIX}{name}", array)
 
     def op(self, op_type: str, inputs, name: str, dtype: ir.DataType | None = None, shape=None, **attrs) -> ir.Value:
-        node = ir.node(op_type, inputs, attrs or None, name=f"{NODE_PREFIX}{name}")
-        out = node.outputs[0]
+        out = self.tape.op(op_type, inputs, attrs or None, name=f"{NODE_PREFIX}{name}")
         out.name = f"{NODE_PREFIX}{name}"
         out.dtype = dtype
         out.shape = shape
-        self.nodes.append(node)
         return out
 
     def cast(self, value: ir.Value, to: ir.DataType, name: str) -> ir.Value:
         return value if value.dtype == to else self.op("Cast", [value], name, to, value.shape, to=int(to))
 
     def take(self) -> list[ir.Node]:
-        nodes, self.nodes = self.nodes, []
+        nodes, self.tape = self.nodes, ir.tape.Tape()
         return nodes
 
 

@@ -128,13 +128,12 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
         def const(suffix, array):
             return initializer(graph, f"{name}/{suffix}", array)
 
-        new = []
+        tape = ir.tape.Tape()
 
         def op(op_type, inputs, suffix, domain="", **attrs):
-            n_ = ir.node(op_type, inputs, attrs or None, domain=domain, name=f"{name}/{suffix}")
-            n_.outputs[0].name = f"{name}/{suffix}"
-            new.append(n_)
-            return n_.outputs[0]
+            out = tape.op(op_type, inputs, attrs or None, domain=domain, name=f"{name}/{suffix}")
+            out.name = f"{name}/{suffix}"
+            return out
 
         def f32(scale):
             return scale if scale.dtype == ir.DataType.FLOAT else op("Cast", [scale], f"{scale.name}_f32", to=1)
@@ -167,7 +166,7 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
                 bias = op("Mul", [bias, const("beta", np.array(beta, bias.dtype.numpy()))], "beta_c")
             y = op("Add", [y, bias], "bias")
         y.dtype, y.shape = out.dtype, out.shape
-        graph.insert_before(node, new)
+        graph.insert_before(node, list(tape.nodes))
         out.replace_all_uses_with(y, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         old = out.name
