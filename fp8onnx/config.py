@@ -371,34 +371,25 @@ class QuantizeConfig:
             "target": self.target.value,
             "emulated": self.emulated,
         }
-        if self.preset:  # only then, like keep_float
-            doc["preset"] = self.preset
-        if self.float_activations:  # only then, like keep_float
-            doc["float_activations"] = list(self.float_activations)
-        if self.float_last_layers:  # only then, like keep_float
-            doc["float_last_layers"] = self.float_last_layers
-        if self.fallback != "nodes":  # only then, like keep_float
-            doc["fallback"] = self.fallback
-        if self.weight_rounding != "nearest":  # only then, like keep_float
-            doc["weight_rounding"] = self.weight_rounding
-        if self.smooth is not None:  # only then, like keep_float
-            doc["smooth"] = self.smooth
-        if self.bias_correction:  # only then, like keep_float
-            doc["bias_correction"] = True
-        if self.sequential:  # only then, like keep_float
-            doc["sequential"] = True
-        if self.weight_block_size:  # only then, like keep_float
-            doc["weight_block_size"] = self.weight_block_size
-        if self.activations == "dynamic-per-group":  # only then, like keep_float
-            doc["group_size"] = self.group_size
-        if self.float_vocab:  # only then, like keep_float
-            doc["float_vocab"] = True
-        if self.float_stem:  # only then, like keep_float
-            doc["float_stem"] = True
-        if self.embeddings != "float":  # only then, like keep_float
-            doc["embeddings"] = self.embeddings
-        if self.gemm_op is GemmOp.BLOCK_FP8:  # only then, like keep_float
-            doc["gemm_op"] = self.gemm_op.value
+        # Set only where they differ from what earlier versions wrote (outputs without them stay byte-identical):
+        # field -> (the value written, whether it is written), in the order earlier versions wrote them.
+        optional = {
+            "preset": (self.preset, bool(self.preset)),
+            "float_activations": (list(self.float_activations), bool(self.float_activations)),
+            "float_last_layers": (self.float_last_layers, bool(self.float_last_layers)),
+            "fallback": (self.fallback, self.fallback != "nodes"),
+            "weight_rounding": (self.weight_rounding, self.weight_rounding != "nearest"),
+            "smooth": (self.smooth, self.smooth is not None),
+            "bias_correction": (True, self.bias_correction),
+            "sequential": (True, self.sequential),
+            "weight_block_size": (self.weight_block_size, bool(self.weight_block_size)),
+            "group_size": (self.group_size, self.activations == "dynamic-per-group"),
+            "float_vocab": (True, self.float_vocab),
+            "float_stem": (True, self.float_stem),
+            "embeddings": (self.embeddings, self.embeddings != "float"),
+            "gemm_op": (getattr(self.gemm_op, "value", self.gemm_op), self.gemm_op is GemmOp.BLOCK_FP8),
+        }
+        doc.update({key: value for key, (value, written) in optional.items() if written})
         if self.keep_float:  # only then: outputs without it stay byte-identical to earlier versions
             doc["keep_float"] = list(self.keep_float)
         return doc
