@@ -222,22 +222,13 @@ def quantize_to_target(
     run = RunOptions.of(run, **run_kw)
     if config is None:  # like quantize: the family's recipe (preset auto) under the options given
         config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
-    if not 0 < target <= 100:
-        raise Fp8OnnxError(f"--accuracy-target must be a percentage in (0, 100], got {target!r}.")
-    if max_float_nodes is not None and max_float_nodes < 0:
-        raise Fp8OnnxError(f"--max-float-nodes must be >= 0, got {max_float_nodes!r}.")
-    if refine < 0:
-        raise Fp8OnnxError(f"--refine must be >= 0, got {refine!r}.")
-    if calib is None:
-        raise Fp8OnnxError("--accuracy-target needs --calib DATA (the sensitivity and the scales come from it).")
+    _check_search(target, max_float_nodes, refine, calib)
     check_paths(
         model_reads("the input model", model)
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    ranked = config  # the search starts from the family's recipe: rank the nodes under it
-    if config.preset == "auto":
-        ranked = config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
+    ranked = _ranking_config(model, config)
     needs_data = ranked.weights_need_data
     scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
     scoring["needs_data"] = needs_data
@@ -252,33 +243,12 @@ def quantize_to_target(
     evaluations = sens.evaluations + candidates.evaluated
     metric = candidates.metric
     if chosen is None:
-        best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
-        result = FallbackResult(
-            target, metric, tried, order[:best], False, None, evaluations, sens.to_json()["nodes"], ranked.fallback
-        )
-        shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
-        if tried[best] is not None and tried[best] * 100 >= target:
-            shown += " (not confirmed: a count with more nodes in float missed the target)"
-        raise TargetNotMet(
-            f"Accuracy target {target:g}% of FP16 ({metric}) not met on {as_path(eval_data) or 'the evaluation data'} "
-            f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
-            + (
-                "nothing written (raise --max-float-nodes or lower --accuracy-target)."
-                if limit < len(order)
-                else "nothing written: every node was allowed in float (what is not a node, such as float8 "
-                "embedding tables, stays as the recipe has it; lower --accuracy-target or try --preset none)."
-            ),
-            result,
-        )
+        nodes = sens.to_json()["nodes"]
+        raise _not_met(target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, ranked.fallback)
     nodes = sens.to_json()["nodes"]
     if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
         result = FallbackResult(target, metric, tried, order[:chosen], False, None, evaluations, nodes, ranked.fallback)
-        raise TargetNotMet(
-            f"Accuracy target {target:g}% of FP16 ({metric}) holds only with {chosen} of {len(order)} nodes in float: "
-            "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
-            f"with --max-float-nodes {chosen}).",
-            result,
-        )
+        raise TargetNotMet(_nearly_all(target, metric, chosen, len(order)), result)
     final = candidates.write(order[:chosen], output, run)
     logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, target, evaluations)
     result = FallbackResult(
@@ -289,3 +259,49 @@ def quantize_to_target(
         del doc["accuracy_target"]["report"]
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
     return result
+
+
+def _nearly_all(target: float, metric: str, chosen: int, nodes: int) -> str:
+    return (
+        f"Accuracy target {target:g}% of FP16 ({metric}) holds only with {chosen} of {nodes} nodes in float: "
+        "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
+        f"with --max-float-nodes {chosen})."
+    )
+
+
+def _check_search(target: float, max_float_nodes: int | None, refine: int, calib) -> None:
+    if not 0 < target <= 100:
+        raise Fp8OnnxError(f"--accuracy-target must be a percentage in (0, 100], got {target!r}.")
+    if max_float_nodes is not None and max_float_nodes < 0:
+        raise Fp8OnnxError(f"--max-float-nodes must be >= 0, got {max_float_nodes!r}.")
+    if refine < 0:
+        raise Fp8OnnxError(f"--refine must be >= 0, got {refine!r}.")
+    if calib is None:
+        raise Fp8OnnxError("--accuracy-target needs --calib DATA (the sensitivity and the scales come from it).")
+
+
+def _ranking_config(model, config: QuantizeConfig) -> QuantizeConfig:
+    """The recipe the nodes are ranked under: the family's for --preset auto (the search starts from it)."""
+    if config.preset != "auto":
+        return config
+    return config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
+
+
+def _not_met(target, metric, tried, order, limit, eval_path, evaluations, nodes, unit) -> TargetNotMet:
+    """No count within ``limit`` met the target: the error, naming the best count tried."""
+    best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
+    result = FallbackResult(target, metric, tried, order[:best], False, None, evaluations, nodes, unit)
+    shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
+    if tried[best] is not None and tried[best] * 100 >= target:
+        shown += " (not confirmed: a count with more nodes in float missed the target)"
+    return TargetNotMet(
+        f"Accuracy target {target:g}% of FP16 ({metric}) not met on {eval_path or 'the evaluation data'} "
+        f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
+        + (
+            "nothing written (raise --max-float-nodes or lower --accuracy-target)."
+            if limit < len(order)
+            else "nothing written: every node was allowed in float (what is not a node, such as float8 "
+            "embedding tables, stays as the recipe has it; lower --accuracy-target or try --preset none)."
+        ),
+        result,
+    )
