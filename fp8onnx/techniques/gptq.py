@@ -30,7 +30,7 @@ from fp8onnx.passes import TensorQuant
 from fp8onnx.passes.common import derived_tensor, reduction_size, release
 from fp8onnx.pipeline.statistics import F32, Sums
 from fp8onnx.scratch import scratch_folder
-from fp8onnx.techniques.base import Technique
+from fp8onnx.techniques.base import Settled, Technique
 from fp8onnx.techniques.gptq_rounding import gptq_factor, ordered, restored, round_stacked
 
 __all__ = ["GPTQ"]
@@ -286,21 +286,25 @@ class GPTQ(Technique):
         logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
         return rounded
 
-    def round_now(self, quant: dict[str, TensorQuant], name: str, measured: set[str]):
-        """Weight ``name`` rounded now (sequential or layer-by-layer calibration), if GPTQ rounds it
-        and its X^T X is among the statistic outputs ``measured`` so far; returns the stored tensor
-        (also put in the model: written to :attr:`folder`, read back when the model is saved, so that
-        memory holds no rounded weight), False where GPTQ does not round this weight, or None where
-        its X^T X is not measured yet. Every other weight whose X^T X is complete is rounded with it
-        (:meth:`round_ready`)."""
+    def on_segment_end(self, quant: dict[str, TensorQuant], measured: set[str], weights: list[str]) -> Settled:
+        """After a segment of layer-by-layer calibration: every weight whose X^T X is complete is rounded
+        (:meth:`round_ready`; stored in :attr:`folder`, read back when the model is saved, so that memory
+        holds no rounded weight). ``weights`` (sequential calibration): of those GPTQ rounds, the stored
+        tensors of the rounded ones and the names of those whose X^T X is still to come. Without
+        ``weights``, the weights still to round once every X^T X is complete are left to :meth:`round`."""
+        if not weights:
+            self.round_ready(quant, measured, last_when_written=True)
+            return Settled()
         plan = self._planned(quant)
-        if name not in plan:
-            return False
-        if name not in self.originals:
-            if not set(self.hessians.fetch[plan[name].x]) <= measured:
-                return None
+        mine = [name for name in weights if name in plan]
+        if any(n not in self.originals and set(self.hessians.fetch[plan[n].x]) <= measured for n in mine):
             self.round_ready(quant, measured)
-        return plan[name].value.const_value
+        stored = {n: plan[n].value.const_value for n in mine if n in self.originals}
+        return Settled(stored, {n for n in mine if n not in self.originals})
+
+    @property
+    def settles(self) -> bool:
+        return bool(self.targets)
 
     def round_ready(self, quant: dict[str, TensorQuant], measured: set[str], last_when_written: bool = False) -> None:
         """Round every weight whose X^T X is complete (layer-by-layer calibration, after each segment),

@@ -87,33 +87,41 @@ def settling(decisions: list[Decision], quant: dict, techniques: list[Technique]
     """(the quantized layers' node names, ``settle``) for a layer-by-layer pass, or None where
     nothing needs it; ``quant``: the weights' TensorQuant (their scales come from the weights alone).
 
-    ``settle(node names, statistic outputs measured so far)`` is called after each segment. With
-    ``sequential`` it rounds the weights of the quantized layers among those nodes as they will be
-    stored (GPTQ's rounding once its X^T X is measured, else the nearest value on their grid) and
-    returns them by name, for the segments after them to read. Otherwise it has GPTQ round every
-    weight whose X^T X is complete, so that the sums of a segment are dropped once it has run."""
+    ``settle(node names, statistic outputs measured so far)`` is called after each segment and fires
+    each technique's :meth:`~fp8onnx.techniques.base.Technique.on_segment_end`. With ``sequential`` it
+    returns, by name, the weights of the quantized layers among those nodes as they will be stored (a
+    technique's, e.g. GPTQ's once its X^T X is measured, else the nearest value on their grid), for the
+    segments after them to read. Otherwise the techniques act alone (GPTQ rounds every weight whose X^T X
+    is complete, so that the sums of a segment are dropped once it has run)."""
 
-    gptq = next((t for t in techniques if isinstance(t, GPTQ) and t.targets), None)
     layers = {
         d.node.name: [d.node.inputs[i] for i, kind in d.inputs if kind == "weight"]
         for d in decisions
         if any(kind == "weight" for _, kind in d.inputs)
     }
     if not sequential:
-        if gptq is None:
+        if not any(t.settles for t in techniques):
             return None
-        return list(layers), lambda names, measured: gptq.round_ready(quant, measured, last_when_written=True) or {}
+
+        def drop_as_you_go(names: list[str], measured: set[str]) -> dict:
+            for t in techniques:
+                t.on_segment_end(quant, measured, [])
+            return {}
+
+        return list(layers), drop_as_you_go
     done: set[str] = set()
 
     def settle(names: list[str], measured: set[str]) -> dict:
+        pending = [w for name in names for w in layers.get(name, ()) if w.name not in done and w.name in quant]
+        settled = [t.on_segment_end(quant, measured, [w.name for w in pending]) for t in techniques]
+        by_technique = {name: value for s in settled for name, value in s.stored.items()}
+        waiting = set().union(*(s.waiting for s in settled))  # their statistics are still to come
         stored = {}
-        for weight in (w for name in names for w in layers.get(name, ())):
-            if weight.name in done or weight.name not in quant:
+        for weight in pending:
+            if weight.name in waiting:
                 continue
-            rounded = gptq.round_now(quant, weight.name, measured) if gptq is not None else False
-            if rounded is None:
-                continue  # its X^T X is still to come
-            if rounded is False:
+            rounded = by_technique.get(weight.name)
+            if rounded is None:  # no technique rounds it: the nearest value on its grid
                 w = weight.const_value.numpy()
                 rounded = ir.tensor(stored_values(w, quant[weight.name]).astype(w.dtype), name=weight.name)
             stored[weight.name] = rounded
