@@ -48,7 +48,7 @@ from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
-from fp8onnx.quantize import quantize
+from fp8onnx.quantizer import quantize
 from fp8onnx.report import FolderReport
 from fp8onnx.runtime import RunOptions, make_session
 from fp8onnx.scratch import make_dir, remove

@@ -83,7 +83,7 @@ def test_failed_write_keeps_the_previous_output_and_leaves_no_partial_file(tmp_p
 
 
 def test_an_invalid_result_is_never_written(tmp_path, monkeypatch):
-    q = sys.modules["fp8onnx.quantize"]
+    q = sys.modules["fp8onnx.quantizer"]
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
 
     class Broken(q.InsertQDQPass):

@@ -11,7 +11,7 @@ PASSES = ROOT.parent / "passes"  # installed as fp8onnx.passes
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    """Dotted names below fp8onnx ("quantize", "cli.common", "passes.insert_qdq"; a package by its
+    """Dotted names below fp8onnx ("quantizer", "cli.common", "passes.insert_qdq"; a package by its
     name) -> file."""
     found = {}
     for top, prefix in ((ROOT, ()), (PASSES, ("passes",))):

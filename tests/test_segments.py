@@ -10,10 +10,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
+from fp8onnx.config import QuantizeConfig
+from fp8onnx.graph.plan import activation_tensors, plan
+from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.models.build_llama import build, write_data
 from fp8onnx.pipeline.calibration import collect_amax
 from fp8onnx.pipeline.segments import split
-from fp8onnx.quantize import QuantizeConfig, activation_tensors, plan, prepare_model
 from fp8onnx.runtime import RunOptions
 
 from helpers import assert_same_histogram, assert_same_model, run_ort, sqnr_db

@@ -20,7 +20,7 @@ from fp8onnx.accuracy.evaluation import ReferenceRun
 from fp8onnx.config import QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.quantize import quantize
+from fp8onnx.quantizer import quantize
 from fp8onnx.runtime import RunOptions
 from fp8onnx.scratch import make_dir, remove
 

@@ -39,12 +39,12 @@ from fp8onnx.accuracy.compare import compare
 from fp8onnx.accuracy.fallback import search
 from fp8onnx.accuracy.sensitivity import measure_sensitivity
 from fp8onnx.api import calibrate
-from fp8onnx.config import DEFAULT_OP_TYPES, PRESETS
+from fp8onnx.config import DEFAULT_OP_TYPES, PRESETS, QuantizeConfig
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import LABELS, input_specs
 from fp8onnx.graph.model_io import load_model, write_text_atomic
 from fp8onnx.numerics.formats import Fp8Format
-from fp8onnx.quantize import QuantizeConfig, quantize
+from fp8onnx.quantizer import quantize
 from fp8onnx.report import QuantizeReport, describe_config
 from fp8onnx.runtime import RunOptions
 from fp8onnx.scratch import temporary_dir

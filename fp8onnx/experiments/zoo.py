@@ -36,14 +36,13 @@ import re
 
 from fp8onnx.accuracy.compare import compare
 from fp8onnx.api import calibrate
-from fp8onnx.config import PRESETS
+from fp8onnx.config import PRESETS, QuantizeConfig
 from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.experiments.study import _distinct, _run_config, study_configs
 from fp8onnx.experiments.zoo_results import ZooResult
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.pipeline.distributed import remote_tasks
 from fp8onnx.progress import progress_bar
-from fp8onnx.quantize import QuantizeConfig
 from fp8onnx.runtime import RunOptions
 from fp8onnx.scratch import temporary_dir
 
