@@ -48,7 +48,7 @@ MIN_ROWS_PER_CHANNEL = 16
 _WARNED: set[int] = set()  # the row counts (calibration data) warned about in this process
 
 
-def _targets(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
+def _readers(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
     """activation name -> the (MatMul/Gemm, weight index) pairs whose weight it multiplies."""
     out: dict[str, list[tuple[ir.Node, int]]] = {}
     for d in decisions:
@@ -156,8 +156,8 @@ class GPTQ(Technique):
     needs = "the Hessian X^T X of each layer's input"
 
     def __init__(self, model: ir.Model, decisions: list[Decision]):
-        self.model, self.targets = model, _targets(decisions, model)
-        self.sizes = {x: reduction_size(nodes[0][0]) for x, nodes in self.targets.items()}
+        self.model, self.readers = model, _readers(decisions, model)
+        self.sizes = {x: reduction_size(nodes[0][0]) for x, nodes in self.readers.items()}
         self.hessians = _hessians(self.sizes) if self.sizes else None
         self.originals: dict[str, ir.TensorProtocol] = {}  # weight name -> its float values
         self.folder: str | None = None  # where weights rounded during the pass wait to be written
@@ -192,11 +192,11 @@ class GPTQ(Technique):
     def _plan(self, quant: dict[str, TensorQuant]) -> dict[str, _Weight]:
         """weight name -> how GPTQ rounds it."""
         shared: dict[str, set] = {}
-        for x, nodes in self.targets.items():
+        for x, nodes in self.readers.items():
             for node, index in nodes:
                 shared.setdefault(node.inputs[index].name, set()).add(x)
         plan = {}
-        for x, nodes in self.targets.items():
+        for x, nodes in self.readers.items():
             for node, index in nodes:
                 value = node.inputs[index]
                 tq = quant.get(value.name)
@@ -270,7 +270,7 @@ class GPTQ(Technique):
     def round(self, quant: dict[str, TensorQuant]) -> list[str]:
         """Replace the weights (those not already rounded by :meth:`round_ready`); returns the names of
         all those rounded."""
-        if not self.targets:
+        if not self.readers:
             return []
         rounded = []
         for name, w in self._planned(quant).items():
@@ -304,7 +304,7 @@ class GPTQ(Technique):
 
     @property
     def settles(self) -> bool:
-        return bool(self.targets)
+        return bool(self.readers)
 
     def round_ready(self, quant: dict[str, TensorQuant], measured: set[str], last_when_written: bool = False) -> None:
         """Round every weight whose X^T X is complete (layer-by-layer calibration, after each segment),
@@ -334,7 +334,7 @@ class GPTQ(Technique):
 
     def _planned(self, quant):
         if self._plan_for is not quant:
-            self._plan_for, self._plan_cache = quant, (self._plan(quant) if self.targets else {})
+            self._plan_for, self._plan_cache = quant, (self._plan(quant) if self.readers else {})
             self._waiting, self._stacked = {}, set()
         return self._plan_cache
 
