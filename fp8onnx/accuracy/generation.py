@@ -114,7 +114,6 @@ class Generator:
         return dict(zip(self.outputs[role], values))
 
     def _empty_past(self, spec: InputSpec, batch: int) -> np.ndarray:
-
         return np.zeros(past_shape(spec, batch, self.sizes), spec.dtype)
 
     def _feed(self, role: str, ids: np.ndarray, state: _State) -> dict[str, np.ndarray]:

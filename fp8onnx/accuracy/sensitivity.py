@@ -202,5 +202,4 @@ def measure_sensitivity(
 
 
 def write_json(result: SensitivityResult, path) -> None:
-
     write_text_atomic(path, json.dumps(result.to_json(), indent=1) + "\n")

@@ -58,17 +58,27 @@ from fp8onnx.phases import table as phases_table
 
 def _sections() -> dict[str, tuple[str, ...]]:
     """quantize's --help sections; the recipe's are the QuantizeConfig fields no other section shows."""
-    sections = {
+    before = {
         "Model, data and output": ("output", "calib", "tokenizer", "seq_len", "preset", "report"),
-        "Accuracy": ("eval_data", "accuracy_target", "metric", "max_float_nodes", "fallback", "refine", "check_data"),
+        "Accuracy": (
+            "eval_data",
+            "accuracy_target",
+            "metric",
+            "max_float_nodes",
+            "fallback",
+            "refine",
+            "check_data",
+            "stats",
+        ),
+    }
+    after = {
         "Deployment target": ("precision", "target", "gemm_op", "native_gemm", "fold_at_load"),
         "Running": ("batch_size", "batch_memory", "workers", "ray_address", "ray_timeout", "weight_memory", "provider"),
     }
-    sections["Accuracy"] += ("stats",)
-    shown = {name for names in sections.values() for name in names}
+    shown = {name for names in (*before.values(), *after.values()) for name in names}
     fields = (_PARAM.get(f.name, f.name) for f in dataclasses.fields(QuantizeConfig) if f.name not in NOT_OPTIONS)
-    recipe = {"Recipe (what a preset sets; rarely needed by hand)": tuple(n for n in fields if n not in shown)}
-    return {**dict(list(sections.items())[:2]), **recipe, **dict(list(sections.items())[2:])}
+    recipe = tuple(name for name in fields if name not in shown)
+    return {**before, "Recipe (what a preset sets; rarely needed by hand)": recipe, **after}
 
 
 class _QuantizeCommand(_Sectioned):
@@ -342,7 +352,6 @@ def _quantize_folder(model, output, config: QuantizeConfig, run, params: dict) -
 
 
 def _quantize_to_target(model, output, config: QuantizeConfig, run, params: dict) -> None:
-
     fallback = quantize_to_target(
         model,
         output,

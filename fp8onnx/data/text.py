@@ -224,7 +224,6 @@ def _typed(array: np.ndarray, spec: InputSpec) -> np.ndarray:
 
 
 def _model_folder(model: ir.Model | None) -> pathlib.Path | None:
-
     source = model.meta.get(SOURCE_META) if model is not None else None
     return pathlib.Path(source).parent if source else None
 

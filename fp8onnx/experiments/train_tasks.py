@@ -18,7 +18,6 @@ BATCH, SEQ = 16, 64  # training batch and sequence length of both tasks
 
 
 def _decoder_task():
-
     train, valid = corpus()
     n = len(valid) // (SEQ + 1)
     held_out = torch.from_numpy(valid[: n * (SEQ + 1)].reshape(n, SEQ + 1)[:128])

@@ -75,7 +75,7 @@ def _decide(node: ir.Node, config: QuantizeConfig, late: frozenset[str] = frozen
     if kept or node.name in late or any(fnmatch.fnmatchcase(node.name or "", p) for p in config.float_activations):
         inputs = [(i, kind) for i, kind in inputs if kind == "weight"]  # W8A16: FP8 weights, float activations
         if not inputs:
-            return Decision(node, [], "its activations stay in float (--float-activations) and it has no weight")
+            return Decision(node, [], "its activations stay in float (W8A16) and it has no weight")
         return Decision(node, inputs)
     if all(kind == "activation" for _, kind in inputs) and not config.activation_matmuls:
         return Decision(

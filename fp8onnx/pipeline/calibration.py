@@ -59,7 +59,6 @@ class Stats:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-
         write_text_atomic(path, json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
     @classmethod

@@ -181,7 +181,6 @@ class RayWorkers(Executor):
         return lambda feed: next(iter(self.pool.map(_run_peak, [(self.outputs, feed)])))
 
     def map(self, feeds, reduce, merge, total, desc) -> None:
-
         run = self.run
         if self.layered:
             show = lambda it, n, d: self.bar(it, n, d)  # noqa: E731

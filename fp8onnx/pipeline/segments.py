@@ -297,7 +297,6 @@ class _SegmentSession:
     """A Ray worker's session of one segment, with its large weights memory-mapped (or as arrays)."""
 
     def __init__(self, portable, provider: str, what: str, threads: int):
-
         graph, where = portable
         self.weights = open_weights(where)  # the segment's large weights are inputs, fed at every run
         self.session = session_from_portable((graph, {}), provider, what, instrumented=True, threads=threads)
