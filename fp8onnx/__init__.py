@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
+from fp8onnx.base import deferred  # noqa: F401  (first: sympy, through onnx_ir, imported on first use)
 
-from fp8onnx import _deferred  # noqa: F401  (first: sympy, through onnx_ir, imported on first use)
+# isort: split
+
 from fp8onnx.accuracy.compare import compare
-from fp8onnx.accuracy.fallback import TargetNotMet, quantize_to_target, sensitivity
-from fp8onnx.api import calibrate, convert_fp16, inspect
-from fp8onnx.config import QuantizeConfig
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.version import __version__
 from fp8onnx.data.datasource import Data, DataSource
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.experiments.study import study
-from fp8onnx.exports import quantize_folder
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling, amax_to_scale
-from fp8onnx.quantizer import quantize
-from fp8onnx.runtime import RunOptions
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.workflows.api import calibrate, convert_fp16, inspect
+from fp8onnx.workflows.exports import quantize_folder
+from fp8onnx.workflows.fallback import TargetNotMet, quantize_to_target, sensitivity
+from fp8onnx.workflows.quantizer import quantize
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

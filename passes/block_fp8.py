@@ -19,7 +19,7 @@ static per-tensor E4M3 activation Q/DQ in front of it becomes ``a_scale`` (W8A8)
 (float, dynamic or per-token Q/DQ, E5M2) is A as it is (W8A16). A float32 A is cast to float16 and
 the output back. :class:`EmulateBlockFp8MatMulPass` lowers the op to standard ONNX with the CUDA
 kernel's default-path numerics, so that onnxruntime's CPU EP (and onnx.reference) can evaluate a
-model written for the GPU; ``fp8onnx.gemm_float8_ref.matmul_block_quantized_fp8_weight`` is the
+model written for the GPU; ``fp8onnx.numerics.gemm_float8_ref.matmul_block_quantized_fp8_weight`` is the
 NumPy reference both are tested against.
 """
 

@@ -2,7 +2,7 @@
 
 A float8 Q/DQ graph runs on the CUDA EP as dequantize + FP16/FP32 GEMM; GemmFloat8 multiplies the
 float8 tensors themselves (cuBLASLt, compute capability >= 8.9). Semantics and the NumPy reference
-used by the CPU tests are in ``fp8onnx.gemm_float8_ref``.
+used by the CPU tests are in ``fp8onnx.numerics.gemm_float8_ref``.
 
 Rewrite cases, for a MatMul/Gemm whose input A is ``DequantizeLinear(QuantizeLinear(x))`` and whose
 weight is ``DequantizeLinear(W)`` of a per-tensor float8 initializer, both E4M3FN:

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format
 
 from helpers import run_ort, run_reference, sqnr_db, sqnr_floor_db
@@ -145,7 +145,7 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     from click.testing import CliRunner
 
     from fp8onnx.cli import main
-    from fp8onnx.config import PRESETS, QuantizeConfig
+    from fp8onnx.settings.config import PRESETS, QuantizeConfig
 
     llm = QuantizeConfig.for_preset("llm")
     assert llm.activations == "dynamic-per-token" and llm.float_vocab and llm.embeddings == "fp8"

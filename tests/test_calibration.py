@@ -5,9 +5,9 @@ import onnx_ir as ir
 import pytest
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.pipeline.calibration import Stats, collect_amax
-from fp8onnx.runtime import RunOptions
 
 from helpers import assert_same_histogram, mlp_data, mlp_model
 

@@ -215,7 +215,7 @@ def test_recipe_options_are_the_config_fields_declared_once():
 
     from fp8onnx.cli.common import _PARAM
     from fp8onnx.cli.options import NOT_OPTIONS
-    from fp8onnx.config import QuantizeConfig
+    from fp8onnx.settings.config import QuantizeConfig
 
     fields = {_PARAM.get(f.name, f.name) for f in dataclasses.fields(QuantizeConfig)} - NOT_OPTIONS
     quantize = {p.name for p in main.commands["quantize"].params}

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
 from fp8onnx.accuracy.metrics import _OutputStats, next_token_labels
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 
 from helpers import SAMPLE, mlp_data, mlp_model, run_ort
 
@@ -264,7 +264,7 @@ def test_a_byte_input_classifier_is_class_scores_whatever_its_family():
     import onnx_ir as ir
 
     from fp8onnx.accuracy.metrics import class_outputs
-    from fp8onnx.family import detect_family
+    from fp8onnx.techniques.family import detect_family
 
     rng = np.random.default_rng(0)
     nodes = [

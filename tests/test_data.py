@@ -2,8 +2,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.feeds import FeedData, InputSpec, NpzData, input_specs
-from fp8onnx.errors import Fp8OnnxError
 
 from helpers import mlp_model
 

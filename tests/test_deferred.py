@@ -1,4 +1,4 @@
-"""sympy deferred (fp8onnx/_deferred.py): not imported by ``import fp8onnx`` nor by a quantize run, and
+"""sympy deferred (fp8onnx/base/deferred.py): not imported by ``import fp8onnx`` nor by a quantize run, and
 imported whole on first use, by onnx_ir's symbolic dimensions or by a user's own imports."""
 
 from __future__ import annotations

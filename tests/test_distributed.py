@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import fp8onnx
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.runtime import worker_session
 from fp8onnx.pipeline.statistics import reduce_batch as summarize
-from fp8onnx.runtime import worker_session
 
 from helpers import SAMPLE, mlp_data, mlp_model
 
@@ -76,10 +76,10 @@ def test_compare_and_study_on_two_workers_give_the_single_process_numbers(tmp_pa
 
 def test_a_killed_worker_is_restarted_and_its_batch_rerun(tmp_path):
     from fp8onnx.graph.model_io import load_model
+    from fp8onnx.graph.runtime import inline_proto, make_session
     from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
     from fp8onnx.passes.common import keep_only_outputs
     from fp8onnx.pipeline.distributed import WorkerPool, close_all, fetch
-    from fp8onnx.runtime import inline_proto, make_session
 
     model = load_model(mlp_model(tmp_path / "m.onnx"))
     AddAmaxOutputsPass(["x", "h"], values=True)(model)
@@ -165,8 +165,8 @@ def test_a_model_with_external_data_goes_to_workers_as_file_references(tmp_path)
     """A Llama-style model whose weights live in a .data file: workers memory-map the weights from
     it (only the graph is serialized), and the statistics are the single-process ones."""
     from fp8onnx.graph.model_io import load_model
+    from fp8onnx.graph.runtime import portable_model
     from fp8onnx.models.build_llama import build, write_data
-    from fp8onnx.runtime import portable_model
 
     path = build(tmp_path / "llama", layers=1, dim=64, heads=2, ffn=128, vocab=256)
     write_data(tmp_path / "llama", 256, 16, 24, 8)

@@ -1,4 +1,4 @@
-"""Folder in, folder out (fp8onnx.exports) without the exporters: a one-model folder, the output's
+"""Folder in, folder out (fp8onnx.workflows.exports) without the exporters: a one-model folder, the output's
 guards, atomic replacement. The exporters' folders and their runtimes are in tests/wild/test_deploy.py."""
 
 import json
@@ -8,9 +8,9 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.exports import MANIFEST, describe_export, quantize_folder
+from fp8onnx.workflows.exports import MANIFEST, describe_export, quantize_folder
 
 from helpers import mlp_data, mlp_model
 

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from test_sensitivity import chain
 
 import fp8onnx
-from fp8onnx.accuracy.fallback import TargetNotMet, quantize_to_target
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.workflows.fallback import TargetNotMet, quantize_to_target
 
 from helpers import SAMPLE
 
@@ -125,9 +125,9 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     """FP16 runs in the first round only, the FP32 reference once for all rounds (its outputs kept)."""
     import sys
 
-    from fp8onnx.accuracy.candidates import Candidates
-    from fp8onnx.config import QuantizeConfig
-    from fp8onnx.runtime import RunOptions
+    from fp8onnx.graph.runtime import RunOptions
+    from fp8onnx.settings.config import QuantizeConfig
+    from fp8onnx.workflows.candidates import Candidates
 
     path, calib, eval_data = outlier_chain
     stats = fp8onnx.calibrate(path, calib, provider="cpu")
@@ -153,7 +153,7 @@ def test_a_count_that_passes_only_by_noise_is_not_chosen():
     goes on to 8, narrows down to 5-7, and keeps the smallest count from which every larger one passes."""
     from types import SimpleNamespace
 
-    from fp8onnx.accuracy.fallback import search
+    from fp8onnx.workflows.fallback import search
 
     ratios = {0: 0.90, 1: 0.999, 2: 0.98, 4: 0.99, 5: 0.992, 6: 0.996, 7: 0.997, 8: 1.0}
     sens = SimpleNamespace(
@@ -274,7 +274,7 @@ def test_the_activation_unit_cannot_take_back_a_weights_error(tmp_path, outlier_
 
 
 def test_cli_fallback_activations_and_the_w8a8_preset_sets_it(tmp_path):
-    from fp8onnx.config import QuantizeConfig
+    from fp8onnx.settings.config import QuantizeConfig
 
     assert QuantizeConfig.for_preset("llm-w8a8").fallback == "activations"
     assert QuantizeConfig(activations="none", fallback="activations").fallback == "nodes"  # nothing else to keep

@@ -13,9 +13,9 @@ from test_sources import _model as _lm
 
 import fp8onnx
 from fp8onnx.cli import main
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.family import detect_family
 from fp8onnx.graph.model_io import load_model
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.techniques.family import detect_family
 
 from helpers import SAMPLE, mlp_model
 

@@ -11,7 +11,7 @@ import onnx_ir as ir
 import pytest
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import load_model
 
 from helpers import mlp_data, mlp_model, run_ort
@@ -83,7 +83,7 @@ def test_failed_write_keeps_the_previous_output_and_leaves_no_partial_file(tmp_p
 
 
 def test_an_invalid_result_is_never_written(tmp_path, monkeypatch):
-    q = sys.modules["fp8onnx.quantizer"]
+    q = sys.modules["fp8onnx.workflows.quantizer"]
     path, data = mlp_model(tmp_path / "m.onnx"), mlp_data(tmp_path / "d.npz")
 
     class Broken(q.InsertQDQPass):
@@ -205,8 +205,7 @@ def test_outputs_get_the_permissions_of_any_new_file(tmp_path, monkeypatch, exte
 def test_a_model_larger_than_memory_is_quantized_layer_by_layer(tmp_path, monkeypatch):
     """Weights over this machine's memory as a whole, but every tensor within it: refused only by a
     session that would load it whole (one sentence), quantized layer by layer."""
-    from fp8onnx import runtime
-    from fp8onnx.graph import model_io
+    from fp8onnx.graph import model_io, runtime
 
     path, data = mlp_model(tmp_path / "m.onnx", hidden=512), mlp_data(tmp_path / "d.npz")
     for module in (runtime, model_io):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, dequantize, parse_format, quantize, round_to_grid
 
 from helpers import run_ort, run_reference

@@ -9,10 +9,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
 from fp8onnx.pipeline import statistics
-from fp8onnx.runtime import RunOptions
 from fp8onnx.techniques.gptq import _column_blocks, _hessians, assembled
 from fp8onnx.techniques.gptq_rounding import _cholesky, _inverse_lower, gptq_factor, gptq_round, ordered, round_stacked
 

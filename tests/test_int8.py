@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.experiments.study import study_configs
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize, round_to_grid
 

@@ -73,8 +73,43 @@ def test_no_import_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name)
-    assert len(graph) > 30 and "accuracy.fallback" in graph["cli.quantize"]  # the scan sees the package
+    assert len(graph) > 30 and "workflows.fallback" in graph["cli.quantize"]  # the scan sees the package
     assert "passes.common" in graph["passes.instrument"]  # and passes/, relative imports included
+
+
+# docs/development.md's floors, bottom first: a module imports only from its own floor or lower ones.
+LAYERS = (
+    "base",  # errors, scratch folders, timings, progress, the version: no fp8onnx import
+    "numerics",  # float8 formats, scaling, the CUDA kernels' reference numerics
+    "passes",  # the graph rewrites (fp8onnx.passes)
+    "settings",  # what a run is asked (QuantizeConfig, presets, targets) and what it reports
+    "graph",  # the model: files, preparation, plans, placement, onnxruntime sessions
+    "data",  # calibration and evaluation data
+    "pipeline",  # running data through a model for statistics
+    "techniques",  # scales, GPTQ, smoothing, bias correction, the family's recipe
+    "accuracy",  # metrics, evaluation, sensitivity, compare, generation, plots
+    "workflows",  # quantize, quantize_folder, calibrate, inspect, the accuracy-target search
+    "experiments",  # study, zoo, FP8 training
+    "cli",  # the command line
+)
+
+
+def test_modules_sit_on_named_floors():
+    """The root is the library's face (``__init__`` alone); every other module sits on a floor of
+    LAYERS and imports nothing from a floor above its own."""
+    modules = _modules()
+    floors = {name: name.split(".")[0] for name in modules if name}
+    loose = sorted(name for name, floor in floors.items() if floor not in LAYERS)
+    assert loose == [], f"modules outside a named floor (docs/development.md): {loose}"
+    upward = sorted(
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        if name
+        for dep in _imports(name, path, modules)
+        if dep and LAYERS.index(floors[dep]) > LAYERS.index(floors[name])
+    )
+    assert upward == [], "imports from a higher floor: " + ", ".join(upward)
+    assert {p.name for p in ROOT.glob("*.py")} == {"__init__.py"}
 
 
 def test_graph_nodes_are_built_only_in_passes():

@@ -12,8 +12,8 @@ from test_activation_modes import FMAX, matmul, tokens
 from test_blocks import layer
 
 import fp8onnx
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.errors import Fp8OnnxError
 
 from helpers import run_ort, run_reference, sqnr_db
 

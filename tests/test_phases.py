@@ -6,8 +6,8 @@ import numpy as np
 from click.testing import CliRunner
 
 import fp8onnx
+from fp8onnx.base.phases import lap, phase, process_age, recording, table
 from fp8onnx.cli import main
-from fp8onnx.phases import lap, phase, process_age, recording, table
 
 from helpers import mlp_data, mlp_model
 

@@ -6,8 +6,8 @@ import onnx_ir as ir
 import pytest
 
 import fp8onnx
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.pipeline import executors, statistics
-from fp8onnx.runtime import RunOptions
 from fp8onnx.techniques import recipe
 
 from helpers import assert_same_histogram, mlp_data, mlp_model
@@ -163,7 +163,7 @@ def test_layer_by_layer_gptq_rounds_each_segment_as_it_ends(tmp_path, monkeypatc
     fp8onnx.quantize(path, tmp_path / "streamed" / "q.onnx", calib, **options)
     assert 0 < len({name for name, _ in early}) < 2 * 7 + 1 and early[-1][1] > 0  # sums dropped
     assert list(scratch.iterdir()) == []
-    monkeypatch.setattr(sys.modules["fp8onnx.quantizer"], "_settling", lambda *args: ({}, None))
+    monkeypatch.setattr(sys.modules["fp8onnx.workflows.quantizer"], "_settling", lambda *args: ({}, None))
     (tmp_path / "at_the_end").mkdir()
     fp8onnx.quantize(path, tmp_path / "at_the_end" / "q.onnx", calib, **options)
     for suffix in ("", ".data"):
@@ -186,7 +186,7 @@ def test_layer_by_layer_gptq_with_the_last_segment_rounded_when_written(tmp_path
     (tmp_path / "streamed").mkdir()
     report = fp8onnx.quantize(path, tmp_path / "streamed" / "q.onnx", calib, weight_memory=100_000)
     assert report.config["preset"] == "llm-weight-only" and report.config["weight_rounding"] == "gptq"
-    monkeypatch.setattr(sys.modules["fp8onnx.quantizer"], "_settling", lambda *args: ({}, None))
+    monkeypatch.setattr(sys.modules["fp8onnx.workflows.quantizer"], "_settling", lambda *args: ({}, None))
     (tmp_path / "at_the_end").mkdir()
     fp8onnx.quantize(path, tmp_path / "at_the_end" / "q.onnx", calib, weight_memory=100_000)
     for suffix in ("", ".data"):

@@ -5,9 +5,9 @@ import onnx
 import pytest
 
 import fp8onnx
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.settings.config import QuantizeConfig
 
 from helpers import SAMPLE, mlp_data, mlp_model, op_types, run_ort, run_reference, sqnr_db, sqnr_floor_db
 
@@ -105,7 +105,7 @@ def test_e3m4_is_emulated_and_labelled(mlp, tmp_path):
     ref = run_ort(onnx.load(path), {"x": x})[0]
     for run in (run_ort, run_reference):
         assert sqnr_db(ref, run(q, {"x": x})[0]) > sqnr_floor_db(Fp8Format.E3M4, quantized_tensors=4)
-    assert "SIMULATION" in __import__("fp8onnx.api", fromlist=["x"]).inspect_summary(
+    assert "SIMULATION" in __import__("fp8onnx.workflows.api", fromlist=["x"]).inspect_summary(
         fp8onnx.inspect(tmp_path / "q.onnx")
     )
 
@@ -308,7 +308,7 @@ def test_calib_and_stats_contradict_in_the_library_too(mlp, tmp_path):
 
 
 def test_first_line_of_an_exception_without_text():
-    from fp8onnx.errors import first_line
+    from fp8onnx.base.errors import first_line
 
     assert first_line(RuntimeError("")) == "RuntimeError"
     assert first_line(ValueError("\n\n  real cause\nmore")) == "real cause"
@@ -316,7 +316,7 @@ def test_first_line_of_an_exception_without_text():
 
 
 def test_recipe_choices_are_enums_that_read_as_their_names():
-    from fp8onnx.config import Activations, Precision
+    from fp8onnx.settings.config import Activations, Precision
 
     cfg = QuantizeConfig(activations="dynamic", precision="fp16", target="onnxruntime")
     assert cfg.activations is Activations.DYNAMIC and cfg.activations == "dynamic"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 
 from helpers import SAMPLE
 

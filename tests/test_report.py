@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.report import NodeReport, QuantizeReport, TensorReport, describe_config
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.settings.report import NodeReport, QuantizeReport, TensorReport, describe_config
 
 
 def _report(nodes, **kw):

@@ -7,8 +7,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from fp8onnx import runtime
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph import runtime
 
 from helpers import mlp_model
 
@@ -92,7 +92,7 @@ def test_median_latency_is_positive_and_runs_warmup_plus_runs():
 
 
 def test_run_options_validate_and_merge():
-    from fp8onnx.runtime import RunOptions
+    from fp8onnx.graph.runtime import RunOptions
 
     run = RunOptions.of(None, batch_size=4, provider="cpu")
     assert run == RunOptions(4, "cpu") and RunOptions.of(run, progress=True).batch_size == 4

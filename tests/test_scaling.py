@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
 from fp8onnx.numerics.scaling import SAFE_AMAX, Scaling, amax_to_scale, parse_scaling
 

@@ -10,13 +10,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.config import QuantizeConfig
 from fp8onnx.graph.plan import activation_tensors, plan
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.models.build_llama import build, write_data
 from fp8onnx.pipeline.calibration import collect_amax
 from fp8onnx.pipeline.segments import split
-from fp8onnx.runtime import RunOptions
+from fp8onnx.settings.config import QuantizeConfig
 
 from helpers import assert_same_histogram, assert_same_model, run_ort, sqnr_db
 
@@ -144,7 +144,7 @@ def test_a_full_temporary_folder_is_one_sentence(monkeypatch):
     """Tensors crossing a cut go to TMPDIR; when it is full the error says so and where."""
     import errno
 
-    from fp8onnx.errors import Fp8OnnxError
+    from fp8onnx.base.errors import Fp8OnnxError
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

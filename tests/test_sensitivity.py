@@ -9,10 +9,10 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.accuracy.fallback import sensitivity
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.runtime import make_session
+from fp8onnx.graph.runtime import make_session
+from fp8onnx.workflows.fallback import sensitivity
 
 from helpers import SAMPLE, sqnr_db
 

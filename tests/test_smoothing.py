@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format
 
 from helpers import run_ort, run_reference, sqnr_db, sqnr_floor_db

@@ -14,9 +14,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 tokenizers = pytest.importorskip("tokenizers")
 
+from fp8onnx.base.errors import Fp8OnnxError  # noqa: E402
 from fp8onnx.cli import main  # noqa: E402
 from fp8onnx.data import text  # noqa: E402
-from fp8onnx.errors import Fp8OnnxError  # noqa: E402
 
 VOCAB = 400
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]

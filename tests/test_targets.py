@@ -4,8 +4,8 @@ import onnx_ir as ir
 import pytest
 
 import fp8onnx
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.targets import check_tensorrt
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.settings.targets import check_tensorrt
 
 from helpers import SAMPLE, mlp_data, mlp_model
 
@@ -53,6 +53,6 @@ def test_check_names_what_tensorrt_would_reject(tmp_path):
     )
     problems = check_tensorrt(ir.load(tmp_path / "n.onnx"))
     assert len(problems) == 29 and all("onnxruntime-only" in p for p in problems)
-    assert "TensorRT: " in __import__("fp8onnx.api", fromlist=["x"]).inspect_summary(
+    assert "TensorRT: " in __import__("fp8onnx.workflows.api", fromlist=["x"]).inspect_summary(
         fp8onnx.inspect(tmp_path / "e5.onnx")
     )

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fp8onnx.errors import Fp8OnnxError  # noqa: E402
+from fp8onnx.base.errors import Fp8OnnxError  # noqa: E402
 from fp8onnx.experiments.training import FP8Linear, Recipe, fake_cast, swap_linear  # noqa: E402
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize  # noqa: E402
 from fp8onnx.numerics.scaling import Scaling, amax_to_scale  # noqa: E402

@@ -8,10 +8,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.experiments.zoo import find_models, zoo, zoo_configs
+from fp8onnx.settings.config import QuantizeConfig
 
 from helpers import SAMPLE, mlp_data, mlp_model
 

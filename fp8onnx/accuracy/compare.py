@@ -36,19 +36,19 @@ from fp8onnx.accuracy.evaluation import (
 )
 from fp8onnx.accuracy.generation import Generator, agreement
 from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.data.text import cache_sizes
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.family import detect_family
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
-from fp8onnx.passes import BLOCK_FP8_OP
-from fp8onnx.runtime import (
+from fp8onnx.graph.runtime import (
     RunOptions,
     make_session,
     resolve_provider,
 )
+from fp8onnx.passes import BLOCK_FP8_OP
+from fp8onnx.techniques.family import detect_family
 
 __all__ = ["GENERATE_PROMPTS", "GENERATE_TOKENS", "PROMPT_TOKENS", "compare"]
 

@@ -15,7 +15,7 @@ from fp8onnx.accuracy.metrics import (
     _to_json,
     accuracy_noise,
 )
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 
 logger = logging.getLogger(__name__)
 

@@ -16,19 +16,19 @@ import numpy as np
 
 from fp8onnx.accuracy.compare_results import _REFERENCE, _row
 from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score, labelled
-from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.base.progress import progress_bar
 from fp8onnx.graph.model_io import load_model
-from fp8onnx.passes import ConvertFloat16Pass
-from fp8onnx.pipeline.distributed import shared_pool
-from fp8onnx.pipeline.segments import Spill
-from fp8onnx.progress import progress_bar
-from fp8onnx.runtime import (
+from fp8onnx.graph.runtime import (
     RunOptions,
     make_session,
     portable_model,
     session_for_model,
     session_from_portable,
 )
+from fp8onnx.passes import ConvertFloat16Pass
+from fp8onnx.pipeline.distributed import shared_pool
+from fp8onnx.pipeline.segments import Spill
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def _evaluate_distributed(job: _Evaluation):
 
 
 def _worker_session(model, provider: str, what: str, disabled: tuple[str, ...], threads: int):
-    """A worker's session of a model given as a path, or as :func:`fp8onnx.runtime.portable_model`'s
+    """A worker's session of a model given as a path, or as :func:`fp8onnx.graph.runtime.portable_model`'s
     (graph, weights)."""
     options = {"arena": False, "threads": threads, "disabled_optimizers": disabled}
     if isinstance(model, tuple):
@@ -279,7 +279,7 @@ def _session(path, provider: str):
 
 def _fp16_session(ref_model, reference, provider: str, serialized: bool = False):
     """The FP16 baseline's session, or with ``serialized`` the baseline itself for workers
-    (:func:`fp8onnx.runtime.portable_model`)."""
+    (:func:`fp8onnx.graph.runtime.portable_model`)."""
     try:
         fp16_model = ConvertFloat16Pass()(ref_model.clone() if serialized else ref_model).model
     except Exception as exc:

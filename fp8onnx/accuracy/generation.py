@@ -4,7 +4,7 @@ One engine serves two jobs: the calibration data of every model of an export fol
 past sees the KV caches its own prefill wrote; the decoder of an encoder-decoder sees the encoder's
 real outputs), and generation fidelity in ``compare`` (tokens before the first divergence from FP32).
 
-The roles a model can play (see :mod:`fp8onnx.exports` for how a folder's files map to them):
+The roles a model can play (see :mod:`fp8onnx.workflows.exports` for how a folder's files map to them):
 
 - ``decoder``: token ids in, ``logits`` out; with ``past_key_values.*`` inputs it is also the decode
   step (onnxruntime-genai's model, Optimum's ``model.onnx`` with past), without them every step
@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.feeds import InputSpec
 from fp8onnx.data.text import past_shape
-from fp8onnx.errors import Fp8OnnxError
 
 __all__ = ["ROLES", "Generator", "agreement"]
 

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ scalars per batch; only those leave onnxruntime. The result is the SQNR of each 
 (low = sensitive), ranked.
 
 SQNR is a proxy: what a user cares about is the end metric, and a node's error can be amplified or
-absorbed downstream. :func:`fp8onnx.accuracy.fallback.sensitivity` (``fp8onnx sensitivity --eval``) checks
+absorbed downstream. :func:`fp8onnx.workflows.fallback.sensitivity` (``fp8onnx sensitivity --eval``) checks
 the ``refine`` lowest-SQNR nodes against held-out data, a layer above this one: one ``compare`` run
 scores the all-FP8 model and, per node, the model with only that node left in float
-(:class:`fp8onnx.accuracy.candidates.Candidates`); the gain in the headline metric (percentage points of
+(:class:`fp8onnx.workflows.candidates.Candidates`); the gain in the headline metric (percentage points of
 FP16's) then orders those nodes first (:meth:`SensitivityResult.order`), the rest by SQNR.
 
 Weights of a vocabulary-sized projection (an ``lm_head``: as many output channels as an embedding
@@ -32,15 +32,15 @@ import math
 import os
 
 from fp8onnx.accuracy.budget import Budget, budget_rows
-from fp8onnx.assign import activation_stats, assign_scales
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.runtime import RunOptions, resolve_provider
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.pipeline.statistics import measure
-from fp8onnx.runtime import RunOptions, resolve_provider
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.techniques.scales import activation_stats, assign_scales
 
 __all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
 
@@ -151,7 +151,7 @@ def measure_sensitivity(
     """Rank the nodes ``quantize`` would quantize (with ``config``, or ``options`` that build one) by
     the SQNR of their output when only they are in FP8: one pass over the data. Scales come from
     ``calib`` (or ``stats``); the measurement runs on ``data`` (default: the calibration data).
-    Scoring the lowest-SQNR nodes on an end metric is :func:`fp8onnx.accuracy.fallback.sensitivity`'s (it
+    Scoring the lowest-SQNR nodes on an end metric is :func:`fp8onnx.workflows.fallback.sensitivity`'s (it
     quantizes and evaluates whole models, a layer above this one). ``budget``: also the FP8 error budget of
     each node (:mod:`fp8onnx.accuracy.budget`: weight vs activation, range vs mantissa) in the same pass."""
     run_kw, options = RunOptions.split(options)

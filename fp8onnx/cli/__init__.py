@@ -17,9 +17,9 @@ import os
 import signal
 import sys
 
+from fp8onnx.base.scratch import drain
 from fp8onnx.cli import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
 from fp8onnx.cli.common import _STOPPED, main
-from fp8onnx.scratch import drain
 from fp8onnx_boot import note_stops
 
 __all__ = ["entry", "main"]

@@ -13,18 +13,18 @@ from typing import ClassVar
 import click
 from click.core import ParameterSource
 
-from fp8onnx import __version__
-from fp8onnx.config import (
+from fp8onnx.base.errors import Fp8OnnxError, printable
+from fp8onnx.base.progress import close_all
+from fp8onnx.base.scratch import drain
+from fp8onnx.base.version import __version__
+from fp8onnx.data.feeds import TextSource, is_text
+from fp8onnx.graph.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, RAY_TIMEOUT, WEIGHT_MEMORY, RunOptions
+from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.numerics.scaling import Scaling
+from fp8onnx.settings.config import (
     DEFAULT_OP_TYPES,
     PRECISIONS,
 )
-from fp8onnx.data.feeds import TextSource, is_text
-from fp8onnx.errors import Fp8OnnxError, printable
-from fp8onnx.numerics.formats import Fp8Format
-from fp8onnx.numerics.scaling import Scaling
-from fp8onnx.progress import close_all
-from fp8onnx.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, RAY_TIMEOUT, WEIGHT_MEMORY, RunOptions
-from fp8onnx.scratch import drain
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]
@@ -107,7 +107,7 @@ def _run(fn):
         except BaseException as exc:
             close_all()  # a bar the error left mid-way would share the message's line
             if isinstance(exc, KeyboardInterrupt):
-                drain()  # what the interrupted step had not removed yet (fp8onnx.scratch)
+                drain()  # what the interrupted step had not removed yet (fp8onnx.base.scratch)
             if isinstance(exc, Fp8OnnxError):
                 if debug:  # the error behind the sentence (onnxruntime's, protobuf's): ``from exc`` keeps it
                     traceback.print_exception(exc, file=sys.stderr)

@@ -11,7 +11,7 @@ import click
 from fp8onnx import compare as api_compare
 from fp8onnx import study as run_study
 from fp8onnx.accuracy.compare import GENERATE_PROMPTS, GENERATE_TOKENS
-from fp8onnx.accuracy.fallback import sensitivity as run_sensitivity
+from fp8onnx.accuracy.plots import compare_rows, sensitivity_bars
 from fp8onnx.accuracy.sensitivity import write_json
 from fp8onnx.cli.common import (
     _FORMATS,
@@ -32,13 +32,13 @@ from fp8onnx.cli.options import (
     run_options,
     weight_block_size_option,
 )
-from fp8onnx.config import (
-    ACTIVATION_MODES,
-)
 from fp8onnx.experiments.study import PLOT_FILES, write_outputs, write_plots
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.plots import compare_rows, sensitivity_bars
+from fp8onnx.settings.config import (
+    ACTIVATION_MODES,
+)
+from fp8onnx.workflows.fallback import sensitivity as run_sensitivity
 
 
 @main.command()

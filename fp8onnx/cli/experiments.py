@@ -9,6 +9,7 @@ import time
 
 import click
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli.common import (
     _FLOATS,
     _batch_size_option,
@@ -18,7 +19,6 @@ from fp8onnx.cli.common import (
     _workers_options,
     main,
 )
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.experiments.zoo import find_models, zoo_configs
 from fp8onnx.experiments.zoo import zoo as run_zoo
 from fp8onnx.experiments.zoo_results import write_outputs, write_plot

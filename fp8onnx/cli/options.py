@@ -1,7 +1,7 @@
 """Options declared once for every command that takes them: the ones that say which runtime a written model
 is for (``quantize``'s "Deployment target" group in --help), --metric, --weight-block-size; and how a
-command's parameters become the library's: the recipe options are :class:`~fp8onnx.config.QuantizeConfig`'s
-fields (:func:`recipe_options`), the runtime ones :class:`~fp8onnx.runtime.RunOptions` (:func:`run_options`)."""
+command's parameters become the library's: the recipe options are :class:`~fp8onnx.settings.config.QuantizeConfig`'s
+fields (:func:`recipe_options`), the runtime ones :class:`~fp8onnx.graph.runtime.RunOptions` (:func:`run_options`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import click
 
 from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.cli.common import _DEFAULT, _PARAM, _run_options
-from fp8onnx.config import FALLBACK_UNITS, GEMM_OPS, PRECISIONS, QuantizeConfig
-from fp8onnx.runtime import RunOptions
-from fp8onnx.targets import TARGETS
+from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.settings.config import FALLBACK_UNITS, GEMM_OPS, PRECISIONS, QuantizeConfig
+from fp8onnx.settings.targets import TARGETS
 
 __all__ = [
     "NOT_OPTIONS",

@@ -13,7 +13,9 @@ import click
 
 from fp8onnx import compare as api_compare
 from fp8onnx import quantize as api_quantize
-from fp8onnx.accuracy.fallback import quantize_to_target
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.phases import process_age
+from fp8onnx.base.phases import table as phases_table
 from fp8onnx.cli.common import (
     _FORMATS,
     _PARAM,
@@ -41,19 +43,17 @@ from fp8onnx.cli.options import (
     run_options,
     weight_block_size_option,
 )
-from fp8onnx.config import (
+from fp8onnx.graph.guard import check_paths, model_writes
+from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.settings.config import (
     ACTIVATION_MODES,
     EMBEDDING_MODES,
     PRESETS,
     WEIGHT_ROUNDINGS,
     QuantizeConfig,
 )
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.exports import quantize_folder
-from fp8onnx.graph.guard import check_paths, model_writes
-from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.phases import process_age
-from fp8onnx.phases import table as phases_table
+from fp8onnx.workflows.exports import quantize_folder
+from fp8onnx.workflows.fallback import quantize_to_target
 
 
 def _sections() -> dict[str, tuple[str, ...]]:

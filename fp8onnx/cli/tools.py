@@ -15,7 +15,9 @@ from fp8onnx import compare as api_compare
 from fp8onnx import convert_fp16
 from fp8onnx import inspect as api_inspect
 from fp8onnx import quantize as api_quantize
-from fp8onnx.api import inspect_summary
+from fp8onnx.accuracy.plots import scale_exponents
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.cli.common import (
     _FLOATS,
     _batch_memory_option,
@@ -31,10 +33,8 @@ from fp8onnx.cli.common import (
 )
 from fp8onnx.data.media import AudioOptions, ImageOptions
 from fp8onnx.data.sources import make_data
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
-from fp8onnx.plots import scale_exponents
-from fp8onnx.scratch import temporary_dir
+from fp8onnx.workflows.api import inspect_summary
 
 
 @main.command()

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError, printable
+from fp8onnx.base.errors import Fp8OnnxError, printable
 
 __all__ = ["LABELS", "Batch", "FeedData", "InputSpec", "NpzData", "input_specs"]
 

@@ -30,8 +30,8 @@ import pathlib
 
 import numpy as np
 
+from fp8onnx.base.errors import Fp8OnnxError, printable
 from fp8onnx.data.feeds import InputSpec
-from fp8onnx.errors import Fp8OnnxError, printable
 
 __all__ = ["AUDIO_SUFFIXES", "IMAGE_SUFFIXES", "AudioOptions", "ImageOptions", "audio_samples", "image_samples"]
 

@@ -15,6 +15,9 @@ import zipfile
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.progress import progress_bar
+from fp8onnx.base.scratch import make_dir, remove
 from fp8onnx.data import media
 from fp8onnx.data.feeds import LABELS, TEXT_SUFFIXES, Batch, InputSpec, input_specs
 from fp8onnx.data.media import AudioOptions, ImageOptions
@@ -30,11 +33,8 @@ from fp8onnx.data.text import (
     text_samples,
     vocabulary_size,
 )
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import check_paths, model_reads
 from fp8onnx.graph.model_io import SOURCE_META, load_model, model_file
-from fp8onnx.progress import progress_bar
-from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["DataSummary", "MediaData", "TextData", "make_data", "write_text_data"]
 

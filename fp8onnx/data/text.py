@@ -40,8 +40,8 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError, printable
 from fp8onnx.data.feeds import TEXT_SUFFIXES, InputSpec, input_specs
-from fp8onnx.errors import Fp8OnnxError, printable
 from fp8onnx.graph.model_io import SOURCE_META
 
 __all__ = [

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import pathlib
 
+from fp8onnx.base.scratch import make_dir
 from fp8onnx.data.feeds import TextSource
 from fp8onnx.graph.model_io import model_file
-from fp8onnx.scratch import make_dir
 
 __all__ = ["default_text_sample", "python_text_sample"]
 

@@ -9,9 +9,9 @@ is then evaluated in one ``compare`` pass over the data (the FP32 reference runs
 * static versus dynamic (per tensor, per token) activation scales, and weight-only FP8; per-tensor
   versus per-channel weight scales;
 * with ``techniques``: smoothing (alpha 0.5), GPTQ rounding, bias correction, their combinations
-  and the presets (:data:`~fp8onnx.config.PRESETS`) - each needs its own pass over the calibration
+  and the presets (:data:`~fp8onnx.settings.config.PRESETS`) - each needs its own pass over the calibration
   data (smoothing changes the activations; GPTQ needs X^T X), so they are opt-in;
-* the accuracy-target fallback to 99.5% and 99% of FP16 (:mod:`fp8onnx.accuracy.fallback`), searched on the
+* the accuracy-target fallback to 99.5% and 99% of FP16 (:mod:`fp8onnx.workflows.fallback`), searched on the
   first half of the evaluation batches (the calibration data rarely has the labels that make the
   headline metric) and reported, like every row, on all of them.
 
@@ -33,21 +33,21 @@ import pathlib
 
 import numpy as np
 
-from fp8onnx import plots
-from fp8onnx.accuracy.candidates import Candidates
+from fp8onnx.accuracy import plots
 from fp8onnx.accuracy.compare import compare
-from fp8onnx.accuracy.fallback import search
 from fp8onnx.accuracy.sensitivity import measure_sensitivity
-from fp8onnx.api import calibrate
-from fp8onnx.config import DEFAULT_OP_TYPES, PRESETS, QuantizeConfig
+from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import LABELS, input_specs
 from fp8onnx.graph.model_io import load_model, write_text_atomic
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.formats import Fp8Format
-from fp8onnx.quantizer import quantize
-from fp8onnx.report import QuantizeReport, describe_config
-from fp8onnx.runtime import RunOptions
-from fp8onnx.scratch import temporary_dir
+from fp8onnx.settings.config import DEFAULT_OP_TYPES, PRESETS, QuantizeConfig
+from fp8onnx.settings.report import QuantizeReport, describe_config
+from fp8onnx.workflows.api import calibrate
+from fp8onnx.workflows.candidates import Candidates
+from fp8onnx.workflows.fallback import search
+from fp8onnx.workflows.quantizer import quantize
 
 __all__ = ["StudyResult", "study", "study_configs", "technique_configs"]
 

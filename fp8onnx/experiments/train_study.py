@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 from fp8onnx.accuracy.compare import compare
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.accuracy.plots import pyplot, save_png
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.experiments.train_tasks import TASKS
 from fp8onnx.experiments.training import FP8Linear, Recipe, export, swap_linear
-from fp8onnx.plots import pyplot, save_png
-from fp8onnx.quantizer import quantize
+from fp8onnx.workflows.quantizer import quantize
 
 __all__ = ["TrainRun", "TrainStudy", "train_study"]
 

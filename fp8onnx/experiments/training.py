@@ -30,16 +30,16 @@ from collections.abc import Callable
 
 import torch
 
-from fp8onnx.assign import bias_overflows
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.graph.model_io import save_model
 from fp8onnx.graph.plan import plan
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling, amax_to_scale
 from fp8onnx.passes import InsertQDQPass, ShieldBiasPass, TensorQuant
-from fp8onnx.scratch import temporary_dir
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.techniques.scales import bias_overflows
 
 __all__ = ["FP8Linear", "Recipe", "deployed_scales", "export", "fake_cast", "swap_linear"]
 

@@ -16,7 +16,7 @@ holds ``model.onnx``, ``calib.npz`` and ``eval.npz``.
 A model may also have ``NAME.zoo.json`` beside it (or ``zoo.json`` in its folder): ``{"family":
 "segmentation", "metric": "pixel accuracy", "options": {"op_types": ["MatMul", "Gemm", "Conv",
 "ConvTranspose"]}}``: its task family (the pass rates are also counted per family) and
-:class:`~fp8onnx.config.QuantizeConfig` fields applied to every configuration of that model (e.g.
+:class:`~fp8onnx.settings.config.QuantizeConfig` fields applied to every configuration of that model (e.g.
 Conv and ConvTranspose opted in for a convolutional model).
 
 Each model is one unit of work: one calibration pass, its configurations quantized, and one
@@ -35,16 +35,16 @@ import pathlib
 import re
 
 from fp8onnx.accuracy.compare import compare
-from fp8onnx.api import calibrate
-from fp8onnx.config import PRESETS, QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.progress import progress_bar
+from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.experiments.study import _distinct, _run_config, study_configs
 from fp8onnx.experiments.zoo_results import ZooResult
 from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.pipeline.distributed import remote_tasks
-from fp8onnx.progress import progress_bar
-from fp8onnx.runtime import RunOptions
-from fp8onnx.scratch import temporary_dir
+from fp8onnx.settings.config import PRESETS, QuantizeConfig
+from fp8onnx.workflows.api import calibrate
 
 __all__ = ["ZooModel", "find_models", "zoo", "zoo_configs"]
 

@@ -10,8 +10,8 @@ import logging
 import os
 import pathlib
 
+from fp8onnx.accuracy.plots import pass_rates
 from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.plots import pass_rates
 
 logger = logging.getLogger(__name__)
 

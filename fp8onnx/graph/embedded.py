@@ -18,8 +18,8 @@ import logging
 import os
 import pathlib
 
-from fp8onnx.phases import phase
-from fp8onnx.scratch import scratch_folder
+from fp8onnx.base.phases import phase
+from fp8onnx.base.scratch import scratch_folder
 
 __all__ = ["EMBEDDED_BYTES", "externalize", "externalized"]
 
@@ -158,7 +158,7 @@ def externalize(path: str | os.PathLike, folder: str | os.PathLike) -> pathlib.P
 
 def externalized(path: pathlib.Path) -> pathlib.Path | None:
     """A copy of a single-file model larger than ``EMBEDDED_BYTES`` with its weights in a side file
-    (:func:`externalize`), in a temporary folder removed when the job ends (:mod:`fp8onnx.scratch`);
+    (:func:`externalize`), in a temporary folder removed when the job ends (:mod:`fp8onnx.base.scratch`);
     None to load it as it is (small, already with external data, or not a model this can walk)."""
     if path.stat().st_size <= EMBEDDED_BYTES:
         return None

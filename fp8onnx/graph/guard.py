@@ -15,7 +15,7 @@ import os
 import pathlib
 from collections.abc import Iterable
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 
 __all__ = [
     "as_path",

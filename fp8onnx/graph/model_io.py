@@ -18,13 +18,13 @@ from collections.abc import Callable
 import onnx
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.base.phases import phase
+from fp8onnx.base.scratch import held_signals, make_dir, make_file, remove
 from fp8onnx.graph.embedded import externalized
 from fp8onnx.graph.guard import side_file
+from fp8onnx.graph.runtime import inline_proto, machine_memory, make_session, weight_bytes
 from fp8onnx.passes.common import proto_graphs
-from fp8onnx.phases import phase
-from fp8onnx.runtime import inline_proto, machine_memory, make_session, weight_bytes
-from fp8onnx.scratch import held_signals, make_dir, make_file, remove
 
 __all__ = [
     "EXTERNAL_META",
@@ -251,7 +251,7 @@ def check_memory(model: ir.Model, path: pathlib.Path) -> None:
     """Refuse a model with a tensor larger than this machine's memory: no session can hold it, not
     even layer by layer (one node's weights are a segment's least). A model larger than memory as a
     whole is calibrated layer by layer; a session that would load it whole refuses it then
-    (:func:`fp8onnx.runtime.session_for_model`)."""
+    (:func:`fp8onnx.graph.runtime.session_for_model`)."""
     declared = largest = 0
     name = ""
     for graph in (model.graph, *model.graph.subgraphs()):

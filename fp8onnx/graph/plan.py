@@ -12,11 +12,11 @@ from collections.abc import Iterable
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from fp8onnx.config import SUPPORTED_OP_TYPES, QuantizeConfig
 from fp8onnx.passes import (
     is_quantized,
 )
-from fp8onnx.report import NodeReport
+from fp8onnx.settings.config import SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.settings.report import NodeReport
 
 __all__ = [
     "INTEGER_OPS",

@@ -9,8 +9,7 @@ import os
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from fp8onnx.config import SUPPORTED_OP_TYPES, check_precision
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.cpu_ep import BFLOAT16_MARK
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model
 from fp8onnx.graph.placement import no_cuda_kernel_in
@@ -23,6 +22,7 @@ from fp8onnx.passes import (
     UpgradeOpsetPass,
     default_opset,
 )
+from fp8onnx.settings.config import SUPPORTED_OP_TYPES, check_precision
 
 __all__ = ["Float16Unsupported", "prepare_model"]
 

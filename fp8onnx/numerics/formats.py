@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 
 __all__ = ["EMULATED_NOTE", "Fp8Format", "dequantize", "parse_format", "quantize", "round_to_grid"]
 

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, quantize
 from fp8onnx.numerics.histogram import LogHistogram
 

@@ -8,12 +8,12 @@ import logging
 
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.data.feeds import input_specs
-from fp8onnx.errors import Fp8OnnxError, first_line
-from fp8onnx.pipeline.segments import run_segmented
-from fp8onnx.runtime import (
+from fp8onnx.graph.runtime import (
     DEFAULT_BATCH,
 )
+from fp8onnx.pipeline.segments import run_segmented
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.graph.runtime import WEIGHT_MEMORY, RunOptions
 from fp8onnx.numerics.histogram import NUM_BINS, LogHistogram
 from fp8onnx.passes import release
 from fp8onnx.pipeline.statistics import Measured, Ranges, measure
-from fp8onnx.runtime import WEIGHT_MEMORY, RunOptions
 
 __all__ = ["WEIGHT_MEMORY", "Stats", "block_amax", "collect_amax", "ranges_stats", "weight_amax"]
 

@@ -23,9 +23,9 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
-from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.graph.runtime import RAY_TIMEOUT, check_ray, portable_model, worker_session
 from fp8onnx.pipeline.ray_cluster import cause, connect, lost_errors, threads_per_worker
-from fp8onnx.runtime import RAY_TIMEOUT, check_ray, portable_model, worker_session
 
 __all__ = [
     "RETRIES",
@@ -356,7 +356,7 @@ def fetch(session, outputs: list[str], feed: dict, reduce: Callable | None, what
 def statistics_pool(run, model, what: str) -> WorkerPool:
     """The shared pool of ``run``'s workers, each holding a session of ``model``: an instrumented
     ``ir.Model`` (a statistics graph: priority-based order, no arena), sent as
-    :func:`fp8onnx.runtime.portable_model`."""
+    :func:`fp8onnx.graph.runtime.portable_model`."""
     pool = shared_pool(run.workers, run.ray_address, run.ray_timeout)
     pool.load(portable_model(model, files=pool.local), worker_session, run.provider, what)
     return pool

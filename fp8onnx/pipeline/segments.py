@@ -26,11 +26,11 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.base.phases import phase
+from fp8onnx.base.scratch import make_dir, remove
+from fp8onnx.graph.runtime import make_session, open_weights, session_from_portable, weight_location
 from fp8onnx.passes import release
-from fp8onnx.phases import phase
-from fp8onnx.runtime import make_session, open_weights, session_from_portable, weight_location
-from fp8onnx.scratch import make_dir, remove
 
 __all__ = ["FEED_BYTES", "Segment", "Spill", "run_segmented", "split"]
 

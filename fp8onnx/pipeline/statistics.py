@@ -23,17 +23,17 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.phases import phase
 from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import input_specs
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.histogram import LogHistogram
 from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from fp8onnx.passes.common import keep_only_outputs
 from fp8onnx.passes.instrument import Reductions
-from fp8onnx.phases import phase
 from fp8onnx.pipeline.batching import _batched_inputs, _samples, auto_batch_size
 from fp8onnx.pipeline.executors import LayerByLayer, executor_for
-from fp8onnx.runtime import RunOptions
 
 __all__ = ["F32", "Measured", "Ranges", "Statistic", "Sums", "measure", "reduce_batch"]
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.scratch import scratch_folder
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.passes import TensorQuant
 from fp8onnx.passes.common import derived_tensor, reduction_size, release
 from fp8onnx.pipeline.statistics import F32, Sums
-from fp8onnx.scratch import scratch_folder
 from fp8onnx.techniques.base import Settled, Technique
 from fp8onnx.techniques.gptq_rounding import gptq_factor, ordered, restored, round_stacked
 

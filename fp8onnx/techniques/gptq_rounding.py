@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, round_to_grid
 
 __all__ = ["DAMP", "gptq_factor", "gptq_round", "round_stacked"]

@@ -14,12 +14,12 @@ import logging
 
 import onnx_ir as ir
 
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.pipeline.calibration import Stats, ranges_stats
 from fp8onnx.pipeline.statistics import Ranges, measure
-from fp8onnx.runtime import RunOptions
+from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.techniques.base import Technique, stored_values
 from fp8onnx.techniques.bias_correction import BiasCorrection
 from fp8onnx.techniques.gptq import GPTQ

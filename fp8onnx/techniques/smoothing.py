@@ -23,7 +23,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.passes.instrument import scaled
 from fp8onnx.pipeline.statistics import F32, Sums

@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--corpus", action="store_true", help="also every graph of the exporter corpus (tests/wild)")
     args = parser.parse_args()
     import fp8onnx
-    from fp8onnx.config import QuantizeConfig
+    from fp8onnx.settings.config import QuantizeConfig
 
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import fp8onnx
-from fp8onnx.accuracy.fallback import TargetNotMet, quantize_to_target
+from fp8onnx.workflows.fallback import TargetNotMet, quantize_to_target
 
 
 def ratio(model, candidate, data) -> float | None:

@@ -227,7 +227,7 @@ def _rss_gib(pid: int) -> float:
 
 def latency_ms(path: str, feed: dict, budget_s: float = 20.0) -> dict:
     """Median of up to 20 runs after one warm-up, as many as fit in ``budget_s`` (at least 3)."""
-    from fp8onnx.runtime import make_session, median_latency_ms
+    from fp8onnx.graph.runtime import make_session, median_latency_ms
 
     session = make_session(path, "cpu")
     t0 = time.perf_counter()

@@ -26,10 +26,10 @@ from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.graph.plan import candidate_activations
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.runtime import portable_model, session_from_portable
 from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from fp8onnx.passes.common import keep_only_outputs
 from fp8onnx.pipeline.calibration import _Running, summarize
-from fp8onnx.runtime import portable_model, session_from_portable
 
 
 def main() -> None:

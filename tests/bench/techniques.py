@@ -112,10 +112,10 @@ def size(path: pathlib.Path) -> int:
 
 def latency_ms(path, eval_data, batch: int = 4, repeat: int = 5) -> float:
     """Median onnxruntime CPU time of one batch of the eval data (``batch`` rows) after a warm-up run,
-    with the session options compare uses (fp8onnx.runtime.make_session)."""
+    with the session options compare uses (fp8onnx.graph.runtime.make_session)."""
     import numpy as np
 
-    from fp8onnx.runtime import make_session, median_latency_ms
+    from fp8onnx.graph.runtime import make_session, median_latency_ms
 
     session = make_session(str(path), "cpu")
     data = np.load(eval_data)

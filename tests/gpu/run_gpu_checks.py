@@ -200,7 +200,7 @@ def genai_checks(folders: dict, new_tokens: int = 48, prompts: int = 5) -> dict:
 
 
 def latency_ms(path, provider, feed, warmup=10, runs=50):
-    from fp8onnx.runtime import median_latency_ms
+    from fp8onnx.graph.runtime import median_latency_ms
 
     return median_latency_ms(session(runnable(path, provider), provider), feed, warmup=warmup, runs=runs)
 

@@ -14,8 +14,8 @@ import fp8onnx
 from fp8onnx.graph.cpu_ep import BFLOAT16_COMPUTE, cuda_only_ops, emulated
 from fp8onnx.graph.placement import no_cuda_kernel_in, placement_summary, predict_placement
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.runtime import make_session
 from fp8onnx.passes import ConvertFloat16Pass, EmulateBfloat16Pass
-from fp8onnx.runtime import make_session
 
 from helpers import SAMPLE, mlp_model, run_reference, sqnr_db
 

@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
-from fp8onnx.gemm_float8_ref import matmul_block_quantized_fp8_weight as reference
+from fp8onnx.graph.runtime import make_session
+from fp8onnx.numerics.gemm_float8_ref import matmul_block_quantized_fp8_weight as reference
 from fp8onnx.passes import BLOCK_FP8_OP, EmulateBlockFp8MatMulPass
-from fp8onnx.runtime import make_session
 
 from helpers import SAMPLE, run_ort, run_reference, sqnr_db, summation_tolerance
 

@@ -30,8 +30,8 @@ def test_fp16_idempotent(tmp_path):
 
 def test_weights_in_external_data_are_converted_lazily_and_identically(tmp_path):
     """A model whose weights stay in their side file converts to exactly what the in-memory one does."""
+    from fp8onnx.graph.runtime import session_for_model
     from fp8onnx.models.build_llama import build
-    from fp8onnx.runtime import session_for_model
 
     path = build(tmp_path / "tiny", layers=1, dim=64, heads=4, ffn=160, vocab=300)
     lazy = ConvertFloat16Pass()(ir.load(path)).model

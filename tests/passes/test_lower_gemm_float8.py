@@ -7,7 +7,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 import fp8onnx
-from fp8onnx.gemm_float8_ref import gemm_float8
+from fp8onnx.numerics.gemm_float8_ref import gemm_float8
 from fp8onnx.passes import LowerGemmFloat8Pass
 
 from helpers import SAMPLE, op_types, run_ort, sqnr_db

@@ -174,8 +174,8 @@ def runtime_generate(kind: str, folder: pathlib.Path) -> np.ndarray:
 def engine_generate(folder: pathlib.Path) -> np.ndarray:
     from fp8onnx.accuracy.generation import Generator, start_token
     from fp8onnx.data.text import cache_sizes
-    from fp8onnx.exports import describe_export
-    from fp8onnx.runtime import make_session
+    from fp8onnx.graph.runtime import make_session
+    from fp8onnx.workflows.exports import describe_export
 
     export = describe_export(folder)
     plan = export.plans()[-1]  # the merged decoder where there is one, as Optimum loads it
@@ -316,7 +316,7 @@ def test_feed_layout_with_empty_kv_caches_quantizes_the_genai_decoder(exported, 
     kind, folder, _ = exported
     if kind != "genai":
         pytest.skip("the genai decoder's layout")
-    from fp8onnx.runtime import make_session
+    from fp8onnx.graph.runtime import make_session
 
     session = make_session(folder / "model.onnx", "cpu")
     ids = np.random.default_rng(SEED).integers(3, VOCAB, (6, 2, 16))

@@ -235,7 +235,7 @@ def test_a_merged_decoder_at_fp16_is_one_sentence_and_the_cuda_target_keeps_floa
     reading the same outer values): --precision fp16 says so; --target onnxruntime-cuda, which only
     implied fp16, keeps the graph float32 with Casts around its fast-form ops."""
     import fp8onnx
-    from fp8onnx.errors import Fp8OnnxError
+    from fp8onnx.base.errors import Fp8OnnxError
 
     if not available("hf-gpt2-merged"):
         pytest.skip("needs the [wild] extra")

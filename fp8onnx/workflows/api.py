@@ -11,19 +11,19 @@ import pathlib
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data
-from fp8onnx.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
 from fp8onnx.graph.placement import placement_summary, predict_placement
 from fp8onnx.graph.plan import candidate_activations, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.runtime import RunOptions, resolve_provider
 from fp8onnx.numerics.formats import EMULATED_NOTE, format_of
 from fp8onnx.passes import BLOCK_FP8_OP, ConvertFloat16Pass
 from fp8onnx.pipeline.calibration import Stats, collect_amax
-from fp8onnx.report import describe_config
-from fp8onnx.runtime import RunOptions, resolve_provider
-from fp8onnx.targets import check_tensorrt
+from fp8onnx.settings.report import describe_config
+from fp8onnx.settings.targets import check_tensorrt
 
 __all__ = ["calibrate", "convert_fp16", "inspect"]
 

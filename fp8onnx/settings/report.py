@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from fp8onnx import __version__
+from fp8onnx.base.version import __version__
 from fp8onnx.numerics.formats import EMULATED_NOTE
 
 __all__ = ["FolderReport", "NodeReport", "QuantizeReport", "TensorReport", "describe_config"]
@@ -111,7 +111,7 @@ class QuantizeReport:
     runtime_checked: str | None = "cpu"  # the EP the output was loaded on before writing (None: none)
     fast_form: dict | None = None  # --gemm-op block-fp8: {op, w8a8: [...], w8a16: [...], kept_qdq: {node: why}}
     target_problems: list[str] = dataclasses.field(default_factory=list)  # what --target would reject
-    phases: list[dict] = dataclasses.field(default_factory=list)  # wall seconds per phase (fp8onnx.phases)
+    phases: list[dict] = dataclasses.field(default_factory=list)  # wall seconds per phase (fp8onnx.base.phases)
     family: dict | None = None  # --preset auto: the model family seen, why, and the preset applied
 
     @property

@@ -17,12 +17,12 @@ import pathlib
 
 from fp8onnx.accuracy.compare import compare
 from fp8onnx.accuracy.evaluation import ReferenceRun
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.scratch import make_dir, remove
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.quantizer import quantize
-from fp8onnx.runtime import RunOptions
-from fp8onnx.scratch import make_dir, remove
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.workflows.quantizer import quantize
 
 __all__ = ["Candidates"]
 

@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.model_io import write_bytes_atomic
 
 __all__ = ["compare_rows", "constant_window", "pass_rates", "pyplot", "save_png", "scale_exponents", "sensitivity_bars"]

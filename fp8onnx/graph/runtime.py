@@ -21,7 +21,7 @@ import onnx_ir as ir
 import onnx_ir.external_data
 import onnxruntime as ort
 
-from fp8onnx.errors import Fp8OnnxError, first_line
+from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.cpu_ep import cuda_only_ops, emulated, float16_conv
 
 __all__ = [

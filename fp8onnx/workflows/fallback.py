@@ -6,7 +6,7 @@ lowest-SQNR nodes are re-ordered by their measured end-metric gain), the statist
 calibration. The all-FP8 model is scored first; if it misses the target, candidates keeping the
 first 1, 2, 4 nodes in float are scored in one ``compare`` run, then 8, 16, ... up to the budget in
 another if none passed
-(:class:`fp8onnx.accuracy.candidates.Candidates`); the smallest count that meets the target is narrowed
+(:class:`fp8onnx.workflows.candidates.Candidates`); the smallest count that meets the target is narrowed
 down between the last failing and the first passing count. A count counts as passing only if every
 larger count tried passes too: the headline metric is not monotone in the number of float nodes,
 and a count that passes while a larger one fails met the target by the noise of the evaluation
@@ -22,18 +22,18 @@ import json
 import logging
 import os
 
-from fp8onnx.accuracy.candidates import Candidates
 from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_sensitivity
-from fp8onnx.config import QuantizeConfig
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.family import detect_family
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.prepare import prepare_model
+from fp8onnx.graph.runtime import RunOptions, resolve_provider
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.report import QuantizeReport
-from fp8onnx.runtime import RunOptions, resolve_provider
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.settings.report import QuantizeReport
+from fp8onnx.techniques.family import detect_family
+from fp8onnx.workflows.candidates import Candidates
 
 __all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
 

@@ -9,10 +9,10 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from fp8onnx.config import QuantizeConfig
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph.guard import as_path
 from fp8onnx.graph.plan import Decision, in_main_graph
+from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, amax_to_scales, clipping_amax
 from fp8onnx.passes import (
     TensorQuant,
@@ -21,8 +21,8 @@ from fp8onnx.passes import (
 )
 from fp8onnx.pipeline.calibration import Stats, block_amax, ranges_stats, weight_amax
 from fp8onnx.pipeline.statistics import Ranges, measure
-from fp8onnx.report import TensorReport
-from fp8onnx.runtime import RunOptions
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.settings.report import TensorReport
 
 __all__ = [
     "activation_quant",

@@ -1,9 +1,9 @@
 """The presets (the measured best settings per model family) and the bundles of settings an option
-stands for (``--format mxfp8``), as :class:`~fp8onnx.config.QuantizeConfig` fields."""
+stands for (``--format mxfp8``), as :class:`~fp8onnx.settings.config.QuantizeConfig` fields."""
 
 from __future__ import annotations
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling
 

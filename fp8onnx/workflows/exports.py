@@ -40,18 +40,18 @@ import numpy as np
 import onnx
 
 from fp8onnx.accuracy.generation import Generator, start_token
-from fp8onnx.config import QuantizeConfig
+from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.base.scratch import make_dir, remove
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import InputSpec, TextSource, is_text
 from fp8onnx.data.text import cache_sizes
 from fp8onnx.data.text_sample import python_text_sample
-from fp8onnx.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
-from fp8onnx.quantizer import quantize
-from fp8onnx.report import FolderReport
-from fp8onnx.runtime import RunOptions, make_session
-from fp8onnx.scratch import make_dir, remove
+from fp8onnx.graph.runtime import RunOptions, make_session
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.settings.report import FolderReport
+from fp8onnx.workflows.quantizer import quantize
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 

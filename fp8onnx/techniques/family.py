@@ -28,10 +28,10 @@ import re
 
 import onnx_ir as ir
 
-from fp8onnx.config import PRESETS
 from fp8onnx.data.text import PAST as _PAST
 from fp8onnx.data.text import vocabulary_size
 from fp8onnx.graph.plan import vocabulary_projections
+from fp8onnx.settings.config import PRESETS
 
 __all__ = ["Family", "detect_family"]
 

@@ -7,11 +7,11 @@ import dataclasses
 import enum
 import logging
 
-from fp8onnx.errors import Fp8OnnxError
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, parse_format
 from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
-from fp8onnx.presets import PRESETS, bundled, overruled
-from fp8onnx.targets import TARGETS
+from fp8onnx.settings.presets import PRESETS, bundled, overruled
+from fp8onnx.settings.targets import TARGETS
 
 __all__ = [
     "ACTIVATION_MODES",
@@ -74,7 +74,7 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"
 
 
-# Which runtime's rules the output must meet (the names are fp8onnx.targets').
+# Which runtime's rules the output must meet (the names are fp8onnx.settings.targets').
 Target = enum.Enum("Target", {name.upper(): name for name in TARGETS}, type=str)
 ACTIVATION_MODES = tuple(a.value for a in Activations)
 

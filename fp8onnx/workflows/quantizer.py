@@ -2,9 +2,9 @@
 check and write the model. ``quantize()`` is what ``fp8onnx quantize`` calls.
 
 Each step lives in its own module, so that changing one rule means opening one small file:
-:mod:`~fp8onnx.config` (the recipe and which options go together), :mod:`~fp8onnx.graph.prepare` (graph
+:mod:`~fp8onnx.settings.config` (the recipe and which options go together), :mod:`~fp8onnx.graph.prepare` (graph
 preparation), :mod:`~fp8onnx.graph.plan` (per node: the inputs to quantize, or why not),
-:mod:`~fp8onnx.assign` (scales, and onnxruntime's bias workarounds), :mod:`fp8onnx.passes` (the only
+:mod:`~fp8onnx.techniques.scales` (scales, and onnxruntime's bias workarounds), :mod:`fp8onnx.passes` (the only
 code that rewrites the graph).
 """
 
@@ -16,28 +16,19 @@ import logging
 import os
 import pathlib
 
-from fp8onnx import __version__
 from fp8onnx.accuracy.sensitivity import measure_sensitivity
-from fp8onnx.assign import (
-    activation_ranges,
-    assign_scales,
-    bias_overflows,
-    check_calibration_source,
-    describe_source,
-    keep_conv_bias_in_int32_range,
-    tensor_report,
-    weight_quant,
-)
-from fp8onnx.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.phases import current_phases, lap, recording
+from fp8onnx.base.scratch import scratch
+from fp8onnx.base.version import __version__
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.data.text_sample import default_text_sample
-from fp8onnx.errors import Fp8OnnxError
-from fp8onnx.family import detect_family
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
+from fp8onnx.graph.runtime import RunOptions, make_session, resolve_provider, weight_bytes
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
     BlockFp8MatMulPass,
@@ -47,13 +38,22 @@ from fp8onnx.passes import (
     ShieldBiasPass,
     block_fp8_reason,
 )
-from fp8onnx.phases import current_phases, lap, recording
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.report import NodeReport, QuantizeReport
-from fp8onnx.runtime import RunOptions, make_session, resolve_provider, weight_bytes
-from fp8onnx.scratch import scratch
-from fp8onnx.targets import check_tensorrt
+from fp8onnx.settings.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.settings.report import NodeReport, QuantizeReport
+from fp8onnx.settings.targets import check_tensorrt
+from fp8onnx.techniques.family import detect_family
 from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_for
+from fp8onnx.techniques.scales import (
+    activation_ranges,
+    assign_scales,
+    bias_overflows,
+    check_calibration_source,
+    describe_source,
+    keep_conv_bias_in_int32_range,
+    tensor_report,
+    weight_quant,
+)
 
 __all__ = [
     "DEFAULT_OP_TYPES",
@@ -87,11 +87,11 @@ def quantize(
 
     ``calib`` is a ``.npz`` file, a folder of them, or an iterable of feed dicts; ``stats`` a
     statistics file from :func:`fp8onnx.calibrate` (or a :class:`Stats`) used instead of running
-    calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.runtime.RunOptions`: batch size,
+    calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.graph.runtime.RunOptions`: batch size,
     provider, weight budget, progress); a model with more than ``run.weight_memory`` bytes of weights
     is calibrated layer by layer (see :mod:`fp8onnx.pipeline.segments`). Keyword ``options`` are RunOptions
     fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields and ``preset``
-    (default ``"auto"``: the model family's recipe, :mod:`fp8onnx.family`, under the fields given;
+    (default ``"auto"``: the model family's recipe, :mod:`fp8onnx.techniques.family`, under the fields given;
     ``"none"``: plain per-tensor static amax).
 
     Without ``calib``, a recipe that needs data (static activation scales, GPTQ, smoothing, bias
