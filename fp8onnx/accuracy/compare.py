@@ -101,31 +101,10 @@ def compare(
     if metric not in METRICS:
         raise Fp8OnnxError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}.")
     classes = class_outputs(ref_model) | ({out_names[0]} if metric == "top1" else set())
-    # name -> (path or None, builder of its session); checked up front, before the long runs
-    models: dict[str, tuple[str | None, Callable[[], object]]] = {}
-    if fp16:
-        models["FP16"] = (None, lambda **kw: _fp16_session(ref_model, reference, provider, **kw))
-    for cand, name in zip(candidates, named):
-        theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
-        while name in models or name == _REFERENCE:
-            name += "'"
-        if theirs != out_names:
-            raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
-        models[name] = (str(cand), functools.partial(_session, cand, provider))
-    source = as_data(data, input_specs(ref_model), ref_model)
-    token_input = _next_token_input(ref_model)
-    if token_input is not None:
-        source = _NextTokenLabels(source, token_input)
-    total = source.count_batches(batch_size)
-    if max_samples is not None and total is not None:
-        total = min(total, -(-max_samples // batch_size))
+    models = _models(ref_model, reference, zip(candidates, named), provider, fp16)
+    source, total = _source(data, ref_model, batch_size, max_samples)
 
-    notes = [
-        f"{name}: {', '.join(ops)} emulated on the CPU EP (standard ops with the CUDA kernels' numerics"
-        + ("; the GPU decode path for M <= 8 rows rounds once less)" if BLOCK_FP8_OP in ops else ")")
-        for name, (path, _) in models.items()
-        if path and provider == "cpu" and (ops := cuda_only_ops(path))
-    ]
+    notes = _emulation_notes(models, provider)
     job = _Evaluation(
         reference,
         models,
@@ -153,16 +132,48 @@ def compare(
     generation = None
     if generate and _is_language_model(ref_model):
         generation = _generation(reference, models, rows, source, generate, prompts, provider, notes)
-    return CompareResult(
-        str(reference),
-        str(data) if isinstance(data, (str, os.PathLike)) else "feeds",
-        samples,
-        batches,
-        provider,
-        rows,
-        notes,
-        generation,
-    )
+    named_data = str(data) if isinstance(data, (str, os.PathLike)) else "feeds"
+    return CompareResult(str(reference), named_data, samples, batches, provider, rows, notes, generation)
+
+
+def _models(ref_model, reference, candidates, provider: str, fp16: bool) -> dict:
+    """name -> (path or None, builder of its session): FP16 (unless ``fp16`` is False), then each
+    (candidate, name), a repeated name primed; every candidate loaded and its outputs checked here,
+    before the long runs."""
+    out_names = [v.name for v in ref_model.graph.outputs]
+    models: dict[str, tuple[str | None, Callable[[], object]]] = {}
+    if fp16:
+        models["FP16"] = (None, lambda **kw: _fp16_session(ref_model, reference, provider, **kw))
+    for cand, name in candidates:
+        theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
+        while name in models or name == _REFERENCE:
+            name += "'"
+        if theirs != out_names:
+            raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
+        models[name] = (str(cand), functools.partial(_session, cand, provider))
+    return models
+
+
+def _source(data, ref_model, batch_size: int, max_samples: int | None):
+    """(the data source, its batch count or None): a language model's data gets next-token labels."""
+    source = as_data(data, input_specs(ref_model), ref_model)
+    token_input = _next_token_input(ref_model)
+    if token_input is not None:
+        source = _NextTokenLabels(source, token_input)
+    total = source.count_batches(batch_size)
+    if max_samples is not None and total is not None:
+        total = min(total, -(-max_samples // batch_size))
+    return source, total
+
+
+def _emulation_notes(models: dict, provider: str) -> list[str]:
+    """A note for each model whose CUDA-only ops run emulated on the CPU EP."""
+    return [
+        f"{name}: {', '.join(ops)} emulated on the CPU EP (standard ops with the CUDA kernels' numerics"
+        + ("; the GPU decode path for M <= 8 rows rounds once less)" if BLOCK_FP8_OP in ops else ")")
+        for name, (path, _) in models.items()
+        if path and provider == "cpu" and (ops := cuda_only_ops(path))
+    ]
 
 
 def _next_token_input(model) -> str | None:

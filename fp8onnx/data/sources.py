@@ -166,33 +166,8 @@ def make_data(
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
     path = model_file(model)
-    if not path.is_file():
-        raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
-    if not pathlib.Path(source).exists():
-        raise Fp8OnnxError(f"Data source {str(source)!r} does not exist.")
     out = pathlib.Path(output)
-    if out.suffix != ".npz":
-        raise Fp8OnnxError(f"Output {str(out)!r} must end in .npz.")
-    reads = model_reads("the model", path) + [("the data source", source)]
-    check_paths(reads + ([("the tokenizer", tokenizer)] if tokenizer else []), [("the data file", out)])
-    kind = "text" if pathlib.Path(source).suffix.lower() in TEXT_SUFFIXES else media.kind_of(source)
-    if kind is None:
-        raise Fp8OnnxError(
-            f"Data source {str(source)!r} is not a text file (.txt, .jsonl), images "
-            f"({', '.join(media.IMAGE_SUFFIXES[:4])}, ...) or audio ({', '.join(media.AUDIO_SUFFIXES)}), "
-            "nor a folder of them."
-        )
-    if kind == "text" and tokenizer is None:  # like quantize: the one beside the model (in its folder)
-        if not (path.parent / "tokenizer.json").is_file():
-            raise Fp8OnnxError(
-                f"No tokenizer for {str(source)!r}: pass --tokenizer tokenizer.json "
-                "(or keep the model's tokenizer.json beside it)."
-            )
-        tokenizer = path.parent / "tokenizer.json"
-    if not out.resolve().parent.is_dir():
-        raise Fp8OnnxError(f"Output folder {str(out.resolve().parent)!r} does not exist.")
-    if max_samples is not None and (isinstance(max_samples, bool) or max_samples < 1):
-        raise Fp8OnnxError(f"--max-samples must be a positive integer, got {max_samples!r}.")
+    kind, tokenizer = _checked_sources(path, source, out, tokenizer, max_samples)
     bar = (
         (lambda it: progress_bar(it, total=max_samples, desc="samples", unit="sample", enable=True))
         if progress
@@ -215,6 +190,39 @@ def make_data(
             summary.filled[LABELS] = "the index of each image's subfolder (its class), in name order"
     logger.info("%s", "; ".join(summary.lines()))
     return summary
+
+
+def _checked_sources(path: pathlib.Path, source, out: pathlib.Path, tokenizer, max_samples) -> tuple[str, object]:
+    """(the source's kind: text, image or audio; the tokenizer for text, by default the one beside the
+    model) once every input exists, the output is an .npz in an existing folder and no output lands on
+    a file the run reads."""
+    if not path.is_file():
+        raise Fp8OnnxError(f"Model file {str(path)!r} does not exist.")
+    if not pathlib.Path(source).exists():
+        raise Fp8OnnxError(f"Data source {str(source)!r} does not exist.")
+    if out.suffix != ".npz":
+        raise Fp8OnnxError(f"Output {str(out)!r} must end in .npz.")
+    reads = model_reads("the model", path) + [("the data source", source)]
+    check_paths(reads + ([("the tokenizer", tokenizer)] if tokenizer else []), [("the data file", out)])
+    kind = "text" if pathlib.Path(source).suffix.lower() in TEXT_SUFFIXES else media.kind_of(source)
+    if kind is None:
+        raise Fp8OnnxError(
+            f"Data source {str(source)!r} is not a text file (.txt, .jsonl), images "
+            f"({', '.join(media.IMAGE_SUFFIXES[:4])}, ...) or audio ({', '.join(media.AUDIO_SUFFIXES)}), "
+            "nor a folder of them."
+        )
+    if kind == "text" and tokenizer is None:  # like quantize: the one beside the model (in its folder)
+        if not (path.parent / "tokenizer.json").is_file():
+            raise Fp8OnnxError(
+                f"No tokenizer for {str(source)!r}: pass --tokenizer tokenizer.json "
+                "(or keep the model's tokenizer.json beside it)."
+            )
+        tokenizer = path.parent / "tokenizer.json"
+    if not out.resolve().parent.is_dir():
+        raise Fp8OnnxError(f"Output folder {str(out.resolve().parent)!r} does not exist.")
+    if max_samples is not None and (isinstance(max_samples, bool) or max_samples < 1):
+        raise Fp8OnnxError(f"--max-samples must be a positive integer, got {max_samples!r}.")
+    return kind, tokenizer
 
 
 class MediaData:

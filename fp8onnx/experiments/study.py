@@ -218,25 +218,8 @@ def study(
         result = compare(model, unique, data, max_samples=max_samples, generate=0, memory=False, metric=metric, run=run)
     by_file = {r.name: r for r in result.rows}
     by_file.update({name: by_file[first] for name, first in same_as.items()})
-    rows = []
-    for i, (label, (group, config, _)) in enumerate(reports.items()):
-        r = by_file[f"{i}.onnx"]
-        first_out = next(iter(r.outputs.values()))
-        rows.append(
-            StudyRow(
-                label,
-                group,
-                config.to_json(),
-                r.headline,
-                r.value,
-                r.ratio_to_fp16,
-                r.rel_loss_vs_fp16,
-                r.passes_llm,
-                r.passes_ptq,
-                first_out["cosine_mean"],
-                config.emulated,
-            )
-        )
+    listed = enumerate(reports.items())
+    rows = [_row(label, group, config, by_file[f"{i}.onnx"]) for i, (label, (group, config, _)) in listed]
     rows.sort(key=lambda r: -math.inf if r.value is None else r.value, reverse=True)
     unique = {t.name: t for n in first.quantized for t in n.tensors if isinstance(t.scale, float)}
     scales = {"weights": [], "activations": []}
@@ -252,6 +235,24 @@ def study(
         rows[0].metric if rows else "",
         rows,
         scales,
+    )
+
+
+def _row(label: str, group: str, config: QuantizeConfig, r) -> StudyRow:
+    """A configuration's line of the study from its compare row ``r``."""
+    cosine = next(iter(r.outputs.values()))["cosine_mean"]
+    return StudyRow(
+        label,
+        group,
+        config.to_json(),
+        r.headline,
+        r.value,
+        r.ratio_to_fp16,
+        r.rel_loss_vs_fp16,
+        r.passes_llm,
+        r.passes_ptq,
+        cosine,
+        config.emulated,
     )
 
 

@@ -202,13 +202,7 @@ def train_study(
     if steps < 2:
         raise Fp8OnnxError(f"--steps must be at least 2, got {steps}.")
     spec = TASKS[task]()
-    plan = [("fp32", "fp32", None, None, s) for s in seeds] + [("bf16", "bf16", None, None, s) for s in seeds]
-    plan += [("fp8-amax", "fp8-amax", None, Recipe("amax", margin=margin), s) for s in seeds]
-    plan += [
-        (f"fp8-cscale 2^{int(math.log2(c))}", "fp8-cscale", c, Recipe("cscale", scale=c, grad_scale=c * grad_ratio), s)
-        for c in scales
-        for s in seeds
-    ]
+    plan = _runs(seeds, scales, grad_ratio, margin)
     start = time.perf_counter()
     runs: list[TrainRun] = []
     fp32: dict[int, tuple[float, float]] = {}  # seed -> (held-out loss, metric) of its FP32 run
@@ -232,26 +226,27 @@ def train_study(
         if ref_loss is not None:
             converged = bool(math.isfinite(tail) and tail <= ref_loss * (1 + CONVERGED))
         ratio = metric / ref_metric if metric is not None and ref_metric else None
-        runs.append(
-            TrainRun(
-                label,
-                precision,
-                scale,
-                seed,
-                losses,
-                eval_loss if math.isfinite(eval_loss) else None,
-                metric,
-                ratio,
-                converged,
-                time.perf_counter() - t0,
-                biases,
-            )
-        )
+        held_out = eval_loss if math.isfinite(eval_loss) else None
+        took = time.perf_counter() - t0
+        runs.append(TrainRun(label, precision, scale, seed, losses, held_out, metric, ratio, converged, took, biases))
         logger.info("train-study: %s seed %d: eval loss %s, %s", label, seed, eval_loss, metric)
     result = TrainStudy(task, steps, spec[4], runs)
     if deploy is not None and len(kept) == 2:
         result.deployed = _deploy(spec, kept["fp32"], kept["fp8-amax"], deploy)
     return result
+
+
+def _runs(seeds, scales, grad_ratio: float, margin: int) -> list[tuple]:
+    """The study's runs in order, each (label, precision, constant scale, FP8 recipe, seed): FP32, BF16,
+    FP8-AMAX, then FP8-CSCALE at each constant scale, every one for each seed."""
+    plan = [("fp32", "fp32", None, None, s) for s in seeds] + [("bf16", "bf16", None, None, s) for s in seeds]
+    plan += [("fp8-amax", "fp8-amax", None, Recipe("amax", margin=margin), s) for s in seeds]
+    plan += [
+        (f"fp8-cscale 2^{int(math.log2(c))}", "fp8-cscale", c, Recipe("cscale", scale=c, grad_scale=c * grad_ratio), s)
+        for c in scales
+        for s in seeds
+    ]
+    return plan
 
 
 def _deploy(spec, fp32_model, fp8_model, folder) -> dict:

@@ -24,10 +24,13 @@ Every layer records its scale biases (``-log2(scale)``) per step for the study's
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import math
+import pathlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from fp8onnx.base.errors import Fp8OnnxError
@@ -225,22 +228,11 @@ def export(
     a float copy (torch's TorchScript exporter), prepared as ``fp8onnx quantize`` prepares models
     (opset 21, weight transforms folded), and each layer's MatMul/Gemm found by its weight's values.
     Returns the deployed scales per layer name. Everything else stays in float."""
-    import copy
-    import pathlib
-
-    import numpy as np
-
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
     if not layers:
         raise Fp8OnnxError("The model has no FP8Linear layer to deploy (swap_linear first).")
     deployed = {name: deployed_scales(m) for name, m in layers.items()}
-    plain = copy.deepcopy(model)
-    for module in list(plain.modules()):
-        for attr, sub in list(module.named_children()):
-            if isinstance(sub, FP8Linear):
-                linear = torch.nn.Linear(sub.in_features, sub.out_features, sub.bias is not None, device="meta")
-                linear.weight, linear.bias = sub.weight, sub.bias
-                setattr(module, attr, linear)
+    plain = _float_copy(model)
     weights = {name: m.weight.detach().float().numpy() for name, m in layers.items()}
     with temporary_dir("fp8onnx-train-") as tmp:
         raw = pathlib.Path(tmp) / "float.onnx"
@@ -258,8 +250,37 @@ def export(
             )
         ir_model, _, _ = prepare_model(raw)
     decisions, _ = plan(ir_model, QuantizeConfig())
-    chosen, quant = [], {}
-    found = set()
+    chosen, quant, found = _by_weight(decisions, weights, deployed)
+    missing = sorted(set(layers) - found)
+    if missing:
+        raise Fp8OnnxError(f"FP8Linear layers {', '.join(missing)} have no MatMul/Gemm in the exported graph.")
+    shielded = bias_overflows(chosen, quant)
+    if shielded:
+        ShieldBiasPass(shielded)(ir_model)
+    InsertQDQPass([(d.node, i) for d in chosen for i, _ in d.inputs], quant)(ir_model)
+    ir_model.metadata_props["fp8onnx_training"] = "scales from FP8 training: " + ", ".join(
+        f"{name}: input {s['input']:g}, weight {s['weight']:g}" for name, s in deployed.items()
+    )
+    save_model(ir_model, path)
+    return deployed
+
+
+def _float_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every FP8Linear a plain torch.nn.Linear sharing its parameters."""
+    plain = copy.deepcopy(model)
+    for module in list(plain.modules()):
+        for attr, sub in list(module.named_children()):
+            if isinstance(sub, FP8Linear):
+                linear = torch.nn.Linear(sub.in_features, sub.out_features, sub.bias is not None, device="meta")
+                linear.weight, linear.bias = sub.weight, sub.bias
+                setattr(module, attr, linear)
+    return plain
+
+
+def _by_weight(decisions, weights: dict, deployed: dict):
+    """(the decisions of the FP8Linear layers' MatMul/Gemm, their inputs' TensorQuant at the deployed
+    scales, the layer names found): each node told by its weight's values."""
+    chosen, quant, found = [], {}, set()
     for d in decisions:
         node = d.node
         w = node.inputs[1].const_value.numpy() if d.inputs and node.inputs[1].const_value is not None else None
@@ -275,15 +296,4 @@ def export(
                 quant[node.inputs[1].name] = TensorQuant(FORWARD, deployed[name]["weight"])
                 found.add(name)
                 break
-    missing = sorted(set(layers) - found)
-    if missing:
-        raise Fp8OnnxError(f"FP8Linear layers {', '.join(missing)} have no MatMul/Gemm in the exported graph.")
-    shielded = bias_overflows(chosen, quant)
-    if shielded:
-        ShieldBiasPass(shielded)(ir_model)
-    InsertQDQPass([(d.node, i) for d in chosen for i, _ in d.inputs], quant)(ir_model)
-    ir_model.metadata_props["fp8onnx_training"] = "scales from FP8 training: " + ", ".join(
-        f"{name}: input {s['input']:g}, weight {s['weight']:g}" for name, s in deployed.items()
-    )
-    save_model(ir_model, path)
-    return deployed
+    return chosen, quant, found

@@ -22,7 +22,7 @@ from fp8onnx.passes import (
 from fp8onnx.pipeline.calibration import Stats, block_amax, ranges_stats, weight_amax
 from fp8onnx.pipeline.statistics import Ranges, measure
 from fp8onnx.settings.config import QuantizeConfig
-from fp8onnx.settings.report import TensorReport
+from fp8onnx.settings.report import NodeReport, TensorReport
 
 __all__ = [
     "activation_quant",
@@ -257,3 +257,10 @@ def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeCon
 def tensor_report(name: str, kind: str, quant: dict[str, TensorQuant], amax: dict) -> TensorReport:
     tq = quant[name]
     return TensorReport(name, kind, tq.format.value, tq.scale, amax[name], tq.axis, tq.block_size)
+
+
+def node_report(decision: Decision, quant: dict[str, TensorQuant], amax: dict) -> NodeReport:
+    """The report's line for a quantized node: each quantized input's format, scale and amax."""
+    node = decision.node
+    tensors = [tensor_report(node.inputs[i].name, kind, quant, amax) for i, kind in decision.inputs]
+    return NodeReport(node.name, node.op_type, True, None, tensors)

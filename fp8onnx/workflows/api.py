@@ -75,38 +75,7 @@ def inspect(model: str | os.PathLike, target: str | None = None) -> dict:
     (:func:`fp8onnx.graph.placement.predict_placement`)."""
     m = load_model(model)
     graph = m.graph
-    tensors = _fast_form_weights(m)
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
-            continue
-        src = node.inputs[0]
-        found = format_of(src.dtype)
-        if found is None:
-            continue
-        fmt = found.value
-        scale = (
-            node.inputs[1].const_value.numpy()
-            if node.inputs[1] is not None and node.inputs[1].const_value is not None
-            else None
-        )
-        kind = "weight" if src.const_value is not None else "activation"
-        out, granularity = node.outputs[0], _granularity(node, scale)
-        if out.name.endswith("/block_rows") and src.shape is not None:  # the per-axis form of block scales
-            out, axis = _layout_ops_after(out)
-            granularity = f"block {src.shape[1]} along axis {axis} (per-axis form, for the CUDA EP)" + (
-                granularity[granularity.index(",") :] if "," in granularity else ""
-            )
-        tensors.append(
-            {
-                "name": out.name,
-                "kind": kind,
-                "format": fmt,
-                "scale": None if scale is None else (float(scale) if scale.size == 1 else scale.tolist()),
-                "granularity": granularity,
-                "shape": None if src.shape is None else [d if isinstance(d, int) else str(d) for d in src.shape],
-                "consumers": sorted({u.node.op_type for u in out.uses()}),
-            }
-        )
+    tensors = _fast_form_weights(m) + _dequantized_tensors(graph)
     ops = collections.Counter(n.op_type for n in ir.traversal.RecursiveGraphIterator(graph))
     fast = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type == BLOCK_FP8_OP]
     matmuls = [n for n in ir.traversal.RecursiveGraphIterator(graph) if n.op_type in ("MatMul", "Gemm")] + fast
@@ -139,6 +108,44 @@ def inspect(model: str | os.PathLike, target: str | None = None) -> dict:
         # kept in float), in a float one every candidate (advice before quantizing)
         "high_risk": vocabulary_projections(m, quantized if tensors else matmuls),
     }
+
+
+def _dequantized_tensors(graph: ir.Graph) -> list[dict]:
+    """Every float8 tensor a DequantizeLinear reads: its name (the dequantized output's), kind, format,
+    scale, granularity, shape and consumers."""
+    tensors = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
+            continue
+        src = node.inputs[0]
+        found = format_of(src.dtype)
+        if found is None:
+            continue
+        fmt = found.value
+        scale = (
+            node.inputs[1].const_value.numpy()
+            if node.inputs[1] is not None and node.inputs[1].const_value is not None
+            else None
+        )
+        kind = "weight" if src.const_value is not None else "activation"
+        out, granularity = node.outputs[0], _granularity(node, scale)
+        if out.name.endswith("/block_rows") and src.shape is not None:  # the per-axis form of block scales
+            out, axis = _layout_ops_after(out)
+            granularity = f"block {src.shape[1]} along axis {axis} (per-axis form, for the CUDA EP)" + (
+                granularity[granularity.index(",") :] if "," in granularity else ""
+            )
+        tensors.append(
+            {
+                "name": out.name,
+                "kind": kind,
+                "format": fmt,
+                "scale": None if scale is None else (float(scale) if scale.size == 1 else scale.tolist()),
+                "granularity": granularity,
+                "shape": None if src.shape is None else [d if isinstance(d, int) else str(d) for d in src.shape],
+                "consumers": sorted({u.node.op_type for u in out.uses()}),
+            }
+        )
+    return tensors
 
 
 _LAYOUT_OPS = ("Reshape", "Transpose", "Slice")

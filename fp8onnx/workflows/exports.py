@@ -275,24 +275,12 @@ def quantize_folder(
     (the default): so for an onnxruntime-genai folder, unless it is for the CUDA EP. With ``--target
     onnxruntime-cuda`` an onnxruntime-genai folder's decoder names the CUDA provider, as the runtime's
     own builder writes it."""
-
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     config = config or QuantizeConfig(**options)
     export = describe_export(export_dir)
     genai, cuda = export.layout == "onnxruntime-genai", config.target == "onnxruntime-cuda"
-    if fold_at_load is None:
-        fold_at_load = genai and not cuda
-    if fold_at_load and cuda:
-        raise Fp8OnnxError(
-            "--fold-at-load is for the CPU EP (float8 weights dequantized once at load); --target onnxruntime-cuda "
-            "keeps them float8 on the GPU: drop one."
-        )
-    if fold_at_load and not genai:
-        raise Fp8OnnxError(
-            f"--fold-at-load writes onnxruntime-genai's genai_config.json; {str(export.folder)!r} is not an "
-            f"onnxruntime-genai export ({export.layout}): set session.disable_quant_qdq=1 in your own SessionOptions."
-        )
+    fold_at_load = _fold_at_load(export, genai, cuda, fold_at_load)
     out = pathlib.Path(out_dir)
     _check_output(export, out)
     parent = out.absolute().parent
@@ -317,38 +305,54 @@ def quantize_folder(
             if model in data and reports[model.name].calibration:  # not the feeds' temporary folder
                 reports[model.name].calibration["source"] = f"{calib}, run through the export"
         copied = _copy_other_files(export, build)
-        deployment = []
-        if fold_at_load:
-            _genai_decoder_options(build / "genai_config.json", {"session.disable_quant_qdq": "1"})
-            deployment.append(
-                "genai_config.json: the decoder's float8 weights are dequantized once at load "
-                "(session.disable_quant_qdq=1): FP32's speed and session memory on the CPU, FP8's files "
-                "(--no-fold-at-load: FP8's memory, each token dequantizes every weight)"
-            )
-        if genai and cuda:
-            _genai_decoder_options(build / "genai_config.json", provider={"cuda": {"enable_cuda_graph": "0"}})
-            deployment.append(
-                "genai_config.json: the decoder runs on the CUDA provider (onnxruntime-genai's CUDA build; the "
-                "fast-form op has no CPU kernel)"
-            )
-        elif cuda:
-            deployment.append("load it with provider='CUDAExecutionProvider' (the fast-form op has no CPU kernel)")
-        result = FolderReport(
-            str(export.folder),
-            str(out),
-            export.layout,
-            reports,
-            copied,
-            None if calib is None else str(calib),
-            decode_steps,
-            deployment,
-        )
+        deploy = _deployment(build, genai, cuda, fold_at_load)
+        given = None if calib is None else str(calib)
+        result = FolderReport(str(export.folder), str(out), export.layout, reports, copied, given, decode_steps, deploy)
         write_text_atomic(build / MANIFEST, json.dumps(result.to_json(full=False), indent=1) + "\n")
         _swap_into_place(build, out)
     finally:
         remove(build)
         remove(scratch)
     return result
+
+
+def _fold_at_load(export, genai: bool, cuda: bool, fold_at_load: bool | None) -> bool:
+    """--fold-at-load as asked, or by default (an onnxruntime-genai folder not for the CUDA EP); refused
+    where it cannot apply."""
+    if fold_at_load is None:
+        fold_at_load = genai and not cuda
+    if fold_at_load and cuda:
+        raise Fp8OnnxError(
+            "--fold-at-load is for the CPU EP (float8 weights dequantized once at load); --target onnxruntime-cuda "
+            "keeps them float8 on the GPU: drop one."
+        )
+    if fold_at_load and not genai:
+        raise Fp8OnnxError(
+            f"--fold-at-load writes onnxruntime-genai's genai_config.json; {str(export.folder)!r} is not an "
+            f"onnxruntime-genai export ({export.layout}): set session.disable_quant_qdq=1 in your own SessionOptions."
+        )
+    return fold_at_load
+
+
+def _deployment(build: pathlib.Path, genai: bool, cuda: bool, fold_at_load: bool) -> list[str]:
+    """genai_config.json's decoder options for the deployment chosen, and a line for each."""
+    deployment: list[str] = []
+    if fold_at_load:
+        _genai_decoder_options(build / "genai_config.json", {"session.disable_quant_qdq": "1"})
+        deployment.append(
+            "genai_config.json: the decoder's float8 weights are dequantized once at load "
+            "(session.disable_quant_qdq=1): FP32's speed and session memory on the CPU, FP8's files "
+            "(--no-fold-at-load: FP8's memory, each token dequantizes every weight)"
+        )
+    if genai and cuda:
+        _genai_decoder_options(build / "genai_config.json", provider={"cuda": {"enable_cuda_graph": "0"}})
+        deployment.append(
+            "genai_config.json: the decoder runs on the CUDA provider (onnxruntime-genai's CUDA build; the "
+            "fast-form op has no CPU kernel)"
+        )
+    elif cuda:
+        deployment.append("load it with provider='CUDAExecutionProvider' (the fast-form op has no CPU kernel)")
+    return deployment
 
 
 def _genai_decoder_options(config: pathlib.Path, entries: dict | None = None, provider: dict | None = None) -> None:

@@ -20,7 +20,6 @@ from fp8onnx.accuracy.sensitivity import measure_sensitivity
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.phases import current_phases, lap, recording
 from fp8onnx.base.scratch import scratch
-from fp8onnx.base.version import __version__
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.data.text_sample import default_text_sample
@@ -29,31 +28,22 @@ from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_m
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.graph.runtime import RunOptions, make_session, resolve_provider, weight_bytes
-from fp8onnx.numerics.formats import EMULATED_NOTE
-from fp8onnx.passes import (
-    BlockFp8MatMulPass,
-    InsertQDQPass,
-    LowerGemmFloat8Pass,
-    QuantizeEmbeddingsPass,
-    ShieldBiasPass,
-    block_fp8_reason,
-)
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
-from fp8onnx.settings.report import NodeReport, QuantizeReport
+from fp8onnx.settings.report import QuantizeReport
 from fp8onnx.settings.targets import check_tensorrt
 from fp8onnx.techniques.family import detect_family
 from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_for
 from fp8onnx.techniques.scales import (
     activation_ranges,
     assign_scales,
-    bias_overflows,
     check_calibration_source,
     describe_source,
     keep_conv_bias_in_int32_range,
-    tensor_report,
+    node_report,
     weight_quant,
 )
+from fp8onnx.workflows.rewrite import rewrite
 
 __all__ = [
     "DEFAULT_OP_TYPES",
@@ -106,27 +96,9 @@ def quantize(
 
 
 def _quantize(model, output, calib, config, stats, report, run, options, calib_optional=False) -> QuantizeReport:
-    run_kw, options = RunOptions.split(options)
-    run = RunOptions.of(run, **run_kw)
-    if config is None:  # like the CLI: the family's recipe (preset auto) under the options given
-        config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
-    check_calibration_source(calib, stats)
-    check_paths(
-        model_reads("the input model", model)
-        + [("the calibration data", as_path(calib)), ("the statistics file", as_path(stats))],
-        model_writes("the output model", output) + [("the report", report)],
-    )
+    config, run = _checked(model, output, calib, config, stats, report, run, options)
     out = pathlib.Path(output)
-    provider = resolve_provider(run.provider)
-    run = RunOptions.of(run, provider=provider)
-    try:
-        ir_model, from_opset, prepared = prepare_model(model, config.precision)
-    except Float16Unsupported as exc:
-        if not config.precision_derived:
-            raise
-        logger.warning("%s The graph stays float32; the fast form's ops get Casts to float16 and back.", exc)
-        config = dataclasses.replace(config, precision="model", explicit=(*config.explicit, "precision"))
-        ir_model, from_opset, prepared = prepare_model(model, config.precision)
+    ir_model, from_opset, prepared, config = _prepared(model, config)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
     family, explicit = None, config.explicit
     if config.preset == "auto":  # the family's recipe, under what the user set explicitly
@@ -139,75 +111,17 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     source = _data_source(calib, ir_model, config, stats)  # every step below reads this one object
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
-    if not decisions and (integer := integer_quantized(ir_model)):
-        ops = ", ".join(f"{n} {op}" for op, n in sorted(integer.items()))
-        raise Fp8OnnxError(
-            f"Model file {str(model)!r} is quantized to integers already ({ops}) and has no float MatMul/Gemm "
-            "left to quantize: give fp8onnx the float model it was made from."
-        )
+    _refuse_integer_models(model, ir_model, decisions)
     lap("plan")
-    early = techniques_for(config, ir_model, decisions, before_scales=True)  # smoothing: changes what scales see
-    if early:
-        measure_techniques(ir_model, early, source, run)
-        prepared += [line for t in early if (line := t.apply(None))]
-        lap("smooth")
-    act_names = activation_tensors(decisions, ir_model)
-    late = techniques_for(config, ir_model, decisions, before_scales=False)  # on the graph as smoothed
-    ranges = activation_ranges(ir_model, act_names, config, source, stats)
-    weights, settle = _settling(ir_model, decisions, config, late, run)
-    calibration = measure_techniques(ir_model, late, source, run, ranges, settle, config.sequential)  # one pass
-    lap("calibrate")
-    quant, amax = assign_scales(decisions, ir_model, config, calibration, weights)
-    targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
-    keep_conv_bias_in_int32_range(decisions, quant)
-    lap("scales")
-    prepared += [line for t in late if (line := t.apply(quant))]
-    if late:
-        lap("apply " + ", ".join(t.name for t in late) + " (GPTQ's rounding runs when the weights are written)")
-    nodes = [
-        NodeReport(
-            d.node.name,
-            d.node.op_type,
-            True,
-            None,
-            [tensor_report(d.node.inputs[i].name, kind, quant, amax) for i, kind in d.inputs],
-        )
-        for d in decisions
-    ]
-    shielded = bias_overflows(decisions, quant)
-    if shielded:
-        ShieldBiasPass(shielded)(ir_model)
-        prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
-    fast = _fast_form_weights(decisions, config)
-    inserted = InsertQDQPass(targets, quant, per_axis_blocks=_per_axis_blocks(config, run), blocked=fast)(ir_model)
-    modified = inserted.modified
-    if config.embeddings == "fp8":
-        embedded = QuantizeEmbeddingsPass(config.weight_format, dequantized=inserted.dequantized)(ir_model)
-        modified |= embedded.modified
-        if embedded.quantized:
-            prepared.append(
-                f"stored {len(embedded.quantized)} embedding tables as {config.weight_format.value} codes with "
-                f"per-row scales ({', '.join(embedded.quantized[:3])})"
-            )
-        prepared += [
-            f"tied embedding table {name!r} gathered from its projection's {config.weight_format.value} weight"
-            for name in embedded.shared
-        ]
-        prepared += [f"embedding table {name!r} left in float: {why}" for name, why in embedded.skipped.items()]
-    lowering = LowerGemmFloat8Pass()(ir_model) if modified and config.gemm_op == "gemm-float8" else None
-    written = BlockFp8MatMulPass()(ir_model) if modified and config.gemm_op == "block-fp8" else None
-    if modified:
-        ir_model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
-        if config.emulated:
-            ir_model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
-            logger.warning("%s", EMULATED_NOTE)
-    else:
-        # Nothing to quantize: the output is the input graph as it was, not a rewritten copy.
+    calibration, quant, amax = _calibrate(ir_model, decisions, config, source, stats, run, prepared)
+    nodes = [node_report(d, quant, amax) for d in decisions]
+    rewritten = rewrite(ir_model, decisions, quant, config, run, prepared)
+    if not rewritten.modified:  # nothing to quantize: the output is the input graph as it was
         ir_model, prepared = load_model(model), []
     target_problems = check_tensorrt(ir_model) if config.target == "tensorrt" else []
     lap("rewrite")
     # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
-    check_on = "cpu" if not (lowering and lowering.lowered) else ("cuda" if provider == "cuda" else None)
+    check_on = "cpu" if not rewritten.lowered else ("cuda" if run.provider == "cuda" else None)
     # Weights that came in a side file go out in one too: written tensor by tensor, never whole.
     try:
         save_model(ir_model, out, provider=check_on, external_data=ir_model.meta.get(EXTERNAL_META, False))
@@ -223,31 +137,98 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         opset_to=ir_model.opset_imports.get(""),
         prepared=prepared,
         nodes=nodes + skipped,
-        calibration=None
-        if calibration is None
-        else {
-            "batches": calibration.num_batches,
-            "samples": calibration.num_samples,
-            "batching": calibration.batching,
-            "source": describe_source(stats) if stats is not None else describe_source(calib, "feeds"),
-        },
+        calibration=_calibration_json(calibration, calib, stats),
         input_bytes=_file_size(model),
         output_bytes=_file_size(out),
-        modified=modified,
-        lowered=list(lowering.lowered) if lowering else [],
-        not_lowered=dict(lowering.skipped) if lowering else {},
         runtime_checked=check_on,
-        fast_form=None if written is None else written.summary(),
         target_problems=target_problems,
         family=None if family is None else family.to_json(),
+        **rewritten.report_fields(),
     )
     if report is not None:
         result.phases = current_phases()
         doc = result.to_json()
-        doc.update(_sensitivity_section(model, calib, calibration, config, run, modified, layer_by_layer))
+        doc.update(_sensitivity_section(model, calib, calibration, config, run, rewritten.modified, layer_by_layer))
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
         lap("report")
     return result
+
+
+def _checked(model, output, calib, config, stats, report, run, options) -> tuple[QuantizeConfig, RunOptions]:
+    """(config, run) from the arguments (keyword ``options``: RunOptions fields, else QuantizeConfig's
+    and ``preset``), after the checks that need no model: one calibration source, and no output on a
+    file the run reads."""
+    run_kw, options = RunOptions.split(options)
+    run = RunOptions.of(run, **run_kw)
+    if config is None:  # like the CLI: the family's recipe (preset auto) under the options given
+        config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
+    check_calibration_source(calib, stats)
+    check_paths(
+        model_reads("the input model", model)
+        + [("the calibration data", as_path(calib)), ("the statistics file", as_path(stats))],
+        model_writes("the output model", output) + [("the report", report)],
+    )
+    return config, RunOptions.of(run, provider=resolve_provider(run.provider))
+
+
+def _prepared(model, config: QuantizeConfig):
+    """(ir_model, the opset it came in, what preparation did, config): a model whose graph cannot be
+    float16 under a derived precision stays float32 (the config then says so)."""
+    try:
+        return (*prepare_model(model, config.precision), config)
+    except Float16Unsupported as exc:
+        if not config.precision_derived:
+            raise
+        logger.warning("%s The graph stays float32; the fast form's ops get Casts to float16 and back.", exc)
+        config = dataclasses.replace(config, precision="model", explicit=(*config.explicit, "precision"))
+        return (*prepare_model(model, config.precision), config)
+
+
+def _refuse_integer_models(model, ir_model, decisions) -> None:
+    """An integer-quantized model with no float MatMul/Gemm left is refused by name, not written as is."""
+    if not decisions and (integer := integer_quantized(ir_model)):
+        ops = ", ".join(f"{n} {op}" for op, n in sorted(integer.items()))
+        raise Fp8OnnxError(
+            f"Model file {str(model)!r} is quantized to integers already ({ops}) and has no float MatMul/Gemm "
+            "left to quantize: give fp8onnx the float model it was made from."
+        )
+
+
+def _calibrate(ir_model, decisions, config: QuantizeConfig, source, stats, run: RunOptions, prepared: list):
+    """(the calibration's statistics, every quantized tensor's TensorQuant, their amax): smoothing's pass
+    first where asked (it changes what the scales see), then one pass for the activation ranges and
+    every later technique's statistics, the scales, and the techniques applied (``prepared`` gets their
+    lines)."""
+    early = techniques_for(config, ir_model, decisions, before_scales=True)  # smoothing: changes what scales see
+    if early:
+        measure_techniques(ir_model, early, source, run)
+        prepared += [line for t in early if (line := t.apply(None))]
+        lap("smooth")
+    act_names = activation_tensors(decisions, ir_model)
+    late = techniques_for(config, ir_model, decisions, before_scales=False)  # on the graph as smoothed
+    ranges = activation_ranges(ir_model, act_names, config, source, stats)
+    weights, settle = _settling(ir_model, decisions, config, late, run)
+    calibration = measure_techniques(ir_model, late, source, run, ranges, settle, config.sequential)  # one pass
+    lap("calibrate")
+    quant, amax = assign_scales(decisions, ir_model, config, calibration, weights)
+    keep_conv_bias_in_int32_range(decisions, quant)
+    lap("scales")
+    prepared += [line for t in late if (line := t.apply(quant))]
+    if late:
+        lap("apply " + ", ".join(t.name for t in late) + " (GPTQ's rounding runs when the weights are written)")
+    return calibration, quant, amax
+
+
+def _calibration_json(calibration, calib, stats) -> dict | None:
+    """The report's ``calibration``: how much data went through, and from where."""
+    if calibration is None:
+        return None
+    return {
+        "batches": calibration.num_batches,
+        "samples": calibration.num_samples,
+        "batching": calibration.batching,
+        "source": describe_source(stats) if stats is not None else describe_source(calib, "feeds"),
+    }
 
 
 def _input_loads(model, provider: str | None) -> None:
@@ -260,25 +241,6 @@ def _input_loads(model, provider: str | None) -> None:
         make_session(path, provider, f"Model file {str(model)!r}", optimize=False)
     except Fp8OnnxError as exc:
         raise Fp8OnnxError(f"{exc} (the input: fp8onnx cannot make it load; nothing written)") from exc
-
-
-def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:
-    """The weights that --gemm-op block-fp8 will read from a blocked DequantizeLinear (the rest of a
-    CUDA model keeps the per-axis form)."""
-    if config.gemm_op != "block-fp8":
-        return set()
-    return {d.node.inputs[1].name for d in decisions if block_fp8_reason(d.node, config.weight_format) is None}
-
-
-def _per_axis_blocks(config: QuantizeConfig, run: RunOptions) -> bool:
-    """Block-scaled weights in the per-axis form: for onnxruntime's CUDA EP, which has no blocked float8
-    DequantizeLinear (--target onnxruntime-cuda, or a run on it)."""
-    if not config.weight_block_size:
-        return False
-    cuda = config.target == "onnxruntime-cuda" or run.provider == "cuda"
-    if cuda and config.gemm_op != "block-fp8":  # there the fast form's weights stay blocked (its summary says)
-        logger.info("block scales in the per-axis form (the CUDA EP has no blocked float8 DequantizeLinear)")
-    return cuda
 
 
 def _settling(model, decisions, config: QuantizeConfig, techniques, run: RunOptions):

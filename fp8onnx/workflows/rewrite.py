@@ -1,0 +1,117 @@
+"""The graph's rewrite once every scale is known: biases shielded from onnxruntime's int32 clipping,
+float8 Q/DQ inserted, embedding tables stored in float8, and the fast form (GemmFloat8 or
+MatMulBlockQuantizedFp8Weight) written; the model's metadata says how it was made. Every change is a
+pass of :mod:`fp8onnx.passes`; this module only chooses them and their order."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import onnx_ir as ir
+
+from fp8onnx.base.version import __version__
+from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.numerics.formats import EMULATED_NOTE
+from fp8onnx.passes import (
+    BlockFp8MatMulPass,
+    InsertQDQPass,
+    LowerGemmFloat8Pass,
+    QuantizeEmbeddingsPass,
+    ShieldBiasPass,
+    TensorQuant,
+    block_fp8_reason,
+)
+from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.techniques.scales import bias_overflows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Rewritten:
+    """What the rewrite did: ``modified`` (anything quantized), the GemmFloat8 lowering's and the
+    block-fp8 fast form's results (None where not asked)."""
+
+    modified: bool
+    lowering: object | None = None
+    written: object | None = None
+
+    @property
+    def lowered(self) -> bool:
+        return bool(self.lowering and self.lowering.lowered)
+
+    def report_fields(self) -> dict:
+        """The QuantizeReport fields this step fills."""
+        return {
+            "modified": self.modified,
+            "lowered": list(self.lowering.lowered) if self.lowering else [],
+            "not_lowered": dict(self.lowering.skipped) if self.lowering else {},
+            "fast_form": None if self.written is None else self.written.summary(),
+        }
+
+
+def rewrite(
+    model: ir.Model, decisions, quant: dict[str, TensorQuant], config: QuantizeConfig, run: RunOptions, prepared: list
+) -> Rewritten:
+    """Rewrite ``model`` in place for ``decisions`` with the scales ``quant``; ``prepared`` gets a line
+    for each change beyond the Q/DQ pairs.
+
+    requires: every quantized input of ``decisions`` has its TensorQuant in ``quant``.
+    ensures: the model carries fp8onnx's metadata when anything was quantized (``modified``)."""
+    shielded = bias_overflows(decisions, quant)
+    if shielded:
+        ShieldBiasPass(shielded)(model)
+        prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
+    targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
+    fast = _fast_form_weights(decisions, config)
+    inserted = InsertQDQPass(targets, quant, per_axis_blocks=_per_axis_blocks(config, run), blocked=fast)(model)
+    modified = inserted.modified
+    if config.embeddings == "fp8":
+        modified |= _quantize_embeddings(model, config, inserted.dequantized, prepared)
+    if not modified:
+        return Rewritten(False)
+    lowering = LowerGemmFloat8Pass()(model) if config.gemm_op == "gemm-float8" else None
+    written = BlockFp8MatMulPass()(model) if config.gemm_op == "block-fp8" else None
+    model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
+    if config.emulated:
+        model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
+        logger.warning("%s", EMULATED_NOTE)
+    return Rewritten(True, lowering, written)
+
+
+def _quantize_embeddings(model: ir.Model, config: QuantizeConfig, dequantized, prepared: list) -> bool:
+    """Embedding tables in float8 with per-row scales (a tied table gathered from its projection's
+    weight); ``prepared`` says which, and which stayed float and why."""
+    embedded = QuantizeEmbeddingsPass(config.weight_format, dequantized=dequantized)(model)
+    fmt = config.weight_format.value
+    if embedded.quantized:
+        prepared.append(
+            f"stored {len(embedded.quantized)} embedding tables as {fmt} codes with "
+            f"per-row scales ({', '.join(embedded.quantized[:3])})"
+        )
+    prepared += [
+        f"tied embedding table {name!r} gathered from its projection's {fmt} weight" for name in embedded.shared
+    ]
+    prepared += [f"embedding table {name!r} left in float: {why}" for name, why in embedded.skipped.items()]
+    return embedded.modified
+
+
+def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:
+    """The weights that --gemm-op block-fp8 will read from a blocked DequantizeLinear (the rest of a
+    CUDA model keeps the per-axis form)."""
+    if config.gemm_op != "block-fp8":
+        return set()
+    return {d.node.inputs[1].name for d in decisions if block_fp8_reason(d.node, config.weight_format) is None}
+
+
+def _per_axis_blocks(config: QuantizeConfig, run: RunOptions) -> bool:
+    """Block-scaled weights in the per-axis form: for onnxruntime's CUDA EP, which has no blocked float8
+    DequantizeLinear (--target onnxruntime-cuda, or a run on it)."""
+    if not config.weight_block_size:
+        return False
+    cuda = config.target == "onnxruntime-cuda" or run.provider == "cuda"
+    if cuda and config.gemm_op != "block-fp8":  # there the fast form's weights stay blocked (its summary says)
+        logger.info("block scales in the per-axis form (the CUDA EP has no blocked float8 DequantizeLinear)")
+    return cuda
