@@ -64,6 +64,19 @@ def _reason(node: ir.Node) -> str | None:
     return None
 
 
+def _weight_nk(graph: ir.Graph, node: ir.Node, w8: ir.Value) -> tuple[ir.Value, int, int]:
+    """(the float8 weight as [N, K], N, K): a Gemm's with transB as it is, else its transpose, computed
+    when the model is written (a new initializer ``<weight>/nk``)."""
+    k, n = w8.shape.dims  # MatMul weight [K, N]; Gemm: [K, N] or [N, K] with transB
+    if node.op_type == "Gemm" and node.attributes.get_int("transB", 0):
+        return w8, k, n
+    source = w8.const_value
+    tensor = ir.LazyTensor(
+        lambda s=source: ir.tensor(np.ascontiguousarray(s.numpy().T)), dtype=w8.dtype, shape=ir.Shape([n, k])
+    )
+    return initializer(graph, f"{w8.name}/nk", tensor), n, k
+
+
 @dataclasses.dataclass
 class LoweringResult(ir.passes.PassResult):
     """What one run lowered (node names) and what it left as Q/DQ, with the reason."""
@@ -114,16 +127,7 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
         a8, a_scale = act_dq.inputs[0], act_dq.inputs[1]
         w8, w_scale = w_dq.inputs[0], w_dq.inputs[1]
         out = node.outputs[0]
-        k, n = w8.shape.dims  # MatMul weight [K, N]; Gemm: [K, N] or [N, K] with transB
-        if node.op_type == "Gemm" and node.attributes.get_int("transB", 0):
-            n, k = k, n
-            weight_nk = w8
-        else:
-            source = w8.const_value
-            tensor = ir.LazyTensor(
-                lambda s=source: ir.tensor(np.ascontiguousarray(s.numpy().T)), dtype=w8.dtype, shape=ir.Shape([n, k])
-            )
-            weight_nk = initializer(graph, f"{w8.name}/nk", tensor)
+        weight_nk, n, k = _weight_nk(graph, node, w8)
 
         def const(suffix, array):
             return initializer(graph, f"{name}/{suffix}", array)

@@ -93,7 +93,8 @@ def compare(
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size."""
     run = RunOptions.of(run, **run_options)
-    provider, batch_size, progress = resolve_provider(run.provider), run.batch, run.progress
+    run = RunOptions.of(run, provider=resolve_provider(run.provider))
+    provider = run.provider
     named = [pathlib.Path(c).name for c in candidates]  # an export folder is named by its folder
     reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
     ref_model = load_model(reference)
@@ -102,24 +103,9 @@ def compare(
         raise Fp8OnnxError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}.")
     classes = class_outputs(ref_model) | ({out_names[0]} if metric == "top1" else set())
     models = _models(ref_model, reference, zip(candidates, named), provider, fp16)
-    source, total = _source(data, ref_model, batch_size, max_samples)
-
+    source, total = _source(data, ref_model, run.batch, max_samples)
     notes = _emulation_notes(models, provider)
-    job = _Evaluation(
-        reference,
-        models,
-        source,
-        out_names,
-        total,
-        max_samples,
-        batch_size,
-        provider,
-        progress,
-        run,
-        notes,
-        memory,
-        frozenset(classes),
-    )
+    job = _Evaluation(reference, models, source, out_names, total, max_samples, run, notes, memory, frozenset(classes))
     rows, samples, batches = _evaluate_distributed(job) if run.distributed else _evaluate_here(job, reference_run)
     if not any(r.name == "FP16" for r in rows):
         fp16 = False

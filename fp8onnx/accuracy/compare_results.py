@@ -79,41 +79,8 @@ class CompareResult:
 
     def table(self) -> str:
         first = next(iter(self.rows[0].outputs)) if self.rows and self.rows[0].outputs else None
-        head = [
-            "model",
-            "cos mean",
-            "cos min",
-            "rel L2",
-            "max abs",
-            "top-1 agr",
-            "accuracy",
-            "ppl",
-            "vs FP16",
-            "99.5%",
-            "1% rel",
-            "ms/batch",
-            "MiB",
-        ]
-        lines = []
-        for r in self.rows:
-            o = r.outputs.get(first, {})
-            lines.append(
-                [
-                    r.name,
-                    _fmt(o.get("cosine_mean"), ".5f"),
-                    _fmt(o.get("cosine_min"), ".4f"),
-                    _fmt(o.get("rel_l2"), ".4f"),
-                    _fmt(o.get("max_abs_err"), ".3g"),
-                    _fmt(o.get("top1_agreement"), ".4f"),
-                    _fmt(r.accuracy, ".4f") + (f" ±{r.accuracy_noise:.4f}" if r.accuracy_noise else ""),
-                    _fmt(r.perplexity, ".2f"),
-                    _fmt(r.ratio_to_fp16, ".2%"),
-                    _yes(r.passes_llm),
-                    _yes(r.passes_ptq),
-                    _fmt(r.latency_ms, ".1f"),
-                    _fmt(r.session_mib, ".0f"),
-                ]
-            )
+        head = _COLUMNS
+        lines = [_cells(r, r.outputs.get(first, {})) for r in self.rows]
         widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
         out = [f"{self.samples} samples from {self.data}, output {first!r} vs the FP32 reference ({self.provider})"]
         out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
@@ -207,3 +174,39 @@ def _headline(rows: list[RowResult], first: str, fp16: bool, metric: str = "auto
         if base and r.value is not None and r.name not in ("FP32 (reference)", "FP16"):
             r.ratio_to_fp16 = r.value / base
             r.rel_loss_vs_fp16 = (base - r.value) / base
+
+
+_COLUMNS = (
+    "model",
+    "cos mean",
+    "cos min",
+    "rel L2",
+    "max abs",
+    "top-1 agr",
+    "accuracy",
+    "ppl",
+    "vs FP16",
+    "99.5%",
+    "1% rel",
+    "ms/batch",
+    "MiB",
+)
+
+
+def _cells(r, o: dict) -> list[str]:
+    """A compare row's cells under _COLUMNS; ``o``: its first output's statistics."""
+    return [
+        r.name,
+        _fmt(o.get("cosine_mean"), ".5f"),
+        _fmt(o.get("cosine_min"), ".4f"),
+        _fmt(o.get("rel_l2"), ".4f"),
+        _fmt(o.get("max_abs_err"), ".3g"),
+        _fmt(o.get("top1_agreement"), ".4f"),
+        _fmt(r.accuracy, ".4f") + (f" ±{r.accuracy_noise:.4f}" if r.accuracy_noise else ""),
+        _fmt(r.perplexity, ".2f"),
+        _fmt(r.ratio_to_fp16, ".2%"),
+        _yes(r.passes_llm),
+        _yes(r.passes_ptq),
+        _fmt(r.latency_ms, ".1f"),
+        _fmt(r.session_mib, ".0f"),
+    ]

@@ -49,10 +49,7 @@ class _Evaluation:
     out_names: list[str]
     total: int | None  # batches expected (progress bars)
     max_samples: int | None
-    batch_size: int
-    provider: str
-    progress: bool
-    run: RunOptions
+    run: RunOptions  # its provider resolved ("cpu", "cuda"); batch and progress bars from it too
     notes: list[str]  # appended to: why there is no FP16 row, ...
     memory: bool  # measure each session's heap
     classes: frozenset = frozenset()  # outputs whose top-1 agreement is measured
@@ -62,7 +59,7 @@ def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
     """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
     are read back batch by batch for each other model, so memory holds one session. ``cache``: the
     reference's pass is kept there, or taken from there when it is."""
-    reference, out_names, classes, progress = job.reference, job.out_names, job.classes, job.progress
+    reference, out_names, classes, progress = job.reference, job.out_names, job.classes, job.run.progress
     done = cache if cache is not None else ReferenceRun()
     if not done.batches:
         _reference_pass(done, job)
@@ -128,10 +125,10 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
     try:
         cost = _Cost(job.memory)
         what = f"Reference model {str(reference)!r}"
-        session = make_session(pathlib.Path(reference), job.provider, what, arena=False)
+        session = make_session(pathlib.Path(reference), job.run.provider, what, arena=False)
         run.score = _Score({o: _OutputStats() for o in out_names})
-        batches = job.source.batches(job.batch_size)
-        for batch in progress_bar(batches, total=job.total, desc="FP32", unit="batch", enable=job.progress):
+        batches = job.source.batches(job.run.batch)
+        for batch in progress_bar(batches, total=job.total, desc="FP32", unit="batch", enable=job.run.progress):
             b = run.batches
             (score, run.label_out), ref = reference_batch(
                 session, b, batch.feed, batch.labels, out_names, job.classes, cost
@@ -198,14 +195,8 @@ def _evaluate_distributed(job: _Evaluation):
     reference's outputs stay in Ray's object store, each worker holds one model's session at a time,
     and the per-batch sums are merged here in batch order - the single-process numbers exactly."""
 
-    reference, models, out_names, classes, provider = (
-        job.reference,
-        job.models,
-        job.out_names,
-        job.classes,
-        job.provider,
-    )
-    progress, max_samples = job.progress, job.max_samples
+    reference, models, out_names, classes = job.reference, job.models, job.out_names, job.classes
+    provider, progress, max_samples = job.run.provider, job.run.progress, job.max_samples
     with shared_pool(job.run.workers, job.run.ray_address, job.run.ray_timeout) as pool:
 
         def ship(path):  # a path every local worker reads; the model itself (any size) to a cluster
@@ -217,7 +208,7 @@ def _evaluate_distributed(job: _Evaluation):
 
         def items():
             nonlocal samples
-            for b, batch in enumerate(job.source.batches(job.batch_size)):
+            for b, batch in enumerate(job.source.batches(job.run.batch)):
                 feed = pool.put(batch.feed)
                 batches_in.append((batch, feed))
                 yield b, feed, batch.labels, out_names, classes
@@ -240,21 +231,8 @@ def _evaluate_distributed(job: _Evaluation):
         rows = [_row(_REFERENCE, str(reference), ref_score, scored)]
         for name, (path, build) in models.items():
             try:
-                if path is None:  # the FP16 baseline, built here
-                    blob = build(serialized=True)
-                    # float16 Conv graphs leave out NchwcTransformer on their own (fp8onnx.graph.cpu_ep)
-                    pool.load(blob, _worker_session, provider, f"The FP16 baseline of {str(reference)!r}", ())
-                else:
-                    pool.load(ship(path), _worker_session, provider, f"Candidate model {str(path)!r}", ())
-                total_score = _Score({o: _OutputStats() for o in out_names})
-                work = (
-                    (name, b, feed, ref, None if label_out is None else batch.labels, label_out, out_names, classes)
-                    for b, ((batch, feed), ref) in enumerate(zip(batches_in, refs))
-                )
-                for score in progress_bar(
-                    pool.map(candidate_batch, work), total=len(refs), desc=name, unit="batch", enable=progress
-                ):
-                    total_score.merge(score)
+                load = build(serialized=True) if path is None else ship(path)  # the FP16 baseline: built here
+                total_score = _candidate_score(pool, job, name, load, path, list(zip(batches_in, refs)), label_out)
             except Fp8OnnxError as exc:
                 if name != "FP16":
                     raise
@@ -262,6 +240,24 @@ def _evaluate_distributed(job: _Evaluation):
                 continue
             rows.append(_row(name, path, total_score, scored))
     return rows, samples, len(refs)
+
+
+def _candidate_score(pool, job: _Evaluation, name: str, load, path, batches: list, label_out) -> _Score:
+    """A candidate's score, its batches ((batch, feed), the reference's outputs) run on the workers of
+    ``pool``; ``load`` is what they load (a path, a model, or the FP16 baseline's bytes)."""
+    what = f"The FP16 baseline of {str(job.reference)!r}" if path is None else f"Candidate model {str(path)!r}"
+    # float16 Conv graphs leave out NchwcTransformer on their own (fp8onnx.graph.cpu_ep)
+    pool.load(load, _worker_session, job.run.provider, what, ())
+    total_score = _Score({o: _OutputStats() for o in job.out_names})
+    work = (
+        (name, b, feed, ref, None if label_out is None else batch.labels, label_out, job.out_names, job.classes)
+        for b, ((batch, feed), ref) in enumerate(batches)
+    )
+    for score in progress_bar(
+        pool.map(candidate_batch, work), total=len(batches), desc=name, unit="batch", enable=job.run.progress
+    ):
+        total_score.merge(score)
+    return total_score
 
 
 def _worker_session(model, provider: str, what: str, disabled: tuple[str, ...], threads: int):

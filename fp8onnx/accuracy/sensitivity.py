@@ -180,25 +180,36 @@ def measure_sensitivity(
     split = Budget(measured, quant, kinds=None if budget else (kind,))
     done = measure(ir_model, [split], source, run, "sensitivity")
     samples, batches = done.num_samples, done.num_batches
-    by_name = {}
-    for d, names in zip(measured, split.sensitivity_outputs(kind)):
-        if names is None:
-            continue
-        err, energy = (split.sums.get(o, 0.0) for o in names)
-        by_name[d.node.name] = math.inf if err == 0 else (10 * math.log10(energy / err) if energy > 0 else -math.inf)
-    for row in rows:
-        if row.name in by_name:
-            row.sqnr_db = by_name[row.name]
-        elif row.reason is None:
-            row.reason = "its activation is not quantized (nothing to keep in float with --fallback activations)"
-    for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
-        row.rank = rank
+    _rank(rows, _sqnr_db(measured, split, kind))
     rows += [NodeSensitivity(n.name, n.op_type, None, reason=n.reason) for n in skipped]
     for row in rows:
         row.risk = risks.get(row.name)
     result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
     result.budget = split.rows() if budget else None
     return result
+
+
+def _sqnr_db(measured, split: Budget, kind: str) -> dict[str, float]:
+    """Each measured node's SQNR in dB: its output's energy over the squared error of its ``kind``
+    shadow (inf where the shadow is exact)."""
+    by_name = {}
+    for d, names in zip(measured, split.sensitivity_outputs(kind)):
+        if names is None:
+            continue
+        err, energy = (split.sums.get(o, 0.0) for o in names)
+        by_name[d.node.name] = math.inf if err == 0 else (10 * math.log10(energy / err) if energy > 0 else -math.inf)
+    return by_name
+
+
+def _rank(rows: list[NodeSensitivity], sqnr_db: dict[str, float]) -> None:
+    """Fills each row's SQNR and rank (1: the lowest SQNR, the most sensitive); a row without one says why."""
+    for row in rows:
+        if row.name in sqnr_db:
+            row.sqnr_db = sqnr_db[row.name]
+        elif row.reason is None:
+            row.reason = "its activation is not quantized (nothing to keep in float with --fallback activations)"
+    for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
+        row.rank = rank
 
 
 def write_json(result: SensitivityResult, path) -> None:

@@ -315,6 +315,29 @@ def segment_batch(sess: _SegmentSession, b: int, what: str, names, later, wanted
     return summarize({k: v for k, v in values.items() if k in wanted}), {k: values[k] for k in later}
 
 
+def _last_readers(segments: list, graph_inputs: set[str]) -> dict[str | int, int]:
+    """producer ("feed", or a segment's index) -> the index of the last segment that reads its outputs."""
+    source: dict[str, str | int] = {name: "feed" for name in graph_inputs}
+    last_read: dict[str | int, int] = {}
+    for i, seg in enumerate(segments):
+        for v in seg.inputs:
+            last_read[source.get(v.name, "feed")] = i
+        source.update({v.name: i for v in seg.outputs})
+    return last_read
+
+
+def _load_segment(pool, model: ir.Model, seg, first: list, provider: str, what: str) -> None:
+    """Every worker of ``pool`` holds a session of segment ``seg``, typed from ``first`` (object-store
+    references to the first batch's inputs), its weights memory-mapped where the workers are local."""
+    inputs = {}
+    for ref in first:
+        inputs.update(pool._ray.get(ref))
+    proto = _segment_proto(model, seg, inputs).SerializeToString()
+    del inputs
+    where = {v.name: weight_location(v.const_value, files=pool.local) for v in seg.weights}
+    pool.load((proto, where), _SegmentSession, provider, what)
+
+
 def run_segmented_on(
     pool,
     model: ir.Model,
@@ -339,32 +362,20 @@ def run_segmented_on(
     logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
     graph_inputs = {v.name for v in model.graph.inputs}
     produced: dict[tuple[str | int, int], object] = {}  # (producer, batch) -> object-store reference
-    source: dict[str, str | int] = {}  # tensor name -> its producer ("feed" or a segment index)
     num_batches = 0
     for feed in feeds:
         produced[("feed", num_batches)] = pool.put({k: v for k, v in feed.items() if k in graph_inputs})
         num_batches += 1
-    source.update({name: "feed" for name in graph_inputs})
-    last_read: dict[str | int, int] = {}
-    for i, seg in enumerate(segments):
-        for v in seg.inputs:
-            last_read[source.get(v.name, "feed")] = i
-        source.update({v.name: i for v in seg.outputs})
-    source = {name: "feed" for name in graph_inputs}
-    ray = pool._ray
+    last_read = _last_readers(segments, graph_inputs)
+    source: dict[str, str | int] = {name: "feed" for name in graph_inputs}  # tensor -> producer ("feed", segment)
     for i, seg in enumerate(segments):
         producers = sorted({source[v.name] for v in seg.inputs}, key=str)
         source.update({v.name: i for v in seg.outputs})
         if not seg.outputs or num_batches == 0:
             continue
         what = f"Calibration segment {i + 1}/{len(segments)} (from node {seg.nodes[0].name!r})"
-        first = {}
-        for p in producers:  # the first batch's inputs, for the segment's input types and ranks
-            first.update(ray.get(produced[(p, 0)]))
-        proto = _segment_proto(model, seg, first).SerializeToString()
-        del first
-        where = {v.name: weight_location(v.const_value, files=pool.local) for v in seg.weights}
-        pool.load((proto, where), _SegmentSession, provider, what)
+        first = [produced[(p, 0)] for p in producers]  # the first batch's inputs: the segment's input types
+        _load_segment(pool, model, seg, first, provider, what)
         names = [v.name for v in seg.outputs]
         later = sorted(seg.later)
         items = (

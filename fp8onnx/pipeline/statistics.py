@@ -18,6 +18,7 @@ samples, and layer by layer not on the model's size either. The model is cloned,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -170,6 +171,16 @@ class Measured:
     executor: str = ""
 
 
+def _merge(owner: dict, statistics: list, summary: dict) -> None:
+    """One batch's ``summary`` (output name -> value) merged into the statistics that own its outputs."""
+    parts: dict[int, dict] = {}
+    for key, value in summary.items():
+        parts.setdefault(id(owner[key]), {})[key] = value
+    for stat in statistics:
+        if id(stat) in parts:
+            stat.merge(parts[id(stat)])
+
+
 def measure(
     model: ir.Model,
     statistics: list[Statistic],
@@ -205,14 +216,6 @@ def measure(
     source = as_data(data, input_specs(model), model)
     tensors = any(s.tensors for s in statistics)
 
-    def merge(summary: dict) -> None:
-        parts: dict[int, dict] = {}
-        for key, value in summary.items():
-            parts.setdefault(id(owner[key]), {})[key] = value
-        for stat in statistics:
-            if id(stat) in parts:
-                stat.merge(parts[id(stat)])
-
     def counted(batches):
         for batch in batches:
             done.num_batches += 1
@@ -231,6 +234,7 @@ def measure(
                 size, done.batching = auto_batch_size(probe, source, run.batch_memory)
         else:
             size, done.batching = run.batch, _samples(run.batch)
+        merge = functools.partial(_merge, owner, statistics)
         executor.map(counted(source.batches(size)), reduce_batch, merge, source.count_batches(size), desc)
     if done.num_batches == 0:
         raise Fp8OnnxError("The calibration data gave no batches.")

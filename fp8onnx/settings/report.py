@@ -156,6 +156,22 @@ class QuantizeReport:
         for reason, names in reasons.items():
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} nodes)" if len(names) > 3 else "")
             lines.append(f"  left alone: {shown}: {reason}")
+        lines += self._fast_form_lines()
+        if self.config.get("target") == "tensorrt":
+            if self.target_problems:
+                lines.extend(f"  TensorRT would reject: {p}" for p in self.target_problems)
+            else:
+                lines.append(
+                    "  TensorRT rules (E4M3FN, zero points 0, constant scales, per-tensor activations): all met"
+                )
+        if not self.modified and not self.quantized:
+            lines.append("  nothing to quantize: the output is the input graph, unchanged")
+        return "\n".join(lines)
+
+    def _fast_form_lines(self) -> list[str]:
+        """The summary's lines on the fast form: GemmFloat8 lowering, MatMulBlockQuantizedFp8Weight, where
+        the model was checked."""
+        cfg, lines = self.config, []
         if self.lowered or self.not_lowered:
             lines.append(
                 f"  {len(self.lowered)} nodes lowered to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9)"
@@ -181,16 +197,7 @@ class QuantizeReport:
             lines.append(
                 "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker only)"
             )
-        if self.config.get("target") == "tensorrt":
-            if self.target_problems:
-                lines.extend(f"  TensorRT would reject: {p}" for p in self.target_problems)
-            else:
-                lines.append(
-                    "  TensorRT rules (E4M3FN, zero points 0, constant scales, per-tensor activations): all met"
-                )
-        if not self.modified and not self.quantized:
-            lines.append("  nothing to quantize: the output is the input graph, unchanged")
-        return "\n".join(lines)
+        return lines
 
 
 @dataclasses.dataclass

@@ -228,37 +228,38 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    ranked = _ranking_config(model, config)
+    ranked, sens = _ranked(model, config, calib, eval_data, refine, metric, run)
     needs_data = ranked.weights_need_data
-    scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
-    scoring["needs_data"] = needs_data
-    if ranked.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
-        sens = sensitivity(model, None, calib, **scoring)
-    else:
-        sens = sensitivity(model, calib, **scoring)
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
     with Candidates(model, config, sens.stats, eval_data, run, calib, metric, needs_data) as candidates:
         tried, chosen = search(sens, candidates, target, limit)
     evaluations = sens.evaluations + candidates.evaluated
-    metric = candidates.metric
+    metric, nodes = candidates.metric, sens.to_json()["nodes"]
     if chosen is None:
-        nodes = sens.to_json()["nodes"]
         raise _not_met(target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, ranked.fallback)
-    nodes = sens.to_json()["nodes"]
     if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
         result = FallbackResult(target, metric, tried, order[:chosen], False, None, evaluations, nodes, ranked.fallback)
         raise TargetNotMet(_nearly_all(target, metric, chosen, len(order)), result)
     final = candidates.write(order[:chosen], output, run)
     logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, target, evaluations)
-    result = FallbackResult(
-        target, metric, tried, order[:chosen], True, final, evaluations, sens.to_json()["nodes"], ranked.fallback
-    )
+    result = FallbackResult(target, metric, tried, order[:chosen], True, final, evaluations, nodes, ranked.fallback)
     if report is not None:  # the usual report, plus how the target was met and the sensitivity it used
         doc = {**final.to_json(), "accuracy_target": result.to_json(), "sensitivity": result.sensitivity}
         del doc["accuracy_target"]["report"]
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
     return result
+
+
+def _ranked(model, config: QuantizeConfig, calib, eval_data, refine: int, metric: str, run: RunOptions):
+    """(the recipe the nodes are ranked under, their sensitivity): measured on ``calib`` (the scales
+    from it too where the activations are static), the top ``refine`` scored on ``eval_data``."""
+    ranked = _ranking_config(model, config)
+    scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
+    scoring["needs_data"] = ranked.weights_need_data
+    if ranked.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
+        return ranked, sensitivity(model, None, calib, **scoring)
+    return ranked, sensitivity(model, calib, **scoring)
 
 
 def _nearly_all(target: float, metric: str, chosen: int, nodes: int) -> str:
