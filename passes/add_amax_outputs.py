@@ -39,15 +39,14 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     return values
 
 
-def _float_output(graph: ir.Graph, value: ir.Value, name: str) -> ir.Node:
-    """Cast ``value`` to float32 (its own type may not even be known) and make it a graph output."""
-    cast = ir.node("Cast", [value], {"to": ir.DataType.FLOAT}, name=name + "__cast")
-    out = cast.outputs[0]
+def _float_output(tape: ir.tape.Tape, graph: ir.Graph, value: ir.Value, name: str) -> None:
+    """Cast ``value`` to float32 on ``tape`` (its own type may not even be known) and make it a graph
+    output."""
+    out = tape.op("Cast", [value], {"to": ir.DataType.FLOAT}, name=name + "__cast")
     out.name = name
     out.dtype = ir.DataType.FLOAT
     out.shape = ir.Shape([]) if name.endswith(AMAX_SUFFIX) else value.shape
     graph.outputs.append(out)
-    return cast
 
 
 class AddAmaxOutputsPass(ir.passes.InPlacePass):
@@ -82,15 +81,15 @@ class AddAmaxOutputsPass(ir.passes.InPlacePass):
             value = values.get(name)
             if value is None:
                 raise ValueError(f"tensor {name!r} is not produced in the main graph")
-            nodes = []
+            tape = ir.tape.Tape()
             if name + AMAX_SUFFIX not in existing:
-                abs_node = ir.node("Abs", [value], name=name + "__fp8onnx_abs")
-                red = ir.node("ReduceMax", [abs_node.outputs[0]], {"keepdims": 0}, name=name + "__fp8onnx_reducemax")
-                nodes += [abs_node, red, _float_output(graph, red.outputs[0], name + AMAX_SUFFIX)]
+                absolute = tape.op("Abs", [value], name=name + "__fp8onnx_abs")
+                amax = tape.op("ReduceMax", [absolute], {"keepdims": 0}, name=name + "__fp8onnx_reducemax")
+                _float_output(tape, graph, amax, name + AMAX_SUFFIX)
             if self.values and name + VALUE_SUFFIX not in existing:
-                nodes.append(_float_output(graph, value, name + VALUE_SUFFIX))
-            if nodes:
-                insert_at_definition(value, nodes)
+                _float_output(tape, graph, value, name + VALUE_SUFFIX)
+            if tape.nodes:
+                insert_at_definition(value, list(tape.nodes))
                 added += 1
         if added:
             logger.debug("instrumented %d tensors", added)

@@ -121,29 +121,25 @@ class EmulateBfloat16Pass(ir.passes.InPlacePass):
         """Readers of ``out`` read it rounded to bfloat16 and back in float32; a main-graph output keeps
         the bfloat16 value."""
         name = out.name
-        nodes = []
+        tape = ir.tape.Tape()
         if rounded is None:
-            to_bf16 = ir.Node("", "Cast", [out], [ir.AttrInt64("to", int(_BF16))], name=f"{name}/bf16")
-            rounded = to_bf16.outputs[0]
+            rounded = tape.op("Cast", [out], {"to": int(_BF16)}, name=f"{name}/bf16")
             rounded.name, rounded.dtype, rounded.shape = f"{name}/bf16", _BF16, out.shape
-            nodes.append(to_bf16)
-        users = [(u, i) for u, i in out.uses() if not nodes or u is not nodes[0]]
+        users = [(u, i) for u, i in out.uses() if not tape.nodes or u is not tape.nodes[0]]
         returned = graph is not None and any(v is out for v in graph.outputs) and id(out) not in main_outputs
         if users or returned:
-            back = ir.Node("", "Cast", [rounded], [ir.AttrInt64("to", int(_F32))], name=f"{name}/bf16_fp32")
-            wide = back.outputs[0]
+            wide = tape.op("Cast", [rounded], {"to": int(_F32)}, name=f"{name}/bf16_fp32")
             wide.name, wide.dtype, wide.shape = f"{name}/bf16_fp32", _F32, out.shape
-            nodes.append(back)
             for user, index in users:
                 user.replace_input_with(index, wide)
             if returned:
                 graph.outputs[[id(v) for v in graph.outputs].index(id(out))] = wide
-        if not nodes:
+        if not tape.nodes:
             return
         if node is None:
-            graph.insert_before(next(iter(graph)), nodes)
+            graph.insert_before(next(iter(graph)), tape.nodes)
         else:
-            graph.insert_after(node, nodes)
+            graph.insert_after(node, tape.nodes)
         if id(out) in main_outputs and rounded is not out:  # the main graph returns bfloat16, as before
             graph.outputs[[id(v) for v in graph.outputs].index(id(out))] = rounded
             out.name, rounded.name = f"{name}/fp32", name

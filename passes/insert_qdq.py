@@ -118,18 +118,18 @@ class InsertQDQPass(ir.passes.InPlacePass):
 
     def __init__(
         self,
-        targets: Iterable[tuple[ir.Node | str, int]],
+        node_inputs: Iterable[tuple[ir.Node | str, int]],
         quant: Mapping[str, TensorQuant],
         per_axis_blocks: bool = False,
         blocked: Iterable[str] = (),
     ):
-        """``targets``: (node or node name, input index) pairs, in the main graph or in subgraphs;
+        """``node_inputs``: (node or node name, input index) pairs, in the main graph or in subgraphs;
         ``quant``: tensor name -> TensorQuant. ``per_axis_blocks``: block-scaled weights in the
         per-axis form (:meth:`_blocks_per_axis`) instead of a blocked DequantizeLinear, for EPs
         without blocked float8 DequantizeLinear (onnxruntime's CUDA EP), but for the weights named in
         ``blocked`` (those that :class:`~fp8onnx.passes.BlockFp8MatMulPass` reads next)."""
         super().__init__()
-        self.targets = list(targets)
+        self.node_inputs = list(node_inputs)
         self.quant = dict(quant)
         self.per_axis_blocks = per_axis_blocks
         self.blocked = frozenset(blocked)
@@ -139,7 +139,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         by_name = {n.name: n for n in nodes}
         present = set(map(id, nodes))
         out = []
-        for node, index in self.targets:
+        for node, index in self.node_inputs:
             found = by_name.get(node) if isinstance(node, str) else (node if id(node) in present else None)
             if found is None:
                 raise ir.passes.PreconditionError(f"target node {getattr(node, 'name', node)!r} is not in the model")
@@ -172,7 +172,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         wanted: dict[ir.Node | str, set[int]] = {}
-        for node, index in self.targets:
+        for node, index in self.node_inputs:
             wanted.setdefault(node, set()).add(index)
         builder = _Builder(graph)  # constants live in the main graph, visible from every subgraph
         self._per_row: list[tuple[str, int | None, int]] = []  # per-group activations that fell back to per row

@@ -31,17 +31,19 @@ def describe(node: ir.Node) -> str:
 
 def _const(node: ir.Node, array: np.ndarray, tag: str) -> ir.Value:
     """A Constant node right before ``node`` (works in graphs, subgraphs and functions alike)."""
-    const = ir.node("Constant", [], {"value": ir.tensor(array)}, name=f"{node.name}_{tag}_upgrade")
-    const.outputs[0].name = f"{node.name}_{tag}_upgrade"
-    node.graph.insert_before(node, const)
-    return const.outputs[0]
+    tape = ir.tape.Tape()
+    const = tape.op("Constant", [], {"value": ir.tensor(array)}, name=f"{node.name}_{tag}_upgrade")
+    const.name = f"{node.name}_{tag}_upgrade"
+    node.graph.insert_before(node, tape.nodes)
+    return const
 
 
 def _cast_like(node: ir.Node, value: ir.Value, like: ir.Value, tag: str) -> ir.Value:
-    cast = ir.node("CastLike", [value, like], name=f"{node.name}_{tag}_cast_upgrade")
-    cast.outputs[0].name = f"{node.name}_{tag}_cast_upgrade"
-    node.graph.insert_before(node, cast)
-    return cast.outputs[0]
+    tape = ir.tape.Tape()
+    cast = tape.op("CastLike", [value, like], name=f"{node.name}_{tag}_cast_upgrade")
+    cast.name = f"{node.name}_{tag}_cast_upgrade"
+    node.graph.insert_before(node, tape.nodes)
+    return cast
 
 
 def _set_input(node: ir.Node, index: int, value: ir.Value | None) -> None:
@@ -61,8 +63,9 @@ def _attr_to_input(node: ir.Node, attr: str, index: int, dtype=np.int64, like_in
     _set_input(node, index, value)
 
 
-def _replace(node: ir.Node, new_nodes: list[ir.Node], outputs: list[ir.Value]) -> None:
-    ir.convenience.replace_nodes_and_values(node.graph, node, [node], new_nodes, list(node.outputs), outputs)
+def _replace(node: ir.Node, tape: ir.tape.Tape, outputs: list[ir.Value]) -> None:
+    """``node`` replaced by the nodes recorded on ``tape``, its outputs by ``outputs``."""
+    ir.convenience.replace_nodes_and_values(node.graph, node, [node], list(tape.nodes), list(node.outputs), outputs)
 
 
 def _reduce_axes(node: ir.Node) -> None:
@@ -113,8 +116,9 @@ def _becomes(op_type: str) -> Callable[[ir.Node], None]:
     """The same inputs and attributes under the op that took over (Scatter -> ScatterElements)."""
 
     def adapter(node: ir.Node) -> None:
-        new = ir.node(op_type, list(node.inputs), dict(node.attributes), name=node.name)
-        _replace(node, [new], list(new.outputs))
+        tape = ir.tape.Tape()
+        new = tape.op(op_type, list(node.inputs), dict(node.attributes), name=node.name)
+        _replace(node, tape, [new])
 
     return adapter
 
@@ -129,13 +133,14 @@ def _softmax_family(node: ir.Node) -> None:
     if rank is not None and axis % max(rank, 1) == rank - 1:
         node.attributes["axis"] = ir.AttrInt64("axis", -1)
         return
-    shape = ir.node("Shape", [x], name=f"{node.name}_shape_upgrade")
-    flat = ir.node("Flatten", [x], {"axis": axis}, name=f"{node.name}_flatten_upgrade")
-    op = ir.node(node.op_type, [flat.outputs[0]], {"axis": 1}, name=node.name)
-    back = ir.node("Reshape", [op.outputs[0], shape.outputs[0]], name=f"{node.name}_reshape_upgrade")
-    for new in (shape, flat, op):
-        new.outputs[0].name = f"{new.name}_out"
-    _replace(node, [shape, flat, op, back], list(back.outputs))
+    tape = ir.tape.Tape()
+    shape = tape.op("Shape", [x], name=f"{node.name}_shape_upgrade")
+    flat = tape.op("Flatten", [x], {"axis": axis}, name=f"{node.name}_flatten_upgrade")
+    op = tape.op(node.op_type, [flat], {"axis": 1}, name=node.name)
+    back = tape.op("Reshape", [op, shape], name=f"{node.name}_reshape_upgrade")
+    for value in (shape, flat, op):
+        value.name = f"{value.producer().name}_out"
+    _replace(node, tape, [back])
 
 
 def _resize_attributes(mode: str, nearest: str = "floor") -> dict:
@@ -151,8 +156,9 @@ def _upsample(node: ir.Node) -> None:
     mode = node.attributes.get_string("mode", "nearest")
     scales = node.attributes.pop("scales", None)
     scale_value = _const(node, np.array(scales.value, np.float32), "scales") if scales is not None else node.inputs[1]
-    new = ir.node("Resize", [node.inputs[0], None, scale_value], _resize_attributes(mode), name=node.name)
-    _replace(node, [new], list(new.outputs))
+    tape = ir.tape.Tape()
+    new = tape.op("Resize", [node.inputs[0], None, scale_value], _resize_attributes(mode), name=node.name)
+    _replace(node, tape, [new])
 
 
 def _resize_10(node: ir.Node) -> None:
@@ -165,24 +171,26 @@ def _resize_10(node: ir.Node) -> None:
         if mode == "nearest" and known is None:
             logger.warning("%s: scales are computed at run time; assumed enlarging (nearest rounds down)", node.name)
         nearest = "ceil" if known is not None and (known <= 1).all() and (known < 1).any() else "floor"
-        new = ir.node("Resize", [x, None, scales], _resize_attributes(mode, nearest), name=node.name)
-        _replace(node, [new], list(new.outputs))
+        tape = ir.tape.Tape()
+        new = tape.op("Resize", [x, None, scales], _resize_attributes(mode, nearest), name=node.name)
+        _replace(node, tape, [new])
         return
     down, up = np.flatnonzero(known < 1), np.flatnonzero(known > 1)
-    first = ir.node(
+    tape = ir.tape.Tape()
+    first = tape.op(
         "Resize",
         [x, None, _const(node, known[down].astype(np.float32), "scales_down")],
         {**_resize_attributes(mode, "ceil"), "axes": down.tolist()},
         name=f"{node.name}_down_upgrade",
     )
-    first.outputs[0].name = f"{node.name}_down_upgrade"
-    second = ir.node(
+    first.name = f"{node.name}_down_upgrade"
+    second = tape.op(
         "Resize",
-        [first.outputs[0], None, _const(node, known[up].astype(np.float32), "scales_up")],
+        [first, None, _const(node, known[up].astype(np.float32), "scales_up")],
         {**_resize_attributes(mode, "floor"), "axes": up.tolist()},
         name=node.name,
     )
-    _replace(node, [first, second], list(second.outputs))
+    _replace(node, tape, [second])
 
 
 def _resize_13(node: ir.Node) -> None:
@@ -217,17 +225,15 @@ def _chain(node: ir.Node, steps: list[tuple[str, np.ndarray | None]]) -> None:
     """Replace ``node`` by a chain of unary steps on its input: (op, None) or (op, constant operand
     cast like the input)."""
     x = out = node.inputs[0]
-    new_nodes = []
+    tape = ir.tape.Tape()
     for i, (op, operand) in enumerate(steps):
         inputs = [out]
         if operand is not None:
             inputs.append(_cast_like(node, _const(node, operand.astype(np.float32), f"c{i}"), x, f"c{i}"))
-        step = ir.node(op, inputs, name=node.name if i == len(steps) - 1 else f"{node.name}_{i}_upgrade")
+        out = tape.op(op, inputs, name=node.name if i == len(steps) - 1 else f"{node.name}_{i}_upgrade")
         if i < len(steps) - 1:
-            step.outputs[0].name = f"{node.name}_{i}_upgrade"
-        new_nodes.append(step)
-        out = step.outputs[0]
-    _replace(node, new_nodes, [out])
+            out.name = f"{node.name}_{i}_upgrade"
+    _replace(node, tape, [out])
 
 
 def _experimental(node: ir.Node) -> None:
@@ -253,19 +259,20 @@ def _mvn_1(node: ir.Node) -> None:
     """MeanVarianceNormalization-1 (experimental): statistics over N,H,W (or N,C,H,W across channels)."""
     across = node.attributes.get_int("across_channels", 0)
     axes = [0, 1, 2, 3] if across else [0, 2, 3]
+    tape = ir.tape.Tape()
     if node.attributes.get_int("normalize_variance", 1):
-        new = ir.node("MeanVarianceNormalization", [node.inputs[0]], {"axes": axes}, name=node.name)
-        _replace(node, [new], list(new.outputs))
+        new = tape.op("MeanVarianceNormalization", [node.inputs[0]], {"axes": axes}, name=node.name)
+        _replace(node, tape, [new])
         return
-    mean = ir.node(
+    mean = tape.op(
         "ReduceMean",
         [node.inputs[0], _const(node, np.array(axes, np.int64), "axes")],
         {"keepdims": 1},
         name=f"{node.name}_mean_upgrade",
     )
-    mean.outputs[0].name = f"{node.name}_mean_upgrade"
-    sub = ir.node("Sub", [node.inputs[0], mean.outputs[0]], name=node.name)
-    _replace(node, [mean, sub], list(sub.outputs))
+    mean.name = f"{node.name}_mean_upgrade"
+    sub = tape.op("Sub", [node.inputs[0], mean], name=node.name)
+    _replace(node, tape, [sub])
 
 
 def _batch_norm(node: ir.Node) -> None:
@@ -304,10 +311,11 @@ def _broadcast_7(node: ir.Node) -> None:
     if extra <= 0:
         return
     shape = _const(node, np.array([0] * len(b.shape) + [1] * extra, np.int64), "broadcast_shape")
-    reshape = ir.node("Reshape", [b, shape], name=f"{node.name}_broadcast_upgrade")
-    reshape.outputs[0].name = f"{node.name}_broadcast_upgrade"
-    node.graph.insert_before(node, reshape)
-    node.replace_input_with(1, reshape.outputs[0])
+    tape = ir.tape.Tape()
+    reshaped = tape.op("Reshape", [b, shape], name=f"{node.name}_broadcast_upgrade")
+    reshaped.name = f"{node.name}_broadcast_upgrade"
+    node.graph.insert_before(node, tape.nodes)
+    node.replace_input_with(1, reshaped)
 
 
 def _refuse(reason: str) -> Callable[[ir.Node], None]:

@@ -148,14 +148,12 @@ class QuantizeEmbeddingsPass(ir.passes.InPlacePass):
 def _decode(graph, gather: ir.Node, codes, lut, scale_table, last, tag: str) -> None:
     """Replace ``gather`` (over the float table) by the gather of codes, the lookup and the row scale."""
     ids, out, dtype = gather.inputs[1], gather.outputs[0], lut.dtype
-    nodes: list[ir.Node] = []
+    tape = ir.tape.Tape()
 
     def op(op_type, inputs, suffix, out_dtype, **attrs):
-        node = ir.node(op_type, inputs, attrs or None, name=f"{tag}/{suffix}")
-        node.outputs[0].name = f"{tag}/{suffix}"
-        node.outputs[0].dtype = out_dtype
-        nodes.append(node)
-        return node.outputs[0]
+        value = tape.op(op_type, inputs, attrs or None, name=f"{tag}/{suffix}")
+        value.name, value.dtype = f"{tag}/{suffix}", out_dtype
+        return value
 
     rows = op("Gather", [codes, ids], "codes", ir.DataType.UINT8, axis=0)
     index = op("Cast", [rows], "index", ir.DataType.INT32, to=int(ir.DataType.INT32))
@@ -163,7 +161,7 @@ def _decode(graph, gather: ir.Node, codes, lut, scale_table, last, tag: str) -> 
     scale = op("Gather", [scale_table, ids], "scale", dtype, axis=0)
     decoded = op("Mul", [values, op("Unsqueeze", [scale, last], "scale_b", dtype)], "decoded", dtype)
     decoded.shape = out.shape
-    graph.insert_before(gather, nodes)
+    graph.insert_before(gather, tape.nodes)
     name, is_output = out.name, out.is_graph_output()
     out.replace_all_uses_with(decoded, replace_graph_outputs=True)
     graph.remove(gather, safe=True)

@@ -118,15 +118,12 @@ class TieEmbeddingsPass(ir.passes.InPlacePass):
             return False
         for gather, rank in zip(gathers, ranks):
             ids, out = gather.inputs[1], gather.outputs[0]
-            columns = ir.node("Gather", [weight, ids], {"axis": 1}, name=f"{gather.name}/tied")
-            columns.outputs[0].name = f"{out.name}/tied_columns"
-            columns.outputs[0].dtype = weight.dtype
-            rows = ir.node(
-                "Transpose", [columns.outputs[0]], {"perm": [*range(1, rank + 1), 0]}, name=f"{gather.name}/tied_rows"
-            )
-            new = rows.outputs[0]
+            tape = ir.tape.Tape()
+            columns = tape.op("Gather", [weight, ids], {"axis": 1}, name=f"{gather.name}/tied")
+            columns.name, columns.dtype = f"{out.name}/tied_columns", weight.dtype
+            new = tape.op("Transpose", [columns], {"perm": [*range(1, rank + 1), 0]}, name=f"{gather.name}/tied_rows")
             new.dtype, new.shape = out.dtype or weight.dtype, out.shape
-            graph.insert_before(gather, [columns, rows])
+            graph.insert_before(gather, tape.nodes)
             name = out.name
             out.replace_all_uses_with(new, replace_graph_outputs=True)
             graph.remove(gather, safe=True)

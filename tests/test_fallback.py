@@ -28,7 +28,7 @@ def outlier_chain(tmp_path):
 def test_the_sensitive_node_is_kept_and_the_target_holds(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
-    result = quantize_to_target(path, out, calib, eval_data, metric="cosine", target=99.9, provider="cpu")
+    result = quantize_to_target(path, out, calib, eval_data, metric="cosine", accuracy_target=99.9, provider="cpu")
     assert result.met and result.kept_in_float == ["second"]
     assert result.tried[0] < 0.999 <= result.tried[1]
     assert [n.name for n in result.report.quantized] == ["first"]
@@ -46,7 +46,14 @@ def test_an_unreachable_target_writes_nothing_and_names_the_best(tmp_path, outli
     out = tmp_path / "q.onnx"
     with pytest.raises(TargetNotMet, match=r"not met .* the best was \d+\.\d\d% of FP16 with 0 in float") as caught:
         quantize_to_target(
-            path, out, calib, eval_data, metric="cosine", target=99.9, max_float_nodes=0, report=tmp_path / "r.json"
+            path,
+            out,
+            calib,
+            eval_data,
+            metric="cosine",
+            accuracy_target=99.9,
+            max_float_nodes=0,
+            report=tmp_path / "r.json",
         )
     result = caught.value.result
     assert not result.met and list(result.tried) == [0] and result.report is None
@@ -80,10 +87,10 @@ def test_cli_unreachable_target_exits_2_with_the_best_metric(tmp_path, outlier_c
 def test_the_search_is_deterministic(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     first = quantize_to_target(
-        path, tmp_path / "a.onnx", calib, eval_data, metric="cosine", target=99.9, provider="cpu"
+        path, tmp_path / "a.onnx", calib, eval_data, metric="cosine", accuracy_target=99.9, provider="cpu"
     )
     second = quantize_to_target(
-        path, tmp_path / "b.onnx", calib, eval_data, metric="cosine", target=99.9, provider="cpu"
+        path, tmp_path / "b.onnx", calib, eval_data, metric="cosine", accuracy_target=99.9, provider="cpu"
     )
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
     assert first.tried == second.tried and first.kept_in_float == second.kept_in_float
@@ -92,7 +99,7 @@ def test_the_search_is_deterministic(tmp_path, outlier_chain):
 def test_refinement_orders_by_measured_gain_and_reuses_its_scores(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
     result = quantize_to_target(
-        path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", target=99.9, refine=2, provider="cpu"
+        path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", accuracy_target=99.9, refine=2, provider="cpu"
     )
     assert result.met and result.kept_in_float == ["second"]
     # all-FP8 plus one model per refined node; counts 0 and 1 come from those, nothing else is scored
@@ -105,7 +112,7 @@ def test_refinement_orders_by_measured_gain_and_reuses_its_scores(tmp_path, outl
 def test_target_is_a_percentage(tmp_path, outlier_chain, target):
     path, calib, eval_data = outlier_chain
     with pytest.raises(Fp8OnnxError, match="must be a percentage in"):
-        quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", target=target)
+        quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", accuracy_target=target)
 
 
 def test_the_report_says_how_the_target_was_met(tmp_path, outlier_chain):
@@ -113,7 +120,7 @@ def test_the_report_says_how_the_target_was_met(tmp_path, outlier_chain):
 
     path, calib, eval_data = outlier_chain
     quantize_to_target(
-        path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", target=99.9, report=tmp_path / "r.json"
+        path, tmp_path / "q.onnx", calib, eval_data, metric="cosine", accuracy_target=99.9, report=tmp_path / "r.json"
     )
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["accuracy_target"]["kept_in_float"] == ["second"] and doc["accuracy_target"]["met"] is True
@@ -169,7 +176,7 @@ def test_the_search_applies_weight_techniques_to_every_candidate(tmp_path, outli
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
     result = quantize_to_target(
-        path, out, calib, eval_data, metric="cosine", target=99.9, weight_rounding="gptq", provider="cpu"
+        path, out, calib, eval_data, metric="cosine", accuracy_target=99.9, weight_rounding="gptq", provider="cpu"
     )
     assert result.met and result.kept_in_float == ["second"]
     assert any("GPTQ rounding of 1 weights" in p for p in result.report.prepared)
@@ -181,17 +188,17 @@ def test_a_target_met_only_with_nearly_every_node_in_float_is_refused_unless_all
     path, calib, eval_data = outlier_chain
     out = tmp_path / "q.onnx"
     with pytest.raises(TargetNotMet, match=r"holds only with 2 of 2 nodes in float.*--max-float-nodes 2"):
-        quantize_to_target(path, out, calib, eval_data, metric="cosine", target=100, provider="cpu")
+        quantize_to_target(path, out, calib, eval_data, metric="cosine", accuracy_target=100, provider="cpu")
     assert not out.exists()
     allowed = quantize_to_target(
-        path, out, calib, eval_data, metric="cosine", target=100, max_float_nodes=2, provider="cpu"
+        path, out, calib, eval_data, metric="cosine", accuracy_target=100, max_float_nodes=2, provider="cpu"
     )
     assert allowed.met and sorted(allowed.kept_in_float) == ["first", "second"] and out.exists()
 
 
 def test_the_metric_can_be_chosen(tmp_path, outlier_chain):
     path, calib, eval_data = outlier_chain
-    result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, target=90.0, metric="rel-l2")
+    result = quantize_to_target(path, tmp_path / "q.onnx", calib, eval_data, accuracy_target=90.0, metric="rel-l2")
     assert result.metric == "1 - relative L2 error to FP32"
 
 
@@ -244,7 +251,7 @@ def test_the_activation_unit_takes_back_the_activation_and_keeps_the_fp8_weight(
     activation in float (W8A16: its weight still float8 behind a DequantizeLinear) and the target holds."""
     path, calib, eval_data = _activation_outlier_chain(tmp_path)
     out = tmp_path / "q.onnx"
-    opts = dict(metric="cosine", target=99.9, provider="cpu")
+    opts = dict(metric="cosine", accuracy_target=99.9, provider="cpu")
     result = quantize_to_target(path, out, calib, eval_data, fallback="activations", **opts)
     assert result.met and result.kept_in_float == ["second"] and result.unit == "activations"
     assert result.tried[0] < 0.999 <= result.tried[1]
@@ -268,7 +275,7 @@ def test_the_activation_unit_cannot_take_back_a_weights_error(tmp_path, outlier_
     out = tmp_path / "q.onnx"
     with pytest.raises(TargetNotMet, match=r"with float activations|in float"):
         quantize_to_target(
-            path, out, calib, eval_data, metric="cosine", target=99.9, fallback="activations", provider="cpu"
+            path, out, calib, eval_data, metric="cosine", accuracy_target=99.9, fallback="activations", provider="cpu"
         )
     assert not out.exists()
 

@@ -135,7 +135,7 @@ def test_the_accuracy_search_under_auto_uses_the_family_recipe_and_its_data(tmp_
     np.savez(tmp_path / "calib.npz", x=rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
     np.savez(tmp_path / "eval.npz", x=rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
     result = fp8onnx.quantize_to_target(
-        path, tmp_path / "q.onnx", tmp_path / "calib.npz", tmp_path / "eval.npz", target=99.0, provider="cpu"
+        path, tmp_path / "q.onnx", tmp_path / "calib.npz", tmp_path / "eval.npz", accuracy_target=99.0, provider="cpu"
     )
     assert result.met and result.report.family["preset"] == "cnn"
     assert result.report.config["bias_correction"] and result.report.config["float_stem"]

@@ -73,7 +73,7 @@ class Budget(Statistic):
 
     def instrument(self, model: ir.Model, tag: str) -> list[str]:
         nodes = {n.name: n for n in model.graph}
-        shadows, targets = [], []
+        shadows, node_inputs = [], []
         for d in self.decisions:
             node = nodes[d.node.name]
             for kind in self.kinds:
@@ -83,8 +83,8 @@ class Budget(Statistic):
                     continue
                 shadow = shadow_of(node, f"fp8onnx_budget_{kind}")
                 shadows.append((node, kind, shadow, picked))
-                targets += [(shadow, i) for i in picked]
-        InsertQDQPass(targets, self.quant)(model)  # one Q/DQ per tensor, shared by the shadows reading it
+                node_inputs += [(shadow, i) for i in picked]
+        InsertQDQPass(node_inputs, self.quant)(model)  # one Q/DQ per tensor, shared by the shadows reading it
         for node, kind, shadow, picked in shadows:
             names = self._names.setdefault(node.name, {})
             if kind == "range":

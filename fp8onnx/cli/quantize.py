@@ -357,7 +357,7 @@ def _quantize_to_target(model, output, config: QuantizeConfig, run, params: dict
         output,
         params["calib"],
         params["eval_data"],
-        target=params["accuracy_target"],
+        accuracy_target=params["accuracy_target"],
         max_float_nodes=params["max_float_nodes"],
         refine=params["refine"],
         config=config,

@@ -1,5 +1,5 @@
 """Quantize to a stated accuracy: keep the fewest, most sensitive nodes in float until the headline
-metric on held-out data is at least ``target`` percent of the FP16 model's.
+metric on held-out data is at least ``accuracy_target`` percent of the FP16 model's.
 
 The order comes from :mod:`fp8onnx.accuracy.sensitivity` (one pass, SQNR per node; with ``refine`` > 0 the
 lowest-SQNR nodes are re-ordered by their measured end-metric gain), the statistics from that same
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class FallbackResult:
-    target: float  # percent of FP16's headline metric
+    accuracy_target: float  # percent of FP16's headline metric
     metric: str
     tried: dict[int, float | None]  # nodes kept in float -> headline relative to FP16 (fraction)
     kept_in_float: list[str]  # the chosen nodes, most sensitive first
@@ -56,7 +56,7 @@ class FallbackResult:
         lines = [self.report.summary()] if self.report else []
         verdict = "met" if self.met else "NOT met (nothing written)"
         lines.append(
-            f"  accuracy target {self.target:g}% of FP16 ({self.metric}): {verdict}; "
+            f"  accuracy target {self.accuracy_target:g}% of FP16 ({self.metric}): {verdict}; "
             f"{self.evaluations} models evaluated"
         )
         for k, ratio in sorted(self.tried.items()):
@@ -75,7 +75,7 @@ class FallbackResult:
 
     def to_json(self) -> dict:
         return {
-            "target_pct_of_fp16": self.target,
+            "target_pct_of_fp16": self.accuracy_target,
             "metric": self.metric,
             "tried": {str(k): v for k, v in sorted(self.tried.items())},
             "kept_in_float": self.kept_in_float,
@@ -147,10 +147,10 @@ def _rounds(limit: int) -> list[list[int]]:
 NEARLY_ALL = 0.9  # a target met only with this share of the nodes in float is refused unless allowed
 
 
-def search(sens: SensitivityResult, candidates: Candidates, target: float, limit: int):
+def search(sens: SensitivityResult, candidates: Candidates, accuracy_target: float, limit: int):
     """(tried, chosen): the headline ratio to FP16 per count of nodes kept in float (in
     ``sens.order()``), and the smallest count within ``limit`` whose ratio, and that of every larger
-    count tried, is >= ``target`` percent (None when there is none). Scores come from
+    count tried, is >= ``accuracy_target`` percent (None when there is none). Scores come from
     ``candidates``; its cache makes repeated searches cheap."""
     order = [n.name for n in sens.order()]
     tried: dict[int, float | None] = {}
@@ -168,7 +168,7 @@ def search(sens: SensitivityResult, candidates: Candidates, target: float, limit
                 tried[k] = ratio
 
     def passes(k: int) -> bool:
-        return tried[k] is not None and tried[k] * 100 >= target
+        return tried[k] is not None and tried[k] * 100 >= accuracy_target
 
     def stable() -> int | None:
         """The smallest count from which every larger count tried passes too: a count that passes
@@ -200,7 +200,7 @@ def quantize_to_target(
     calib: Data,
     eval_data: Data,
     *,
-    target: float = 99.5,
+    accuracy_target: float = 99.5,
     max_float_nodes: int | None = None,
     refine: int = 0,
     config: QuantizeConfig | None = None,
@@ -210,7 +210,7 @@ def quantize_to_target(
     **options,
 ) -> FallbackResult:
     """Quantize ``model`` keeping the fewest most sensitive nodes in float (at most
-    ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``target``% of FP16's.
+    ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``accuracy_target``% of FP16's.
 
     requires: ``calib`` data (sensitivity and scales come from it), ``eval_data`` with an FP16 baseline;
     ensures: the output is written only when the target holds on ``eval_data`` with fewer than
@@ -222,7 +222,7 @@ def quantize_to_target(
     run = RunOptions.of(run, **run_kw)
     if config is None:  # like quantize: the family's recipe (preset auto) under the options given
         config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
-    _check_search(target, max_float_nodes, refine, calib)
+    _check_search(accuracy_target, max_float_nodes, refine, calib)
     check_paths(
         model_reads("the input model", model)
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
@@ -233,17 +233,17 @@ def quantize_to_target(
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
     with Candidates(model, config, sens.stats, eval_data, run, calib, metric, needs_data) as candidates:
-        tried, chosen = search(sens, candidates, target, limit)
+        tried, chosen = search(sens, candidates, accuracy_target, limit)
     evaluations = sens.evaluations + candidates.evaluated
-    metric, nodes = candidates.metric, sens.to_json()["nodes"]
+    metric, nodes, unit = candidates.metric, sens.to_json()["nodes"], ranked.fallback
     if chosen is None:
-        raise _not_met(target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, ranked.fallback)
+        raise _not_met(accuracy_target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, unit)
     if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
-        result = FallbackResult(target, metric, tried, order[:chosen], False, None, evaluations, nodes, ranked.fallback)
-        raise TargetNotMet(_nearly_all(target, metric, chosen, len(order)), result)
+        result = FallbackResult(accuracy_target, metric, tried, order[:chosen], False, None, evaluations, nodes, unit)
+        raise TargetNotMet(_nearly_all(accuracy_target, metric, chosen, len(order)), result)
     final = candidates.write(order[:chosen], output, run)
-    logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, target, evaluations)
-    result = FallbackResult(target, metric, tried, order[:chosen], True, final, evaluations, nodes, ranked.fallback)
+    logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, accuracy_target, evaluations)
+    result = FallbackResult(accuracy_target, metric, tried, order[:chosen], True, final, evaluations, nodes, unit)
     if report is not None:  # the usual report, plus how the target was met and the sensitivity it used
         doc = {**final.to_json(), "accuracy_target": result.to_json(), "sensitivity": result.sensitivity}
         del doc["accuracy_target"]["report"]
@@ -262,17 +262,17 @@ def _ranked(model, config: QuantizeConfig, calib, eval_data, refine: int, metric
     return ranked, sensitivity(model, calib, **scoring)
 
 
-def _nearly_all(target: float, metric: str, chosen: int, nodes: int) -> str:
+def _nearly_all(accuracy_target: float, metric: str, chosen: int, nodes: int) -> str:
     return (
-        f"Accuracy target {target:g}% of FP16 ({metric}) holds only with {chosen} of {nodes} nodes in float: "
+        f"Accuracy target {accuracy_target:g}% of FP16 ({metric}) holds only with {chosen} of {nodes} nodes in float: "
         "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
         f"with --max-float-nodes {chosen})."
     )
 
 
-def _check_search(target: float, max_float_nodes: int | None, refine: int, calib) -> None:
-    if not 0 < target <= 100:
-        raise Fp8OnnxError(f"--accuracy-target must be a percentage in (0, 100], got {target!r}.")
+def _check_search(accuracy_target: float, max_float_nodes: int | None, refine: int, calib) -> None:
+    if not 0 < accuracy_target <= 100:
+        raise Fp8OnnxError(f"--accuracy-target must be a percentage in (0, 100], got {accuracy_target!r}.")
     if max_float_nodes is not None and max_float_nodes < 0:
         raise Fp8OnnxError(f"--max-float-nodes must be >= 0, got {max_float_nodes!r}.")
     if refine < 0:
@@ -288,15 +288,15 @@ def _ranking_config(model, config: QuantizeConfig) -> QuantizeConfig:
     return config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
 
 
-def _not_met(target, metric, tried, order, limit, eval_path, evaluations, nodes, unit) -> TargetNotMet:
+def _not_met(accuracy_target, metric, tried, order, limit, eval_path, evaluations, nodes, unit) -> TargetNotMet:
     """No count within ``limit`` met the target: the error, naming the best count tried."""
     best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
-    result = FallbackResult(target, metric, tried, order[:best], False, None, evaluations, nodes, unit)
+    result = FallbackResult(accuracy_target, metric, tried, order[:best], False, None, evaluations, nodes, unit)
     shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
-    if tried[best] is not None and tried[best] * 100 >= target:
+    if tried[best] is not None and tried[best] * 100 >= accuracy_target:
         shown += " (not confirmed: a count with more nodes in float missed the target)"
     return TargetNotMet(
-        f"Accuracy target {target:g}% of FP16 ({metric}) not met on {eval_path or 'the evaluation data'} "
+        f"Accuracy target {accuracy_target:g}% of FP16 ({metric}) not met on {eval_path or 'the evaluation data'} "
         f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
         + (
             "nothing written (raise --max-float-nodes or lower --accuracy-target)."

@@ -64,9 +64,9 @@ def rewrite(
     if shielded:
         ShieldBiasPass(shielded)(model)
         prepared.append(f"reshaped {len(shielded)} biases to [1, N] (onnxruntime would clip them as int32)")
-    targets = [(d.node, index) for d in decisions for index, _ in d.inputs]
+    node_inputs = [(d.node, index) for d in decisions for index, _ in d.inputs]
     fast = _fast_form_weights(decisions, config)
-    inserted = InsertQDQPass(targets, quant, per_axis_blocks=_per_axis_blocks(config, run), blocked=fast)(model)
+    inserted = InsertQDQPass(node_inputs, quant, per_axis_blocks=_per_axis_blocks(config, run), blocked=fast)(model)
     modified = inserted.modified
     if config.embeddings == "fp8":
         modified |= _quantize_embeddings(model, config, inserted.dequantized, prepared)

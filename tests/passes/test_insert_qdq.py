@@ -23,8 +23,8 @@ def _setup(tmp_path, fmt, **kw):
     amax = {"x": np.abs(x).max(), "w1": np.abs(w1).max(), "w2": np.abs(w2).max(), "r": np.maximum(h, 0).max()}
     amax = {k: float(v) for k, v in amax.items()}
     quant = {k: TensorQuant(fmt, amax_to_scale(float(v), fmt)) for k, v in amax.items()}
-    targets = [("fc1", 0), ("fc1", 1), ("fc2", 0), ("fc2", 1)]
-    return path, model, x, ref, quant, targets
+    node_inputs = [("fc1", 0), ("fc1", 1), ("fc2", 0), ("fc2", 1)]
+    return path, model, x, ref, quant, node_inputs
 
 
 DEPLOYABLE = [f for f in Fp8Format if f.deployable and not f.integer]  # int8: tests/test_int8.py
@@ -32,8 +32,8 @@ DEPLOYABLE = [f for f in Fp8Format if f.deployable and not f.integer]  # int8: t
 
 @pytest.mark.parametrize("fmt", DEPLOYABLE, ids=lambda f: f.value)
 def test_structure_and_numbers(tmp_path, fmt):
-    _path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
-    assert InsertQDQPass(targets, quant)(model).modified
+    _path, model, x, ref, quant, node_inputs = _setup(tmp_path, fmt)
+    assert InsertQDQPass(node_inputs, quant)(model).modified
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
     ops = op_types(proto)
@@ -56,8 +56,8 @@ def test_structure_and_numbers(tmp_path, fmt):
 
 def test_relu_survives_ort_default_optimisations(tmp_path):
     # With a zero point, ORT's ReluQuantRewrite would delete the Relu and negative values would leak.
-    _path, model, x, _ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
-    InsertQDQPass(targets, quant)(model)
+    _path, model, x, _ref, quant, node_inputs = _setup(tmp_path, Fp8Format.E4M3FN)
+    InsertQDQPass(node_inputs, quant)(model)
     proto = ir.to_proto(model)
     default, basic = run_ort(proto, {"x": x})[0], run_ort(proto, {"x": x}, level="basic")[0]
     # two optimisation levels may run the MatMuls with other kernels (last bits, SPEC §11); a deleted
@@ -66,10 +66,10 @@ def test_relu_survives_ort_default_optimisations(tmp_path):
 
 
 def test_idempotent(tmp_path):
-    _path, model, _x, _ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN)
-    InsertQDQPass(targets, quant)(model)
+    _path, model, _x, _ref, quant, node_inputs = _setup(tmp_path, Fp8Format.E4M3FN)
+    InsertQDQPass(node_inputs, quant)(model)
     before = ir.to_proto(model).SerializeToString()
-    assert not InsertQDQPass(targets, quant)(model).modified
+    assert not InsertQDQPass(node_inputs, quant)(model).modified
     assert ir.to_proto(model).SerializeToString() == before
 
 
@@ -87,7 +87,7 @@ def test_shared_activation_gets_one_pair(tmp_path):
 
 
 def test_weight_with_other_readers_is_kept(tmp_path):
-    _path, model, x, ref, quant, _targets = _setup(tmp_path, Fp8Format.E4M3FN, gemm=False)
+    _path, model, x, ref, quant, _node_inputs = _setup(tmp_path, Fp8Format.E4M3FN, gemm=False)
     # w2 is read through a Transpose, which is not a quantization target: only fc1's weight is quantized
     InsertQDQPass([("fc1", 0), ("fc1", 1)], quant)(model)
     proto = ir.to_proto(model)
@@ -97,8 +97,8 @@ def test_weight_with_other_readers_is_kept(tmp_path):
 
 
 def test_float16_model_keeps_float16_scales(tmp_path):
-    _path, model, x, ref, quant, targets = _setup(tmp_path, Fp8Format.E4M3FN, dtype=np.float16)
-    InsertQDQPass(targets, quant)(model)
+    _path, model, x, ref, quant, node_inputs = _setup(tmp_path, Fp8Format.E4M3FN, dtype=np.float16)
+    InsertQDQPass(node_inputs, quant)(model)
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
     scales = [i for i in proto.graph.initializer if i.name.endswith("/scale")]
@@ -111,10 +111,10 @@ def test_float16_model_keeps_float16_scales(tmp_path):
 
 @pytest.mark.parametrize("fmt", DEPLOYABLE, ids=lambda f: f.value)
 def test_dynamic_activation_scales(tmp_path, fmt):
-    path, model, x, ref, quant, targets = _setup(tmp_path, fmt)
+    path, model, x, ref, quant, node_inputs = _setup(tmp_path, fmt)
     for name in ("x", "r"):
         quant[name] = TensorQuant(fmt, None)
-    InsertQDQPass(targets, quant)(model)
+    InsertQDQPass(node_inputs, quant)(model)
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
     ops = op_types(proto)
@@ -130,7 +130,7 @@ def test_dynamic_activation_scales(tmp_path, fmt):
 
 def test_per_channel_weights(tmp_path):
     fmt = Fp8Format.E4M3FN
-    _path, model, x, _ref, quant, targets = _setup(tmp_path, fmt)
+    _path, model, x, _ref, quant, node_inputs = _setup(tmp_path, fmt)
     w1 = model.graph.initializers["w1"].const_value.numpy().copy()
     w2 = model.graph.initializers["w2"].const_value.numpy()
     w1[:, 0] *= 50  # one loud output channel: per-tensor scaling would crush the others
@@ -138,7 +138,7 @@ def test_per_channel_weights(tmp_path):
     quant["w1"] = TensorQuant(fmt, np.abs(w1).max(axis=0) / fmt.fmax, axis=1)  # MatMul [K, N]: axis 1
     quant["w2"] = TensorQuant(fmt, np.abs(w2).max(axis=1) / fmt.fmax, axis=0)  # Gemm transB [N, K]: axis 0
     quant["r"] = TensorQuant(fmt, None)
-    InsertQDQPass(targets, quant)(model)
+    InsertQDQPass(node_inputs, quant)(model)
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
     dq = {n.input[0]: n for n in proto.graph.node if n.op_type == "DequantizeLinear"}
@@ -156,10 +156,10 @@ def test_emulated_e3m4_has_no_qdq_and_matches_numpy(tmp_path):
     from fp8onnx.numerics.formats import dequantize, quantize
 
     fmt = Fp8Format.E3M4
-    _path, model, x, _ref, quant, targets = _setup(tmp_path, fmt)
+    _path, model, x, _ref, quant, node_inputs = _setup(tmp_path, fmt)
     w1, w2 = (model.graph.initializers[n].const_value.numpy() for n in ("w1", "w2"))
     b2 = model.graph.initializers["b2"].const_value.numpy()
-    InsertQDQPass(targets, quant)(model)
+    InsertQDQPass(node_inputs, quant)(model)
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
     assert "QuantizeLinear" not in op_types(proto) and "DequantizeLinear" not in op_types(proto)
@@ -173,7 +173,7 @@ def test_emulated_e3m4_has_no_qdq_and_matches_numpy(tmp_path):
     expected = qd(expected, "r") @ qd(w2, "w2").T + b2
     for run in (run_ort, run_reference):
         np.testing.assert_allclose(run(proto, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
-    assert not InsertQDQPass(targets, quant)(model).modified
+    assert not InsertQDQPass(node_inputs, quant)(model).modified
 
 
 def test_requires_opset_21_and_known_targets(tmp_path):

@@ -20,7 +20,9 @@ stats = fp8onnx.calibrate(model, "calib/", "stats.json", run=RunOptions(batch_si
 report = fp8onnx.quantize(model, "model.fp8.onnx", stats=stats, run=RunOptions(provider="cpu"))
 result = fp8onnx.compare(model, ["model.fp8.onnx"], "eval.npz", generate=0, metric="auto")
 print(result.table())
-found = fp8onnx.quantize_to_target(model, "out.onnx", "calib.npz", "eval.npz", target=99.5, fallback="activations")
+found = fp8onnx.quantize_to_target(
+    model, "out.onnx", "calib.npz", "eval.npz", accuracy_target=99.5, fallback="activations", target="onnxruntime-cuda"
+)
 kept: list[str] = found.kept_in_float
 ranking = fp8onnx.sensitivity(model, "calib.npz", eval_data="eval.npz", refine=3)
 info: dict = fp8onnx.inspect("model.fp8.onnx", target="onnxruntime-cuda")
