@@ -29,6 +29,7 @@ from fp8onnx.cli.options import (
     fallback_option,
     metric_option,
     recipe_options,
+    refine_option,
     run_options,
     weight_block_size_option,
 )
@@ -38,6 +39,7 @@ from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.settings.config import (
     ACTIVATION_MODES,
 )
+from fp8onnx.workflows.fallback import REFINE_DEFAULTS
 from fp8onnx.workflows.fallback import sensitivity as run_sensitivity
 
 
@@ -199,13 +201,7 @@ def study(
 @click.option(
     "--eval", "eval_data", type=click.Path(), help="Held-out data: score the lowest-SQNR nodes on the end metric."
 )
-@click.option(
-    "--refine",
-    type=click.IntRange(min=0),
-    default=5,
-    show_default=True,
-    help="With --eval: how many of the lowest-SQNR nodes to score (one model each, plus the all-FP8 one).",
-)
+@refine_option
 @click.option("--top", type=click.IntRange(min=1), help="Show only the N most sensitive nodes.")
 @click.option(
     "--budget",
@@ -254,7 +250,7 @@ def sensitivity(model, **params):
         config=config,
         stats=stats,
         eval_data=eval_data,
-        refine=params["refine"],
+        refine=REFINE_DEFAULTS["sensitivity"] if params["refine"] is None else params["refine"],
         metric=params["metric"],
         budget=params["budget"],
         run=run,

@@ -21,6 +21,7 @@ __all__ = [
     "fallback_option",
     "metric_option",
     "recipe_options",
+    "refine_option",
     "run_options",
     "weight_block_size_option",
 ]
@@ -84,6 +85,15 @@ metric_option = click.option(
     help="The headline compared with FP16: auto is task accuracy with labels (a decoder LLM's are its next tokens, "
     "none needed), else top-1 agreement for class scores (named like logits, computed by a Softmax, or a linear "
     "head's [batch, classes]), else mean cosine; rel-l2 scores 1 - relative L2 error (regression).",
+)
+
+refine_option = click.option(
+    "--refine",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Score the N lowest-SQNR nodes one by one on the --eval data (N+1 models quantized and evaluated) and "
+    "order them by the measured gain of keeping each in float. [default: 5 for sensitivity --eval; 0 for "
+    "quantize --accuracy-target, which then follows the SQNR order]",
 )
 
 fallback_option = click.option(

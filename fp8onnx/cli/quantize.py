@@ -40,6 +40,7 @@ from fp8onnx.cli.options import (
     fallback_option,
     metric_option,
     recipe_options,
+    refine_option,
     run_options,
     weight_block_size_option,
 )
@@ -53,7 +54,7 @@ from fp8onnx.settings.config import (
     QuantizeConfig,
 )
 from fp8onnx.workflows.exports import quantize_folder
-from fp8onnx.workflows.fallback import quantize_to_target
+from fp8onnx.workflows.fallback import REFINE_DEFAULTS, quantize_to_target
 
 
 def _sections() -> dict[str, tuple[str, ...]]:
@@ -255,14 +256,7 @@ class _QuantizeCommand(_Sectioned):
     "(session.disable_quant_qdq=1 in genai_config.json): on the CPU, FP32's speed and memory, FP8's file. "
     "[default: on for a folder for the CPU, off for --target onnxruntime-cuda]",
 )
-@click.option(
-    "--refine",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="With --accuracy-target: score the N lowest-SQNR nodes one by one on --eval first and leave them in "
-    "float in order of measured gain (N+1 more evaluations).",
-)
+@refine_option
 @_run
 @_text_options("calib", "eval_data", "check_data")
 def quantize(model, output, **params):
@@ -321,7 +315,7 @@ def _check(model, output, folder_mode: bool, params: dict) -> None:
     eval_data, target, report = params["eval_data"], params["accuracy_target"], params["report"]
     if (eval_data is None) != (target is None):
         raise Fp8OnnxError("--accuracy-target and --eval go together: give both or neither.")
-    if (params["max_float_nodes"] is not None or params["refine"]) and target is None:
+    if (params["max_float_nodes"] is not None or params["refine"] is not None) and target is None:
         raise Fp8OnnxError("--max-float-nodes and --refine only apply with --accuracy-target.")
     if params["fold_at_load"] and not folder_mode:
         raise Fp8OnnxError("--fold-at-load applies to an onnxruntime-genai folder written as a folder (-o OUT_DIR).")
@@ -359,7 +353,7 @@ def _quantize_to_target(model, output, config: QuantizeConfig, run, params: dict
         params["eval_data"],
         accuracy_target=params["accuracy_target"],
         max_float_nodes=params["max_float_nodes"],
-        refine=params["refine"],
+        refine=REFINE_DEFAULTS["quantize_to_target"] if params["refine"] is None else params["refine"],
         config=config,
         report=params["report"],
         metric=params["metric"],
