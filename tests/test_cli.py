@@ -1,5 +1,7 @@
 import json
+import pathlib
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -222,3 +224,19 @@ def test_recipe_options_are_the_config_fields_declared_once():
     assert fields <= quantize, fields - quantize
     sensitivity = {p.name for p in main.commands["sensitivity"].params}
     assert {"fmt", "scaling", "activations", "weight_block_size"} <= fields & sensitivity
+
+
+def test_every_option_is_documented():
+    """Options are declared once, in the commands; the docs are checked against them: every option of
+    every command appears in README.md or docs/*.md."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    docs = (root / "README.md").read_text() + "".join(p.read_text() for p in (root / "docs").glob("*.md"))
+    missing = [
+        f"{name} {param.opts[0]}"
+        for name, command in main.commands.items()
+        for param in command.params
+        if isinstance(param, click.Option)
+        and not any(o in docs for o in param.opts + param.secondary_opts if o.startswith("--"))
+        and not any(f"{o} " in docs for o in param.opts if not o.startswith("--"))
+    ]
+    assert missing == [], f"undocumented options: {missing}"
