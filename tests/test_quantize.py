@@ -316,7 +316,7 @@ def test_first_line_of_an_exception_without_text():
 
 
 def test_recipe_choices_are_enums_that_read_as_their_names():
-    from fp8onnx.settings.config import Activations, Precision
+    from fp8onnx.settings.choices import Activations, Precision
 
     cfg = QuantizeConfig(activations="dynamic", precision="fp16", target="onnxruntime")
     assert cfg.activations is Activations.DYNAMIC and cfg.activations == "dynamic"

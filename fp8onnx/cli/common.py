@@ -21,10 +21,7 @@ from fp8onnx.data.feeds import TextSource, is_text
 from fp8onnx.graph.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, RAY_TIMEOUT, WEIGHT_MEMORY, RunOptions
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling
-from fp8onnx.settings.config import (
-    DEFAULT_OP_TYPES,
-    PRECISIONS,
-)
+from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS
 
 _FORMATS = [f.value for f in Fp8Format]
 _SCALINGS = [s.value for s in Scaling]

@@ -36,9 +36,7 @@ from fp8onnx.cli.options import (
 from fp8onnx.experiments.study import PLOT_FILES, write_outputs, write_plots
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.settings.config import (
-    ACTIVATION_MODES,
-)
+from fp8onnx.settings.choices import ACTIVATION_MODES
 from fp8onnx.workflows.fallback import REFINE_DEFAULTS
 from fp8onnx.workflows.fallback import sensitivity as run_sensitivity
 

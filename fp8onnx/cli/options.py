@@ -12,7 +12,8 @@ import click
 from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.cli.common import _DEFAULT, _PARAM, _run_options
 from fp8onnx.graph.runtime import RunOptions
-from fp8onnx.settings.config import FALLBACK_UNITS, GEMM_OPS, PRECISIONS, QuantizeConfig
+from fp8onnx.settings.choices import FALLBACK_UNITS, GEMM_OPS, PRECISIONS
+from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.targets import TARGETS
 
 __all__ = [

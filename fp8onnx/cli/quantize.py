@@ -46,13 +46,8 @@ from fp8onnx.cli.options import (
 )
 from fp8onnx.graph.guard import check_paths, model_writes
 from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.settings.config import (
-    ACTIVATION_MODES,
-    EMBEDDING_MODES,
-    PRESETS,
-    WEIGHT_ROUNDINGS,
-    QuantizeConfig,
-)
+from fp8onnx.settings.choices import ACTIVATION_MODES, EMBEDDING_MODES, WEIGHT_ROUNDINGS
+from fp8onnx.settings.config import PRESETS, QuantizeConfig
 from fp8onnx.workflows.exports import quantize_folder
 from fp8onnx.workflows.fallback import REFINE_DEFAULTS, quantize_to_target
 

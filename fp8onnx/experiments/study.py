@@ -42,7 +42,8 @@ from fp8onnx.data.feeds import LABELS, input_specs
 from fp8onnx.graph.model_io import load_model, write_text_atomic
 from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.formats import Fp8Format
-from fp8onnx.settings.config import DEFAULT_OP_TYPES, PRESETS, QuantizeConfig
+from fp8onnx.settings.choices import DEFAULT_OP_TYPES
+from fp8onnx.settings.config import PRESETS, QuantizeConfig
 from fp8onnx.settings.report import QuantizeReport, describe_config
 from fp8onnx.workflows.api import calibrate
 from fp8onnx.workflows.candidates import Candidates

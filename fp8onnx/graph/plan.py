@@ -15,7 +15,8 @@ import onnx_ir.passes.common
 from fp8onnx.passes import (
     is_quantized,
 )
-from fp8onnx.settings.config import SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.settings.choices import SUPPORTED_OP_TYPES
+from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.report import NodeReport
 
 __all__ = [

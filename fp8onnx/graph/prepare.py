@@ -22,7 +22,7 @@ from fp8onnx.passes import (
     UpgradeOpsetPass,
     default_opset,
 )
-from fp8onnx.settings.config import SUPPORTED_OP_TYPES, check_precision
+from fp8onnx.settings.choices import SUPPORTED_OP_TYPES, check_precision
 
 __all__ = ["Float16Unsupported", "prepare_model"]
 

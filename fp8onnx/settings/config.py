@@ -4,113 +4,39 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, parse_format
 from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, check_percentile, parse_scaling
+from fp8onnx.settings.choices import (
+    DEFAULT_OP_TYPES,
+    SUPPORTED_OP_TYPES,
+    Activations,
+    Embeddings,
+    FallbackUnit,
+    GemmOp,
+    Precision,
+    Target,
+    WeightRounding,
+    check_precision,
+    parse_choice,
+)
 from fp8onnx.settings.presets import PRESETS, bundled, overruled
-from fp8onnx.settings.targets import TARGETS
 
-__all__ = [
-    "ACTIVATION_MODES",
-    "DEFAULT_OP_TYPES",
-    "EMBEDDING_MODES",
-    "FALLBACK_UNITS",
-    "GEMM_OPS",
-    "PRECISIONS",
-    "PRESETS",
-    "SUPPORTED_OP_TYPES",
-    "WEIGHT_ROUNDINGS",
-    "GemmOp",
-    "QuantizeConfig",
-    "check_precision",
-]
+__all__ = ["PRESETS", "QuantizeConfig"]
 
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 PER_CHANNEL_BY_DEFAULT = ("Conv", "ConvTranspose")
-EMBEDDING_MODES = ("float", "fp8")
-WEIGHT_ROUNDINGS = ("nearest", "gptq")
-# What an accuracy target leaves in float, node by node: the whole node (float weight and activation), or
-# only its activation (W8A16: the FP8 weight stays; the fast form's op without a_scale).
-FALLBACK_UNITS = ("nodes", "activations")
-DEFAULT_OP_TYPES = ("MatMul", "Gemm")  # Conv is opt-in (SPEC §2)
-
-
-class Activations(str, enum.Enum):
-    """static: calibrated scales; dynamic: each batch's amax computed in the graph;
-    dynamic-per-token: one scale per row (token) of the activation, its amax over the reduction
-    axis, computed in the graph, with per-channel weights (the FP8-dynamic recipe);
-    dynamic-per-group: one scale per row and per ``group_size`` consecutive channels (DeepSeek-V3's
-    1 x 128 activation tiles); none: weights only (float8 weights + DequantizeLinear, activations
-    stay in float)."""
-
-    STATIC = "static"
-    DYNAMIC = "dynamic"
-    DYNAMIC_PER_TOKEN = "dynamic-per-token"
-    DYNAMIC_PER_GROUP = "dynamic-per-group"
-    NONE = "none"
-
-    @property
-    def dynamic(self) -> bool:
-        """Scales computed in the graph at run time: no calibration."""
-        return self in (Activations.DYNAMIC, Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GROUP)
-
 
 # Activation modes whose weights are per output channel unless --per-tensor: the FP8-dynamic recipe,
 # and weight-only FP8 (on SmolLM2-135M per-tensor weights alone cost 2.6% of FP16's accuracy).
 _PER_CHANNEL_MODES = (Activations.DYNAMIC_PER_TOKEN, Activations.DYNAMIC_PER_GROUP, Activations.NONE)
 
-
-class Precision(str, enum.Enum):
-    """model: keep the model's own float types; fp16 / bf16: the unquantized graph in float16 / bfloat16."""
-
-    MODEL = "model"
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-
-# Which runtime's rules the output must meet (the names are fp8onnx.settings.targets').
-Target = enum.Enum("Target", {name.upper(): name for name in TARGETS}, type=str)
-ACTIVATION_MODES = tuple(a.value for a in Activations)
-
-
-class GemmOp(str, enum.Enum):
-    """How a quantized MatMul/Gemm is written. qdq: standard ONNX (float8 Q/DQ around the float op, every
-    runtime); block-fp8: ``com.microsoft.MatMulBlockQuantizedFp8Weight`` (onnxruntime's CUDA EP fast path,
-    float8 weights read as they are; fp8onnx.passes.block_fp8); gemm-float8: ``com.microsoft.GemmFloat8``
-    (cuBLASLt FP8 GEMM, per-tensor scales, compute capability >= 8.9); auto: block-fp8 for --target
-    onnxruntime-cuda with E4M3 weights, gemm-float8 with --native-gemm, else qdq."""
-
-    AUTO = "auto"
-    QDQ = "qdq"
-    BLOCK_FP8 = "block-fp8"
-    GEMM_FLOAT8 = "gemm-float8"
-
-
-GEMM_OPS = tuple(g.value for g in GemmOp)
 # The fast form's weight blocks when none are asked for: onnxruntime's default block_size.
 BLOCK_FP8_DEFAULT_BLOCK = 128
-PRECISIONS = tuple(p.value for p in Precision)
-
-
-def _choice(kind: type[enum.Enum], value, option: str):
-    """``value`` as a member of ``kind`` (the members are strings too, so comparisons with the
-    plain names keep working), or one sentence naming the option."""
-    try:
-        return kind(value)
-    except ValueError:
-        choices = ", ".join(m.value for m in kind)
-        raise Fp8OnnxError(f"Unknown {option} {value!r}; choose one of {choices}.") from None
-
-
-def check_precision(precision: str) -> Precision:
-    """The one rule for --precision: model (keep the model's float types), fp16 or bf16."""
-    return _choice(Precision, precision, "--precision")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,15 +62,15 @@ class QuantizeConfig:
     float_activations: tuple[str, ...] = ()  # globs: these nodes' activations stay in float (W8A16), weights FP8
     float_last_layers: int = 0  # the last N decoder layers' (named layers.K/) activations in float (W8A16)
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
-    fallback: str = "nodes"  # FALLBACK_UNITS: what keep_float leaves in float (with activations none: nodes)
+    fallback: FallbackUnit | str = FallbackUnit.NODES  # what keep_float leaves in float (activations none: nodes)
     activation_matmuls: bool = False
-    weight_rounding: str = "nearest"  # "gptq": error-compensating rounding from calibration (techniques.gptq)
+    weight_rounding: WeightRounding | str = WeightRounding.NEAREST
     smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (techniques)
     bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (techniques)
     sequential: bool = False  # each layer calibrated on the quantized layers before it (pipeline.executors)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     float_stem: bool = False  # leave the convolutions that read the model's input (the stem) in float
-    embeddings: str = "float"  # "fp8": embedding tables stored as float8 codes (passes.quantize_embeddings)
+    embeddings: Embeddings | str = Embeddings.FLOAT
     preset: str | None = None  # recorded only: the fields a preset set are already in place (for_preset)
     # --preset auto: the fields the user set, kept over the family's preset once it is known (for_family)
     explicit: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
@@ -176,7 +102,7 @@ class QuantizeConfig:
                 f"Unsupported op type {unknown[0] if unknown else ''!r} in --op-types; supported: "
                 f"{', '.join(SUPPORTED_OP_TYPES)}."
             )
-        object.__setattr__(self, "target", _choice(Target, self.target, "--target"))
+        object.__setattr__(self, "target", parse_choice(Target, self.target, "--target"))
         self._resolve_gemm_op()
         if self.precision is None:
             fp16 = self.gemm_op is GemmOp.BLOCK_FP8
@@ -193,12 +119,9 @@ class QuantizeConfig:
 
     def _check_techniques(self) -> None:
         """Weight rounding, smoothing, bias correction, blocks, groups, the fallback unit, embeddings."""
-        if self.weight_rounding not in WEIGHT_ROUNDINGS:
-            raise Fp8OnnxError(
-                f"Unknown --weight-rounding {self.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}."
-            )
-        if self.fallback not in FALLBACK_UNITS:
-            raise Fp8OnnxError(f"Unknown --fallback {self.fallback!r}; choose one of {', '.join(FALLBACK_UNITS)}.")
+        choices = {"weight_rounding": WeightRounding, "fallback": FallbackUnit, "embeddings": Embeddings}
+        for field, kind in choices.items():
+            object.__setattr__(self, field, parse_choice(kind, getattr(self, field), "--" + field.replace("_", "-")))
         if self.smooth is not None and not 0 <= self.smooth <= 1:
             raise Fp8OnnxError(f"--smooth must be in [0, 1], got {self.smooth!r}.")
         if self.bias_correction and self.scaling is Scaling.CONSTANT:
@@ -216,14 +139,12 @@ class QuantizeConfig:
             raise Fp8OnnxError(f"--group-size must be a positive integer, got {group!r}.")
         if block and self.scaling is Scaling.CONSTANT:
             raise Fp8OnnxError("--weight-block-size contradicts --scaling constant (one scale for every tensor).")
-        if self.embeddings not in EMBEDDING_MODES:
-            raise Fp8OnnxError(f"Unknown --embeddings {self.embeddings!r}; choose one of {', '.join(EMBEDDING_MODES)}.")
 
     def _check_modes(self) -> None:
         """Activations against formats, targets and scaling: what can go together."""
-        object.__setattr__(self, "activations", _choice(Activations, self.activations, "--activations"))
+        object.__setattr__(self, "activations", parse_choice(Activations, self.activations, "--activations"))
         if self.activations is Activations.NONE:  # no activation to keep in float: the unit is the node
-            object.__setattr__(self, "fallback", "nodes")
+            object.__setattr__(self, "fallback", FallbackUnit.NODES)
         if Fp8Format.INT8 in (self.weight_format, self.activation_format) and self.native_gemm:
             raise Fp8OnnxError("--native-gemm is onnxruntime's float8 GEMM; int8 takes standard Q/DQ only.")
         if self.target == "onnxruntime-cuda" and not (self.weight_format.cuda_ok and self.activation_format.cuda_ok):
@@ -276,7 +197,7 @@ class QuantizeConfig:
             )
 
     def _resolve_gemm_op(self) -> None:
-        gemm_op = _choice(GemmOp, self.gemm_op, "--gemm-op")
+        gemm_op = parse_choice(GemmOp, self.gemm_op, "--gemm-op")
         if self.native_gemm and gemm_op not in (GemmOp.AUTO, GemmOp.GEMM_FLOAT8):
             raise Fp8OnnxError(f"--native-gemm is --gemm-op gemm-float8; it contradicts --gemm-op {gemm_op.value}.")
         if gemm_op is GemmOp.AUTO:
@@ -377,8 +298,8 @@ class QuantizeConfig:
             "preset": (self.preset, bool(self.preset)),
             "float_activations": (list(self.float_activations), bool(self.float_activations)),
             "float_last_layers": (self.float_last_layers, bool(self.float_last_layers)),
-            "fallback": (self.fallback, self.fallback != "nodes"),
-            "weight_rounding": (self.weight_rounding, self.weight_rounding != "nearest"),
+            "fallback": (self.fallback.value, self.fallback is not FallbackUnit.NODES),
+            "weight_rounding": (self.weight_rounding.value, self.weight_rounding is not WeightRounding.NEAREST),
             "smooth": (self.smooth, self.smooth is not None),
             "bias_correction": (True, self.bias_correction),
             "sequential": (True, self.sequential),
@@ -386,7 +307,7 @@ class QuantizeConfig:
             "group_size": (self.group_size, self.activations == "dynamic-per-group"),
             "float_vocab": (True, self.float_vocab),
             "float_stem": (True, self.float_stem),
-            "embeddings": (self.embeddings, self.embeddings != "float"),
+            "embeddings": (self.embeddings.value, self.embeddings is not Embeddings.FLOAT),
             "gemm_op": (getattr(self.gemm_op, "value", self.gemm_op), self.gemm_op is GemmOp.BLOCK_FP8),
         }
         doc.update({key: value for key, (value, written) in optional.items() if written})

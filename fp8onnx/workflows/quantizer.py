@@ -29,7 +29,8 @@ from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_mai
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.graph.runtime import RunOptions, make_session, resolve_provider, weight_bytes
 from fp8onnx.pipeline.calibration import Stats
-from fp8onnx.settings.config import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES, QuantizeConfig
+from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES
+from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.report import QuantizeReport
 from fp8onnx.settings.targets import check_tensorrt
 from fp8onnx.techniques.family import detect_family
