@@ -3,7 +3,7 @@
 Which node inputs to quantize, in which format and with which scale, is decided before this pass
 (see ``fp8onnx.quantize``); this pass only rewrites the graph.
 
-Rewrite cases, for a target ``(node, input index)`` whose input is tensor ``t``:
+Rewrite cases, for a node input ``(node, input index)`` whose input is tensor ``t``:
   ``t`` is a float initializer (a weight) -> a float8 initializer ``fp8onnx/t/fp8`` (computed lazily,
       when the model is saved) followed by DequantizeLinear, per tensor or per channel (``axis``);
       no QuantizeLinear at run time. The float initializer is removed once nothing else reads it.
@@ -112,8 +112,8 @@ class QDQResult(ir.passes.PassResult):
 
 
 class InsertQDQPass(ir.passes.InPlacePass):
-    """requires: default opset >= 21; every target is a node of the model with a float input of known
-    dtype at that index and a TensorQuant for it. ensures: every target input is read from a
+    """requires: default opset >= 21; every node input names a node of the model with a float input of
+    known dtype at that index and a TensorQuant for it. ensures: every such input is read from a
     DequantizeLinear (or, for an emulated format, from the grid-rounding ops or a rounded weight)."""
 
     def __init__(
@@ -142,7 +142,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         for node, index in self.node_inputs:
             found = by_name.get(node) if isinstance(node, str) else (node if id(node) in present else None)
             if found is None:
-                raise ir.passes.PreconditionError(f"target node {getattr(node, 'name', node)!r} is not in the model")
+                raise ir.passes.PreconditionError(f"node {getattr(node, 'name', node)!r} is not in the model")
             out.append((found, index))
         return out
 
@@ -231,8 +231,8 @@ class InsertQDQPass(ir.passes.InPlacePass):
             flat = [shape[0], int(np.prod(shape[1:]))]
             flat_scale = lambda: scale32().reshape(flat)  # noqa: E731
             x = self._dequantized(b, value, tq, scale, flat_scale, flat, f"{value.name}/dequantized_2d")
-            target = b.const(f"{value.name}/shape", np.array(shape, np.int64))
-            return b.op("Reshape", [x, target], f"{value.name}/dequantized", value.dtype, value.shape)
+            shape_value = b.const(f"{value.name}/shape", np.array(shape, np.int64))
+            return b.op("Reshape", [x, shape_value], f"{value.name}/dequantized", value.dtype, value.shape)
         return self._dequantized(b, value, tq, scale, scale32, shape, f"{value.name}/dequantized")
 
     def _dequantized(self, b: _Builder, value, tq: TensorQuant, scale, scale32, shape: list, out: str) -> ir.Value:
