@@ -87,7 +87,7 @@ def quantize(
 
     Without ``calib``, a recipe that needs data (static activation scales, GPTQ, smoothing, bias
     correction) on a model with token inputs and a ``tokenizer.json`` beside it calibrates on a text
-    sample of CPython's documentation (:func:`fp8onnx.text_sample.python_text_sample`). ``calib_optional``:
+    sample of CPython's documentation (:func:`fp8onnx.data.text_sample.python_text_sample`). ``calib_optional``:
     ``calib`` is such a default, dropped where the recipe needs no data.
     """
     with recording() as phases, scratch():

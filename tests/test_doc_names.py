@@ -1,0 +1,40 @@
+"""The docs name fp8onnx's modules and functions as they are: every ``from fp8onnx... import`` in README.md
+and docs/*.md imports, and every dotted ``fp8onnx.x.y`` they quote resolves (a module moved to another
+floor, a function renamed, and the docs would send users to a name that is not there)."""
+
+import importlib
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FILES = ("json", "onnx", "npz", "data")  # fp8onnx.json: the manifest a folder gets, not a module
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                found = getattr(found, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))])
+def test_the_names_the_docs_give_exist(doc):
+    text = (ROOT / doc if doc == "README.md" else ROOT / "docs" / doc).read_text()
+    named = {
+        f"{m[1]}.{n.strip()}"
+        for m in re.finditer(r"from (fp8onnx[\w.]*) import ([\w, ]+)", text)
+        for n in m[2].split(",")
+    }
+    named |= {m[1] for m in re.finditer(r"`(fp8onnx(?:\.\w+)+)", text) if m[1].rsplit(".", 1)[1] not in FILES}
+    assert sorted(n for n in named if not n.endswith(".") and not _resolves(n)) == []
