@@ -14,7 +14,7 @@ from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
 from fp8onnx.workflows.fallback import TargetNotMet, quantize_to_target
 
-from helpers import SAMPLE
+from helpers import SAMPLE, mlp_model
 
 
 @pytest.fixture
@@ -294,3 +294,10 @@ def test_cli_fallback_activations_and_the_w8a8_preset_sets_it(tmp_path):
     assert "activations kept in float (W8A16) (most sensitive first): second" in result.output
     bad = CliRunner().invoke(main, [*args[:-4], "--fallback", "weights", "-o", str(out)])
     assert bad.exit_code == 2 and "weights" in bad.output
+
+
+def test_a_percentage_as_the_deploy_target_is_one_sentence(tmp_path):
+    path = mlp_model(tmp_path / "m.onnx")
+    with pytest.raises(Fp8OnnxError, match=r"target=99.5 names the deploy target .* accuracy_target="):
+        quantize_to_target(path, tmp_path / "q.onnx", tmp_path / "c.npz", tmp_path / "e.npz", target=99.5)
+    assert not (tmp_path / "q.onnx").exists()

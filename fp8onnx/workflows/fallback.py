@@ -224,6 +224,11 @@ def quantize_to_target(
     :class:`TargetNotMet` is raised and nothing is written. Deterministic for the same inputs.
     ``metric``: the headline (``fp8onnx.accuracy.metrics.METRICS``; auto: compare's own choice).
     """
+    if isinstance(options.get("target"), (int, float)):  # a percentage under the deploy target's name
+        raise Fp8OnnxError(
+            f"target={options['target']!r} names the deploy target (onnxruntime, onnxruntime-cuda, tensorrt); "
+            "the accuracy goal in percent of FP16 is accuracy_target=."
+        )
     run_kw, options = RunOptions.split(options)
     run = RunOptions.of(run, **run_kw)
     if config is None:  # like quantize: the family's recipe (preset auto) under the options given
