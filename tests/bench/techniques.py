@@ -88,9 +88,10 @@ def quantize(model, out, calib, options, exclude) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one `fp8onnx quantize` in its own process."""
     args = [a.format(calib=calib) for a in options] + [x for name in exclude for x in ("--exclude", name)]
     code = (
-        "import resource, sys, time\nfrom fp8onnx.cli import main\nt0 = time.perf_counter()\n"
+        "import sys, time\nfrom fp8onnx.cli import main\nt0 = time.perf_counter()\n"
         "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
-        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        # VmHWM (KiB): this process's own peak; ru_maxrss would carry the parent's over the exec
+        "rss = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
         "print('BENCH', time.perf_counter() - t0, rss, file=sys.stderr)\n"
         "sys.exit(code)\n"
     )
