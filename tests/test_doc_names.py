@@ -1,7 +1,10 @@
-"""The docs name fp8onnx's modules and functions as they are: every ``from fp8onnx... import`` in README.md
-and docs/*.md imports, and every dotted ``fp8onnx.x.y`` they quote resolves (a module moved to another
-floor, a function renamed, and the docs would send users to a name that is not there)."""
+"""The docs and the scripts beside the tests name fp8onnx's modules and functions as they are: every
+``from fp8onnx... import`` in README.md and docs/*.md imports, every dotted ``fp8onnx.x.y`` they quote
+resolves, and every fp8onnx name the benchmark scripts and model builders import exists (a module moved
+to another floor, a function renamed, and the docs would send users to a name that is not there, or a
+benchmark would stop at its first line: tests/bench/ray_estimate.py did)."""
 
+import ast
 import importlib
 import pathlib
 import re
@@ -38,3 +41,17 @@ def test_the_names_the_docs_give_exist(doc):
     }
     named |= {m[1] for m in re.finditer(r"`(fp8onnx(?:\.\w+)+)", text) if m[1].rsplit(".", 1)[1] not in FILES}
     assert sorted(n for n in named if not n.endswith(".") and not _resolves(n)) == []
+
+
+@pytest.mark.parametrize("folder", ["tests/bench", "models"])
+def test_the_scripts_import_names_that_exist(folder):
+    missing = []
+    for script in sorted((ROOT / folder).glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp8onnx"):
+                missing += [
+                    f"{script.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if not _resolves(f"{node.module}.{a.name}")
+                ]
+    assert missing == []

@@ -27,9 +27,8 @@ from fp8onnx.data.feeds import input_specs
 from fp8onnx.graph.plan import candidate_activations
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.graph.runtime import portable_model, session_from_portable
-from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from fp8onnx.passes.common import keep_only_outputs
-from fp8onnx.pipeline.calibration import _Running, summarize
+from fp8onnx.pipeline.statistics import Ranges, reduce_batch
 
 
 def main() -> None:
@@ -50,8 +49,7 @@ def main() -> None:
     result = {"model": args.model, "batch": args.batch, "tensors": len(names)}
     for mode, histograms in (("amax", False), ("histograms", True)):
         inst = model.clone()
-        AddAmaxOutputsPass(names, values=histograms)(inst)
-        outputs = [n + AMAX_SUFFIX for n in names] + ([n + VALUE_SUFFIX for n in names] if histograms else [])
+        outputs = Ranges(names, histograms).instrument(inst, "")  # what a calibration pass adds
         keep_only_outputs(inst, outputs)
         portable = portable_model(inst)
         for threads in (1, 2):
@@ -65,12 +63,12 @@ def main() -> None:
             result[f"{mode}_batch_s_{threads}t"] = round(statistics.median(times), 3)
             del session
         t0 = time.perf_counter()
-        summary = summarize(dict(zip(outputs, values)))
+        summary = reduce_batch(dict(zip(outputs, values)))  # on the worker
         result[f"{mode}_summarize_s"] = round(time.perf_counter() - t0, 3)
         result[f"{mode}_summary_kib"] = round(len(pickle.dumps(summary)) / 1024, 1)
-        running = _Running(names, histograms)
+        running = Ranges(names, histograms)
         t0 = time.perf_counter()
-        running.add_summary(summary)
+        running.merge(summary)  # on the driver, in batch order
         result[f"{mode}_merge_ms"] = round(1e3 * (time.perf_counter() - t0), 2)
         del values
         print(json.dumps(result), flush=True)
