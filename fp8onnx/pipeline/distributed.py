@@ -151,6 +151,10 @@ class WorkerPool:
         """``value`` in the object store (a reference any worker can read)."""
         return self._ray.put(value)
 
+    def get(self, ref):
+        """The value behind an object-store reference (``put``'s, or a task's kept result)."""
+        return self._ray.get(ref)
+
     def load(self, model, make: Callable, *args) -> None:
         """Every worker builds ``make(model, *args, threads)`` (``model``: bytes, or a path that every
         worker can read). A worker that holds the same model (same bytes, or the same unchanged file)

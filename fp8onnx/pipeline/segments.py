@@ -331,7 +331,7 @@ def _load_segment(pool, model: ir.Model, seg, first: list, provider: str, what: 
     references to the first batch's inputs), its weights memory-mapped where the workers are local."""
     inputs = {}
     for ref in first:
-        inputs.update(pool._ray.get(ref))
+        inputs.update(pool.get(ref))
     proto = _segment_proto(model, seg, inputs).SerializeToString()
     del inputs
     where = {v.name: weight_location(v.const_value, files=pool.local) for v in seg.weights}
