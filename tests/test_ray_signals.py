@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from helpers import SAMPLE
@@ -23,9 +24,17 @@ pytest.importorskip("ray")
 
 def _run(tmp: pathlib.Path, when: str) -> tuple[int, str]:
     out = tmp / "stats.json"
+    calib, batch = SAMPLE / "calib.npz", "4"
+    if when == "calibrating":
+        # Long enough that the signal lands while the workers calibrate: the 32 batches of the sample data
+        # took 0.3 s, and on a loaded machine the progress bar's first line (the marker) reached this
+        # process after they were done (the run wrote its output before the signal came).
+        calib, batch = tmp / "long.npz", "1"
+        with np.load(SAMPLE / "calib.npz") as data:
+            np.savez(calib, input_ids=np.tile(data["input_ids"], (16, 1)))  # 2,048 batches of one sample
     command = [os.path.join(sys.prefix, "bin", "fp8onnx"), "calibrate", str(SAMPLE / "decoder.onnx")]
-    command += ["--calib", str(SAMPLE / "calib.npz"), "-o", str(out), "--workers", "2", "--provider", "cpu"]
-    command += ["--batch-size", "4"]
+    command += ["--calib", str(calib), "-o", str(out), "--workers", "2", "--provider", "cpu"]
+    command += ["--batch-size", batch]
     p = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ | {"TMPDIR": str(tmp)}
     )
