@@ -22,7 +22,7 @@ from helpers import SAMPLE
 pytest.importorskip("ray")
 
 
-def _run(tmp: pathlib.Path, when: str) -> tuple[int, str]:
+def _run(tmp: pathlib.Path, when: str) -> tuple[int | None, str]:
     out = tmp / "stats.json"
     calib, batch = SAMPLE / "calib.npz", "4"
     if when == "calibrating":
@@ -50,6 +50,9 @@ def _run(tmp: pathlib.Path, when: str) -> tuple[int, str]:
             seen += chunk
         if when == "shutting down":
             time.sleep(0.3)  # Ray's shutdown takes about 1 s here
+    if p.poll() is not None:  # the command ended before the signal could be sent: the moment was missed
+        seen += p.stdout.read()
+        return None, seen.decode(errors="replace")
     p.send_signal(signal.SIGTERM)
     seen += p.stdout.read()
     return p.wait(timeout=120), seen.decode(errors="replace")
@@ -97,7 +100,11 @@ def short_tmp():
 @pytest.mark.parametrize("when", ["starting", "calibrating", "shutting down"])
 def test_sigterm_on_a_local_ray_exits_143_and_leaves_nothing(short_tmp, when):
     tmp_path = short_tmp
-    code, output = _run(tmp_path, when)
+    for _ in range(3):  # a loaded machine can let Ray's shutdown end before the signal: then once more
+        code, output = _run(tmp_path, when)
+        if code is not None:
+            break
+        (tmp_path / "stats.json").unlink(missing_ok=True)
     assert code == 128 + signal.SIGTERM, output[-2000:]
     assert "fp8onnx: interrupted (SIGTERM)" in output or "Stopped" in output or "interrupted" in output
     assert "Traceback" not in output
