@@ -1,5 +1,6 @@
 """The public API's hints reach users' type checkers: the wheel ships py.typed, mypy accepts the calls a
-user writes (tests/typing/public_api.py) and refuses wrong ones (tests/typing/wrong_calls.py)."""
+user writes (tests/typing/public_api.py) and refuses wrong ones (tests/typing/wrong_calls.py). The bottom
+floors (base, numerics) type-check themselves: the library's own bodies, a floor at a time."""
 
 import pathlib
 import subprocess
@@ -8,16 +9,17 @@ import sys
 import pytest
 
 HERE = pathlib.Path(__file__).parent / "typing"
+CHECKED_FLOORS = ("base", "numerics")  # the library's own bodies mypy accepts (the rest: not yet)
 ROOT = HERE.parents[1]
 
 
 @pytest.fixture(scope="module")
 def mypy_errors() -> dict[str, set[str]]:
-    """mypy over both files in one run: per file name, the lines it reports an error on. fp8onnx's own
-    bodies are not checked here (silent): only what a user's code sees of its API."""
+    """mypy over both files and the checked floors in one run: per file name, the lines it reports an
+    error on. The other floors' bodies are not checked here (silent): only what a user's code sees."""
     pytest.importorskip("mypy")
     args = ["--follow-imports=silent", "--ignore-missing-imports", "--no-error-summary", "--no-incremental"]
-    files = [str(HERE / "public_api.py"), str(HERE / "wrong_calls.py")]
+    files = [str(HERE / "public_api.py"), str(HERE / "wrong_calls.py"), *(f"fp8onnx/{f}" for f in CHECKED_FLOORS)]
     result = subprocess.run(
         [sys.executable, "-m", "mypy", *args, *files], capture_output=True, text=True, cwd=ROOT, timeout=600
     )
@@ -26,7 +28,8 @@ def mypy_errors() -> dict[str, set[str]]:
     for line in result.stdout.splitlines():
         if ": error:" in line:
             path, lineno = line.split(":")[:2]
-            errors.setdefault(pathlib.Path(path).name, set()).add(lineno)
+            key = path if path.startswith("fp8onnx") else pathlib.Path(path).name
+            errors.setdefault(key, set()).add(lineno)
     errors["output"] = {result.stdout}
     return errors
 
@@ -45,3 +48,8 @@ def test_a_users_calls_type_check(mypy_errors):
 
 def test_wrong_calls_are_refused(mypy_errors):
     assert mypy_errors["wrong_calls.py"] == {"7", "8", "9", "10"}, mypy_errors["output"]
+
+
+def test_the_checked_floors_type_check(mypy_errors):
+    found = {path: lines for path, lines in mypy_errors.items() if path.startswith("fp8onnx")}
+    assert found == {}, mypy_errors["output"]

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - exercised only where tqdm is missing
     tqdm = None
 
 T = TypeVar("T")
-_open = weakref.WeakSet()  # bars whose loop has not ended (an error may have left it mid-way)
+_open: weakref.WeakSet = weakref.WeakSet()  # bars whose loop has not ended (an error may have left it mid-way)
 
 
 def progress_bar(items: Iterable[T], *, total: int | None, desc: str, unit: str, enable: bool) -> Iterator[T]:

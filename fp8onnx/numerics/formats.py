@@ -101,7 +101,7 @@ _ONNX = {
 
 def format_of(dtype: ir.DataType | None) -> Fp8Format | None:
     """The deployable float8 format of an ONNX/IR data type, or None when it is not float8."""
-    return _BY_IR_TYPE.get(dtype)
+    return None if dtype is None else _BY_IR_TYPE.get(dtype)
 
 
 _BY_IR_TYPE = {ir.DataType(t): f for f, t in _ONNX.items()}
