@@ -28,7 +28,7 @@ import os
 import pathlib
 import zipfile
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sized
 
 import numpy as np
 import onnx_ir as ir
@@ -80,7 +80,7 @@ def input_specs(model: ir.Model) -> list[InputSpec]:
         # dim_param, empty, 0 and -1 (paddle2onnx writes -1 for dynamic axes) are all dynamic
         dims = tuple(d if isinstance(d, int) and d > 0 else None for d in value.shape)
         names = tuple(d if isinstance(d, str) else getattr(d, "value", None) for d in value.shape)
-        specs.append(InputSpec(value.name, np.dtype(value.dtype.numpy()), dims, names))
+        specs.append(InputSpec(value.name or "", np.dtype(value.dtype.numpy()), dims, names))
     return specs
 
 
@@ -92,7 +92,7 @@ class FeedData:
         self._specs = specs
 
     def count_batches(self, batch_size: int) -> int | None:
-        return len(self._feeds) if hasattr(self._feeds, "__len__") else None
+        return len(self._feeds) if isinstance(self._feeds, Sized) else None
 
     def readable_again(self) -> FeedData:
         """This source, readable more than once: feeds given as an iterator (a generator) can be read

@@ -150,12 +150,11 @@ def image_samples(source, specs: list[InputSpec], options: ImageOptions, folder:
     }
     for path in paths:
         try:
-            with Image.open(path) as im:
-                im = im.convert("L" if channels == 1 else "RGB")
+            with Image.open(path) as opened:
+                im = opened.convert("L" if channels == 1 else "RGB")
                 scale = size / min(im.size)
-                im = im.resize(
-                    (max(crop, round(im.size[0] * scale)), max(crop, round(im.size[1] * scale))), Image.BILINEAR
-                )
+                wide = (max(crop, round(im.size[0] * scale)), max(crop, round(im.size[1] * scale)))
+                im = im.resize(wide, Image.Resampling.BILINEAR)
                 left, top = (im.size[0] - crop) // 2, (im.size[1] - crop) // 2
                 pixels = np.asarray(im.crop((left, top, left + crop, top + crop)), np.float32) / 255.0
         except (UnidentifiedImageError, OSError, ValueError) as exc:

@@ -11,6 +11,7 @@ import os
 import pathlib
 import shutil
 import zipfile
+from typing import BinaryIO, cast
 
 import numpy as np
 import onnx_ir as ir
@@ -69,7 +70,7 @@ class _NpzWriter:
     def __init__(self, out: pathlib.Path):
         self.out = out
         self.tmp = pathlib.Path(make_dir(f".{out.name}.", dir=out.resolve().parent))
-        self.files: dict[str, object] = {}
+        self.files: dict[str, BinaryIO] = {}
         self.meta: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self.count = 0
 
@@ -175,7 +176,8 @@ def make_data(
     )
     ir_model = load_model(path)
     if kind == "text":
-        options = TextOptions(tokenizer, seq_len, pad, field, max_samples, seed)
+        text_tokenizer = cast("str | os.PathLike", tokenizer)  # _checked_sources gives text one
+        options = TextOptions(text_tokenizer, seq_len, pad, field, max_samples, seed)
         summary = write_text_data(ir_model, source, out, options, progress=bar)
     else:
         specs = input_specs(ir_model)
@@ -192,7 +194,9 @@ def make_data(
     return summary
 
 
-def _checked_sources(path: pathlib.Path, source, out: pathlib.Path, tokenizer, max_samples) -> tuple[str, object]:
+def _checked_sources(
+    path: pathlib.Path, source, out: pathlib.Path, tokenizer, max_samples
+) -> tuple[str, str | os.PathLike | None]:
     """(the source's kind: text, image or audio; the tokenizer for text, by default the one beside the
     model) once every input exists, the output is an .npz in an existing folder and no output lands on
     a file the run reads."""
@@ -265,7 +269,7 @@ class TextData:
             tokenizer = find_tokenizer(path, model)
         elif not self.path.is_file():
             raise Fp8OnnxError(f"Text file {str(path)!r} does not exist.")
-        self.options = TextOptions(tokenizer, pad=pad, **({} if seq_len is None else {"seq_len": seq_len}))
+        self.options = TextOptions(tokenizer, pad=pad) if seq_len is None else TextOptions(tokenizer, seq_len, pad)
         self.tokenizer = load_tokenizer(self.options.tokenizer)
         if model is not None:
             check_tokenizer(model, self.tokenizer, self.options.tokenizer)

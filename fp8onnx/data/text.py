@@ -157,7 +157,7 @@ def vocabulary_size(model: ir.Model, ids_input: str) -> int | None:
     value = next((v for v in model.graph.inputs if v.name == ids_input), None)
     frontier = [value] if value is not None else []
     for _ in range(4):  # a few reshaping steps at most between the ids and their Gather
-        following = []
+        following: list[ir.Value] = []
         for v in frontier:
             for use in v.uses():
                 node = use.node
@@ -165,7 +165,7 @@ def vocabulary_size(model: ir.Model, ids_input: str) -> int | None:
                     table = node.inputs[0].const_value
                     axis = node.attributes.get_int("axis", 0)  # a tied table Gathers lm_head's [hidden, vocab]
                     if table is not None and -len(table.shape) <= axis < len(table.shape):
-                        return int(table.shape[axis])
+                        return table.shape.numpy()[axis]
                 elif node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast") and use.idx == 0:
                     following.extend(node.outputs)
         frontier = following
@@ -266,18 +266,19 @@ def past_shape(spec: InputSpec, batch: int, sizes: dict[str, int] | None = None)
     dynamic = [i for i, d in enumerate(spec.shape[1:], 1) if d is None]
     names = spec.dim_names or (None,) * spec.rank
     if len(dynamic) > 1:
-        named = [i for i in dynamic if names[i] and re.search("past|seq|len", names[i], re.IGNORECASE)]
+        named = [i for i in dynamic if (name := names[i]) and re.search("past|seq|len", name, re.IGNORECASE)]
         past = named[0] if len(named) == 1 else None
     else:
         past = dynamic[0] if dynamic else None
-    shape = [batch if spec.shape[0] is None else spec.shape[0], *spec.shape[1:]]
+    # every dynamic axis is set below (or refused): 0 holds its place
+    shape = [batch if spec.shape[0] is None else spec.shape[0], *(0 if d is None else d for d in spec.shape[1:])]
     sizes = sizes or {}
     by_axis = {1: sizes.get("kv_heads"), 3: sizes.get("head_size")} if spec.rank == 4 else {}
     for axis in dynamic:
         if axis == past:
             shape[axis] = 0
-        elif by_axis.get(axis):
-            shape[axis] = by_axis[axis]
+        elif size := by_axis.get(axis):
+            shape[axis] = size
         else:
             raise Fp8OnnxError(
                 f"Cache input {spec.name!r} is {spec.describe()}: cannot tell the size of axis {axis}"
