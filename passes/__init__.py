@@ -18,7 +18,7 @@ from .convert_fp16 import ConvertFloat16Pass, Float16Error
 from .emulate_bf16 import EmulateBfloat16Pass, has_bfloat16
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
-from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass
+from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass, LoweringResult
 from .quantize_embeddings import EmbeddingsResult, QuantizeEmbeddingsPass
 from .shield_bias import ShieldBiasPass, bias_of
 from .tie_embeddings import TieEmbeddingsPass
@@ -42,6 +42,7 @@ __all__ = [
     "FoldWeightTransformsPass",
     "InsertQDQPass",
     "LowerGemmFloat8Pass",
+    "LoweringResult",
     "QuantizeEmbeddingsPass",
     "ShieldBiasPass",
     "TensorQuant",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import cast
 
 import onnx_ir as ir
 
@@ -16,8 +17,10 @@ from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
     BlockFp8MatMulPass,
+    BlockFp8Result,
     InsertQDQPass,
     LowerGemmFloat8Pass,
+    LoweringResult,
     QuantizeEmbeddingsPass,
     ShieldBiasPass,
     TensorQuant,
@@ -35,8 +38,8 @@ class Rewritten:
     block-fp8 fast form's results (None where not asked)."""
 
     modified: bool
-    lowering: object | None = None
-    written: object | None = None
+    lowering: LoweringResult | None = None
+    written: BlockFp8Result | None = None
 
     @property
     def lowered(self) -> bool:
@@ -72,8 +75,9 @@ def rewrite(
         modified |= _quantize_embeddings(model, config, inserted.dequantized, prepared)
     if not modified:
         return Rewritten(False)
-    lowering = LowerGemmFloat8Pass()(model) if config.gemm_op == "gemm-float8" else None
-    written = BlockFp8MatMulPass()(model) if config.gemm_op == "block-fp8" else None
+    # a pass called as a whole (requires, call, ensures) returns its own result type
+    lowering = cast(LoweringResult, LowerGemmFloat8Pass()(model)) if config.gemm_op == "gemm-float8" else None
+    written = cast(BlockFp8Result, BlockFp8MatMulPass()(model)) if config.gemm_op == "block-fp8" else None
     model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
     if config.emulated:
         model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
