@@ -56,12 +56,17 @@ def test_accuracy_with_labels_and_criteria(tmp_path):
     assert bad.accuracy < 0.8 and bad.passes_llm is False and bad.passes_ptq is False
     assert result.samples == 200 and result.batches == 4
     assert "FAIL" in result.table() and "pass" in result.table()
-    # the accuracy's noise against FP32's: sqrt(positions where exactly one of the two is right) / positions
+    # the accuracy's noise against FP32's, paired over the 200 samples: for a mean of per-sample differences
+    # the jackknife is the textbook standard error, std(d, ddof=1) / sqrt(n)
     ref_hit = run_ort(ref, {"x": x})[0].argmax(-1) == labels
     bad_hit = run_ort(noisy, {"x": x})[0].argmax(-1) == labels
     assert fp32.accuracy_noise is None and (ref_hit != bad_hit).sum() > 10
-    assert bad.accuracy_noise == pytest.approx(np.sqrt((ref_hit != bad_hit).sum()) / 200)
-    assert f"{bad.accuracy:.4f} ±{bad.accuracy_noise:.4f}" in result.table() and "McNemar" in result.table()
+    d = bad_hit.astype(float) - ref_hit
+    assert bad.accuracy_noise == pytest.approx(d.std(ddof=1) / np.sqrt(200), rel=1e-9)
+    assert f"{bad.accuracy:.4f} ±{bad.accuracy_noise:.4f}" in result.table() and "jackknife" in result.table()
+    # the ratio to FP16 carries its own, paired with FP16's samples
+    assert 0 < bad.ratio_noise < 0.2 and f"±{bad.ratio_noise:.2%}" in result.table()
+    assert result.to_json()["rows"][3]["noise"]["ratio_to_fp16"] == bad.ratio_noise
     logits = (x @ w).astype(np.float64)  # perplexity: exp of the mean cross-entropy at the labels
     log_softmax = logits - logits.max(1, keepdims=True)
     log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))

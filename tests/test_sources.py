@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from fp8onnx.base.errors import Fp8OnnxError  # noqa: E402
 from fp8onnx.cli import main  # noqa: E402
-from fp8onnx.data import text  # noqa: E402
+from fp8onnx.data import kv_cache, text  # noqa: E402
 
 VOCAB = 400
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
@@ -257,13 +257,13 @@ def test_cache_axes_from_their_names_and_the_export_config(tmp_path):
     (tmp_path / "genai_config.json").write_text(
         json.dumps({"model": {"decoder": {"head_size": 16, "num_key_value_heads": 2}}})
     )
-    feed, _ = text.fill_inputs([ids_spec, genai], ids, ids, ids * 0, text.cache_sizes(tmp_path))
+    feed, _ = text.fill_inputs([ids_spec, genai], ids, ids, ids * 0, kv_cache.cache_sizes(tmp_path))
     assert feed["past_key_values.0.key"].shape == (2, 2, 0, 16)
     (tmp_path / "genai_config.json").unlink()
     (tmp_path / "config.json").write_text(
         json.dumps({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2})
     )
-    assert text.cache_sizes(tmp_path) == {"kv_heads": 2, "head_size": 16}
+    assert kv_cache.cache_sizes(tmp_path) == {"kv_heads": 2, "head_size": 16}
 
 
 def test_minilm_from_its_own_tokenizer_matches_the_npz_path(tmp_path):
@@ -395,3 +395,44 @@ def test_data_finds_the_tokenizer_beside_a_model_file(tmp_path, tokenizer_file, 
     assert r2.exit_code == 0 and np.array_equal(
         np.load(tmp_path / "b.npz")["input_ids"], np.load(tmp_path / "c.npz")["input_ids"]
     )
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer_file(tmp_path_factory, tokenizer_file):
+    """The same vocabulary with a decoder's template: [CLS] (id 2) before the text, as Gemma's <bos>."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A", special_tokens=[("[CLS]", 2)])
+    path = tmp_path_factory.mktemp("bos") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_windows_start_with_the_tokenizers_bos_and_a_stride_counts_every_token_once(
+    tmp_path, bos_tokenizer_file, corpus
+):
+    """Sliding-window perplexity (LLM quantization papers): each window starts with <bos>, moves on by
+    --stride tokens and scores only its last --stride labels (the first window all of them), so the scored
+    labels are the token stream, each token once."""
+    model = _model(tmp_path / "lm.onnx", past=False)
+    tok = tokenizers.Tokenizer.from_file(str(bos_tokenizer_file))
+    docs = [d for d in corpus.read_text().split("\n\n") if d.strip()]
+    stream = np.concatenate([tok.encode(d + "\n", add_special_tokens=False).ids for d in docs])
+    for stride in (None, 10, 31):
+        out = tmp_path / f"w{stride}.npz"
+        args = [model, corpus, "--tokenizer", bos_tokenizer_file, "--seq-len", 32, "-o", out]
+        r = _cli(*args, *(["--stride", stride] if stride else []))
+        assert r.exit_code == 0, r.output
+        ids, labels = np.load(out)["input_ids"], np.load(out)["labels"]
+        assert (ids[:, 0] == 2).all()  # every window starts with the tokenizer's own leading token
+        step = stride or 31
+        for k in range(len(ids)):  # window k: <bos> then the stream from k * step
+            np.testing.assert_array_equal(ids[k, 1:], stream[k * step : k * step + 31])
+        scored = labels[labels >= 0]
+        np.testing.assert_array_equal(scored, stream[: len(scored)])  # each token once, in order
+        assert (labels[1:, : 32 - step] == -1).all() and (labels[1:, 32 - step :] >= 0).all()
+    r = _cli(
+        model, corpus, "--tokenizer", bos_tokenizer_file, "--seq-len", 32, "--stride", 32, "-o", tmp_path / "x.npz"
+    )
+    assert r.exit_code == 2 and "--stride 32 is more than a window's 31 tokens of text" in r.output

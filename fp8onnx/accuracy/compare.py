@@ -39,7 +39,7 @@ from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
-from fp8onnx.data.text import cache_sizes
+from fp8onnx.data.kv_cache import cache_sizes
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.graph.runtime import (
@@ -107,6 +107,11 @@ def compare(
     notes = _emulation_notes(models, provider)
     job = _Evaluation(reference, models, source, out_names, total, max_samples, run, notes, memory, frozenset(classes))
     rows, samples, batches = _evaluate_distributed(job) if run.distributed else _evaluate_here(job, reference_run)
+    task = getattr(source, "task", None)
+    if task is not None:  # zero-shot task items: scored from the samples' sums, an item per unit
+        _task_scores(rows, task)
+        notes.append(task.describe())
+        generate = 0
     if not any(r.name == "FP16" for r in rows):
         fp16 = False
     if isinstance(source, _NextTokenLabels) and source.derived:
@@ -120,6 +125,15 @@ def compare(
         generation = _generation(reference, models, rows, source, generate, prompts, provider, notes)
     named_data = str(data) if isinstance(data, (str, os.PathLike)) else "feeds"
     return CompareResult(str(reference), named_data, samples, batches, provider, rows, notes, generation)
+
+
+def _task_scores(rows, task) -> None:
+    """Each row's accuracy (and, for completions, per-item perplexity) over the task's items."""
+    for row in rows:
+        row.columns.update(task.rescore(row.columns))
+        right, nll = row.columns["correct"], row.columns["nll"]
+        row.accuracy = float(right.mean()) if len(right) else None
+        row.perplexity = float(np.exp(nll.mean())) if len(nll) and task.kind == "completion" else None
 
 
 def _models(ref_model, reference, candidates, provider: str, fp16: bool) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
+
 from fp8onnx.accuracy.metrics import (
     LLM_RATIO,
     PTQ_REL_LOSS,
@@ -13,7 +15,7 @@ from fp8onnx.accuracy.metrics import (
     _perplexity,
     _Score,
     _to_json,
-    accuracy_noise,
+    difference_se,
 )
 from fp8onnx.base.errors import Fp8OnnxError
 
@@ -36,7 +38,19 @@ class RowResult:
     latency_ms: float | None = None  # median onnxruntime time per batch after the first (warm-up)
     session_mib: float | None = None  # resident memory the session added, built and run once
     generation: dict | None = None  # greedy generation vs FP32 (fp8onnx.accuracy.generation.agreement)
-    accuracy_noise: float | None = None  # one standard error of accuracy - FP32's (metrics.accuracy_noise)
+    # one standard error, paired over the samples, of each figure's difference from FP32's (NOISE_OF), and
+    # of ratio_to_fp16 (paired with FP16's samples)
+    noise: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    headline_key: str = ""  # the headline's key in fp8onnx.accuracy.metrics.STATISTICS
+    columns: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)  # per-sample sums
+
+    @property
+    def accuracy_noise(self) -> float | None:
+        return self.noise.get("accuracy")
+
+    @property
+    def ratio_noise(self) -> float | None:
+        return self.noise.get("ratio_to_fp16")
 
     @property
     def passes_llm(self) -> bool | None:
@@ -47,7 +61,8 @@ class RowResult:
         return None if self.rel_loss_vs_fp16 is None else self.rel_loss_vs_fp16 <= PTQ_REL_LOSS
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "columns"}
+        d["samples"] = len(next(iter(self.columns.values()))) if self.columns else 0
         d["passes_llm_99_5pct_of_fp16"] = self.passes_llm
         d["passes_ptq_1pct_rel_loss"] = self.passes_ptq
         return d
@@ -87,11 +102,11 @@ class CompareResult:
         out.append("  ".join("-" * w for w in widths))
         out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
         out.extend(f"note: {n}" for n in self.notes)
-        if any(r.accuracy_noise for r in self.rows):
+        if any(r.noise for r in self.rows):
             out.append(
-                "accuracy ±: one standard error of its difference from FP32's (McNemar: the square root of the "
-                "labelled positions where exactly one of the two is right, over all of them); a difference within "
-                "twice it is within chance"
+                f"±: one standard error of the figure's difference from FP32's (for vs FP16: of the ratio), paired "
+                f"over the {self.samples} samples (jackknife; a sample is one index of the outputs' first axis, a "
+                "language model's window); a difference within twice it is within chance"
             )
         headline = next((r.headline for r in self.rows if r.headline), "")
         if headline:
@@ -146,9 +161,31 @@ def _row(name, path, score: _Score, labelled: int) -> RowResult:
     row = RowResult(
         name, path, _to_json(score.outputs), _accuracy(score.correct, labelled), _perplexity(score.nll, labelled)
     )
-    if row.accuracy is not None and name != _REFERENCE:
-        row.accuracy_noise = accuracy_noise(score.discordant, labelled)
+    first = next(iter(score.outputs), None)
+    row.columns = score.columns(first) if first is not None else {}
     return row
+
+
+# compare's figures with a noise: their key in RowResult.noise -> the statistic (metrics.STATISTICS)
+NOISE_OF = {"accuracy": "accuracy", "perplexity": "perplexity", "top1_agreement": "top1", "cosine_mean": "cosine"}
+
+
+def _noise(rows: list[RowResult], fp16: RowResult | None) -> None:
+    """Each row's paired standard errors: of each figure minus FP32's, and of its headline ratio to FP16."""
+    reference = rows[0].columns
+    for r in rows[1:]:
+        r.noise = {key: difference_se(kind, r.columns, reference) for key, kind in NOISE_OF.items()}
+        if fp16 is not None and r is not fp16 and r.headline_key:
+            r.noise["ratio_to_fp16"] = difference_se(r.headline_key, r.columns, fp16.columns, ratio=True)
+        r.noise = {k: v for k, v in r.noise.items() if v is not None}
+
+
+def ratio_to(row: RowResult, base: RowResult) -> tuple[float | None, float | None]:
+    """``row``'s headline over ``base``'s (FP16's, scored in an earlier run on the same data), with the
+    ratio's paired standard error."""
+    if row.value is None or not base.value:
+        return None, None
+    return row.value / base.value, difference_se(row.headline_key, row.columns, base.columns, ratio=True)
 
 
 def _headline(rows: list[RowResult], first: str, fp16: bool, metric: str = "auto") -> None:
@@ -168,12 +205,14 @@ def _headline(rows: list[RowResult], first: str, fp16: bool, metric: str = "auto
         else:
             metric = "top1" if rows[0].outputs[first]["top1_agreement"] is not None else "cosine"
     key, label = {"accuracy": accuracy, "top1": top1, "cosine": cosine, "rel-l2": rel}[metric]
-    base = next((key(r) for r in rows if r.name == "FP16"), None) if fp16 else None
+    fp16_row = next((r for r in rows if r.name == "FP16"), None) if fp16 else None
+    base = key(fp16_row) if fp16_row is not None else None
     for r in rows:
-        r.headline, r.value = label, key(r)
+        r.headline, r.value, r.headline_key = label, key(r), metric
         if base and r.value is not None and r.name not in ("FP32 (reference)", "FP16"):
             r.ratio_to_fp16 = r.value / base
             r.rel_loss_vs_fp16 = (base - r.value) / base
+    _noise(rows, fp16_row if base else None)
 
 
 _COLUMNS = (
@@ -193,18 +232,25 @@ _COLUMNS = (
 )
 
 
+def _pm(value, noise, spec: str) -> str:
+    """A figure and its standard error: ``0.6217 ±0.0008``."""
+    return _fmt(value, spec) + (f" ±{noise:{spec}}" if value is not None and noise else "")
+
+
 def _cells(r, o: dict) -> list[str]:
     """A compare row's cells under _COLUMNS; ``o``: its first output's statistics."""
+    n = r.noise
     return [
         r.name,
-        _fmt(o.get("cosine_mean"), ".5f"),
+        _pm(o.get("cosine_mean"), n.get("cosine_mean"), ".5f"),
         _fmt(o.get("cosine_min"), ".4f"),
         _fmt(o.get("rel_l2"), ".4f"),
         _fmt(o.get("max_abs_err"), ".3g"),
-        _fmt(o.get("top1_agreement"), ".4f"),
-        _fmt(r.accuracy, ".4f") + (f" ±{r.accuracy_noise:.4f}" if r.accuracy_noise else ""),
-        _fmt(r.perplexity, ".2f"),
-        _fmt(r.ratio_to_fp16, ".2%"),
+        _pm(o.get("top1_agreement"), n.get("top1_agreement"), ".4f"),
+        _pm(r.accuracy, n.get("accuracy"), ".4f"),
+        _pm(r.perplexity, n.get("perplexity"), ".2f"),
+        _fmt(r.ratio_to_fp16, ".2%")
+        + (f" ±{r.ratio_noise:.2%}" if r.ratio_to_fp16 is not None and r.ratio_noise else ""),
         _yes(r.passes_llm),
         _yes(r.passes_ptq),
         _fmt(r.latency_ms, ".1f"),

@@ -31,7 +31,7 @@ import numpy as np
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.feeds import InputSpec
-from fp8onnx.data.text import past_shape
+from fp8onnx.data.kv_cache import past_shape
 
 __all__ = ["ROLES", "Generator", "agreement"]
 
@@ -71,7 +71,7 @@ class Generator:
     """Steps of greedy decoding over ``sessions`` (role -> onnxruntime session). ``record(role, feed)``,
     when given, sees every feed each model is run with (calibration data). ``cache_sizes``: sizes of
     the KV cache's named axes that the models leave open (``kv_heads``, ``head_size``; from the
-    folder's config, see :func:`fp8onnx.data.text.cache_sizes`)."""
+    folder's config, see :func:`fp8onnx.data.kv_cache.cache_sizes`)."""
 
     def __init__(
         self,

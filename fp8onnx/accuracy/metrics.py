@@ -1,7 +1,13 @@
 """What ``compare`` measures, batch by batch: per-output statistics (cosine, relative L2, maximum
 absolute error, top-1 agreement), task accuracy and perplexity from labels, and which outputs are
 class scores. The criteria: the FP8 LLM paper's >= 99.5% of FP16 (``LLM_RATIO``) and the PTQ
-paper's 1% relative loss (``PTQ_REL_LOSS``)."""
+paper's 1% relative loss (``PTQ_REL_LOSS``).
+
+Beside the running totals, every sum is also kept per sample (a sample: one index of the outputs'
+first axis; a language model's window), so that each figure comes with its noise: :func:`paired_se`
+is the jackknife standard error over samples of any statistic of those sums, paired when the
+statistic reads two models' sums on the same samples (SPEC §12). Tokens of one window are not
+independent draws, so the window, not the token, is the unit."""
 
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ class _OutputStats:
     max_abs: float = 0.0
     top1_hits: int = 0
     top1_rows: int = 0
+    # per sample: cosine sum, rows, squared error, reference energy, top-1 hits, top-1 rows (OUTPUT_COLUMNS)
+    per_sample: list[np.ndarray] = dataclasses.field(default_factory=list, repr=False)
 
     def update(self, ref: np.ndarray, out: np.ndarray, logits: bool) -> None:
         if ref.shape != out.shape:
@@ -53,9 +61,13 @@ class _OutputStats:
         self.err_sq += float(np.nansum(diff * diff))
         self.ref_sq += float((r * r).sum())
         self.max_abs = max(self.max_abs, float(np.nanmax(np.abs(diff))) if diff.size else 0.0)
+        hits = (r.argmax(axis=1) == c.argmax(axis=1)) if logits and len(r) else np.zeros(len(r), bool)
         if logits:
-            self.top1_hits += int((r.argmax(axis=1) == c.argmax(axis=1)).sum())
+            self.top1_hits += int(hits.sum())
             self.top1_rows += r.shape[0]
+        if len(cos):
+            columns = (cos, np.ones(len(cos)), np.nansum(diff * diff, axis=1), (r * r).sum(axis=1), hits, float(logits))
+            self.per_sample.append(_by_sample(np.stack(np.broadcast_arrays(*columns), axis=1), samples_of(ref)))
 
     def merge(self, other: _OutputStats) -> None:
         """Add another batch's sums (in batch order: the same floats as one running update)."""
@@ -67,6 +79,11 @@ class _OutputStats:
         self.max_abs = max(self.max_abs, other.max_abs)
         self.top1_hits += other.top1_hits
         self.top1_rows += other.top1_rows
+        self.per_sample.extend(other.per_sample)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Each per-sample sum over all batches so far, by name (OUTPUT_COLUMNS)."""
+        return _columns(self.per_sample, OUTPUT_COLUMNS)
 
     def to_json(self) -> dict:
         return {
@@ -86,14 +103,19 @@ class _Score:
     outputs: dict[str, _OutputStats]
     correct: int = 0
     nll: float = 0.0
-    discordant: int = 0  # labelled positions where exactly one of this model and the reference is right
+    # per sample with labels: correct predictions, labelled positions, cross-entropy (LABEL_COLUMNS)
+    per_sample: list[np.ndarray] = dataclasses.field(default_factory=list, repr=False)
 
     def merge(self, other: _Score) -> None:
         for o, stats in self.outputs.items():
             stats.merge(other.outputs[o])
         self.correct += other.correct
         self.nll += other.nll
-        self.discordant += other.discordant
+        self.per_sample.extend(other.per_sample)
+
+    def columns(self, output: str) -> dict[str, np.ndarray]:
+        """The per-sample sums of ``output`` and, with labels, of the task: one entry per sample."""
+        return {**self.outputs[output].columns(), **_columns(self.per_sample, LABEL_COLUMNS)}
 
 
 def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out, classes=frozenset()) -> _Score:
@@ -103,11 +125,103 @@ def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, lab
     if label_out is not None:
         scored = labels >= 0  # a negative label marks a position not scored (padding, a sequence's end)
         hit = (outs[label_out].argmax(axis=-1) == labels) & scored
-        score.correct = int(hit.sum())
-        score.nll = _nll(outs[label_out], labels)
-        if outs[label_out] is not ref[label_out]:
-            score.discordant = int((hit != ((ref[label_out].argmax(axis=-1) == labels) & scored)).sum())
+        nll = _nll(outs[label_out], labels)
+        score.correct, score.nll = int(hit.sum()), float(nll.sum())
+        samples = samples_of(outs[label_out])
+        columns = np.stack([hit.reshape(-1), scored.reshape(-1), nll], axis=1).astype(np.float64)
+        score.per_sample.append(_by_sample(columns, samples))
     return score
+
+
+OUTPUT_COLUMNS = ("cos", "rows", "err_sq", "ref_sq", "top1_hits", "top1_rows")
+LABEL_COLUMNS = ("correct", "labelled", "nll")
+
+
+def samples_of(output: np.ndarray) -> int:
+    """How many samples one batch's ``output`` holds: its first axis (one window of a language model,
+    one image); a 0-d or 1-d output is one sample."""
+    return int(output.shape[0]) if output.ndim >= 2 else 1
+
+
+def _by_sample(columns: np.ndarray, samples: int) -> np.ndarray:
+    """Per-row columns [rows, k] summed into [samples, k]: each sample's rows are consecutive."""
+    if samples == 0:
+        return np.zeros((0, columns.shape[1]))
+    return columns.reshape(samples, -1, columns.shape[1]).sum(axis=1)
+
+
+def _columns(parts: list[np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    if not parts:
+        return {}
+    joined = np.concatenate(parts)
+    return {n: joined[:, i] for i, n in enumerate(names)}
+
+
+# Each statistic compare reports, as a function of per-sample column sums (arrays broadcast: the
+# jackknife evaluates them for every left-out sample at once).
+STATISTICS = {
+    "accuracy": (("correct", "labelled"), lambda c, n: c / n),
+    "perplexity": (("nll", "labelled"), lambda nll, n: np.exp(nll / n)),
+    "top1": (("top1_hits", "top1_rows"), lambda h, n: h / n),
+    "cosine": (("cos", "rows"), lambda c, n: c / n),
+    "rel-l2": (("err_sq", "ref_sq"), lambda e, r: 1.0 - np.sqrt(e / r)),
+}
+
+
+def paired_se(statistic, *columns: np.ndarray) -> float | None:
+    """One standard error of ``statistic(*sums)`` by the jackknife over samples: ``columns`` hold one
+    per-sample sum each, all over the same samples, and ``statistic`` maps their totals to a number
+    (broadcasting). A statistic of two models' columns (a difference, a ratio) is paired: what the
+    models share sample by sample cancels. None with fewer than 2 samples, or where the statistic is
+    not finite for some left-out sample (nothing labelled without it)."""
+    m = len(columns[0]) if columns else 0
+    if m < 2 or any(len(c) != m for c in columns):
+        return None
+    left_out = [c.sum() - c for c in columns]
+    with np.errstate(all="ignore"):
+        values = np.asarray(statistic(*left_out), dtype=np.float64)
+    if not np.all(np.isfinite(values)):
+        return None
+    return float(np.sqrt((m - 1) / m * np.sum((values - values.mean()) ** 2)))
+
+
+def difference_se(kind: str, model: dict[str, np.ndarray], base: dict[str, np.ndarray], ratio: bool = False):
+    """One standard error of a statistic (``STATISTICS[kind]``) of ``model`` minus (or, with
+    ``ratio``, over) the same statistic of ``base``, paired over their samples; None where either
+    lacks the columns."""
+    names, fn = STATISTICS[kind]
+    if any(n not in model or n not in base for n in names):
+        return None
+    k = len(names)
+
+    def pair(*sums):
+        a, b = fn(*sums[:k]), fn(*sums[k:])
+        return a / b if ratio else a - b
+
+    return paired_se(pair, *(model[n] for n in names), *(base[n] for n in names))
+
+
+def gain_se(kind: str, model: dict, other: dict, base: dict) -> float | None:
+    """One standard error of ``model``'s ratio to ``base`` minus ``other``'s (the gain of one variant
+    over another, in fractions of FP16's metric), paired over the three models' samples."""
+    names, fn = STATISTICS[kind]
+    if any(n not in d for n in names for d in (model, other, base)):
+        return None
+    k = len(names)
+
+    def gain(*sums):
+        b = fn(*sums[2 * k :])
+        return fn(*sums[:k]) / b - fn(*sums[k : 2 * k]) / b
+
+    return paired_se(gain, *(d[n] for d in (model, other, base) for n in names))
+
+
+def samples_needed(samples: int, se: float | None, gap: float, z: float) -> int | None:
+    """How many samples would bring ``z`` standard errors below ``gap`` (SE falls as one over the
+    square root of the samples): the data a difference of ``gap`` needs to be told from noise."""
+    if se is None or gap <= 0 or samples <= 0:
+        return None
+    return int(np.ceil(samples * (z * se / gap) ** 2))
 
 
 def labelled(labels: np.ndarray | None) -> int:
@@ -128,15 +242,6 @@ def next_token_labels(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         keep[..., :-1] = mask[..., :-1] & mask[..., 1:]
         labels[~keep] = -1
     return labels
-
-
-def accuracy_noise(discordant: int, labelled: int) -> float | None:
-    """One standard error of the difference between a model's task accuracy and the reference's on
-    the same data, were they equally accurate (McNemar): the square root of the labelled positions
-    where exactly one of the two is right, over all labelled positions. A difference within twice it
-    is within chance. On SmolLM2-135M's 32,768 held-out tokens, for FP8 variants that change 1,000-2,500
-    of FP32's predictions, it is 0.055-0.086% of accuracy (0.14-0.22% of FP16's)."""
-    return float(np.sqrt(discordant)) / labelled if labelled else None
 
 
 def _looks_like_logits(name: str, shape: tuple, labels: np.ndarray | None, classes=frozenset()) -> bool:
@@ -209,21 +314,22 @@ def _to_json(stats: dict) -> dict:
     return {o: s.to_json() for o, s in stats.items()}
 
 
-def _nll(logits: np.ndarray, labels: np.ndarray) -> float:
-    """Sum over the labelled positions of -log softmax(logits)[label] (one batch, float64 sums)."""
+def _nll(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[label] at every position of ``labels`` (0 where not scored; all NaN where
+    the labels are not class indices of this output), float64."""
     x = logits.reshape(-1, logits.shape[-1])
     y = labels.reshape(-1).astype(np.int64)
-    if y.size and y.min() < 0:  # positions not scored
-        x, y = x[y >= 0], y[y >= 0]
-    if y.size and (y.min() < 0 or y.max() >= x.shape[-1]):
-        return float("nan")  # labels that are not class indices of this output
-    total = 0.0
-    for s in range(0, len(x), 1024):  # a bounded float32 copy at a time (LLM vocabularies are large)
-        part = x[s : s + 1024].astype(np.float32)
+    out = np.zeros(len(y))
+    where = np.flatnonzero(y >= 0)  # a negative label: a position not scored
+    if where.size and y[where].max() >= x.shape[-1]:
+        return np.full(len(y), np.nan)
+    for s in range(0, len(where), 1024):  # a bounded float32 copy at a time (LLM vocabularies are large)
+        rows = where[s : s + 1024]
+        part = x[rows].astype(np.float32)
         peak = part.max(axis=-1, keepdims=True)
         logz = np.log(np.exp(part - peak).sum(axis=-1, dtype=np.float64)) + peak[:, 0]
-        total += float((logz - part[np.arange(len(part)), y[s : s + 1024]]).sum())
-    return total
+        out[rows] = logz - part[np.arange(len(part)), y[rows]]
+    return out
 
 
 def _perplexity(nll: float, labelled: int) -> float | None:

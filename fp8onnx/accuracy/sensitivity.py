@@ -57,6 +57,7 @@ class NodeSensitivity:
     risk: str | None = None  # why this node is high-risk whatever its SQNR (a vocabulary projection)
     metric_ratio: float | None = None  # with refinement: headline / FP16's with only this node in float
     metric_gain: float | None = None  # ... minus that of the all-FP8 model (a fraction of FP16's metric)
+    gain_noise: float | None = None  # one standard error of metric_gain, paired over the evaluation samples
 
 
 @dataclasses.dataclass
@@ -114,12 +115,14 @@ class SensitivityResult:
             shown = "inf" if math.isinf(n.sqnr_db) else f"{n.sqnr_db:.2f}"
             line = f"{n.rank:>4}  {n.name:<{width}}  {n.op_type:<13}  {shown:>7}"
             if refined:
-                line += f"  {n.metric_gain * 100:+12.2f}" if n.metric_gain is not None else f"  {'-':>12}"
+                noise = f" ±{n.gain_noise * 100:.2f}" if n.gain_noise else ""
+                line += f"  {n.metric_gain * 100:+12.2f}{noise}" if n.metric_gain is not None else f"  {'-':>12}"
             lines.append(line + (f"  HIGH RISK: {n.risk}" if n.risk else ""))
         if refined:
             lines.append(
-                f"  gain if float: {self.metric} in points of FP16's when only that node stays in float; all in FP8: "
-                f"{self.base_ratio:.2%} of FP16 ({self.evaluations} models evaluated)"
+                f"  gain if float: {self.metric} in points of FP16's when only that node stays in float (± one "
+                f"standard error, paired over the samples); all in FP8: {self.base_ratio:.2%} of FP16 "
+                f"({self.evaluations} models evaluated)"
             )
         reasons: dict[str, list[str]] = {}
         for n in self.nodes:

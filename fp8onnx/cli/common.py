@@ -292,22 +292,28 @@ def _run_options(
 
 
 def _text_options(*names: str):
-    """--tokenizer / --seq-len for a command's data options ``names``: each of them that names a text
-    file (.txt, .jsonl) reaches the library as a :class:`~fp8onnx.data.feeds.TextSource` with these settings."""
+    """--tokenizer / --seq-len / --stride for a command's data options ``names``: each of them that names a
+    text file (.txt, .jsonl) reaches the library as a :class:`~fp8onnx.data.feeds.TextSource` with these settings."""
 
     def decorate(fn):
         @functools.wraps(fn)
-        def wrapper(*args, tokenizer=None, seq_len=None, **kwargs):
-            if tokenizer is not None or seq_len is not None:
+        def wrapper(*args, tokenizer=None, seq_len=None, stride=None, **kwargs):
+            if tokenizer is not None or seq_len is not None or stride is not None:
                 texts = [n for n in names if kwargs.get(n) is not None and is_text(kwargs[n])]
                 if not texts:
                     raise Fp8OnnxError(
-                        "--tokenizer and --seq-len apply to text data (.txt, .jsonl); this command was given none."
+                        "--tokenizer, --seq-len and --stride apply to text data (.txt, .jsonl); this command was "
+                        "given none."
                     )
                 for name in texts:
-                    kwargs[name] = TextSource(kwargs[name], tokenizer, seq_len)
+                    kwargs[name] = TextSource(kwargs[name], tokenizer, seq_len, stride=stride)
             return fn(*args, **kwargs)
 
+        wrapper = click.option(
+            "--stride",
+            type=click.IntRange(min=1),
+            help="Text windows move on and score this many tokens (sliding-window perplexity) [default: a window].",
+        )(wrapper)
         wrapper = click.option(
             "--seq-len",
             type=click.IntRange(min=1),

@@ -128,6 +128,11 @@ def inspect(model, as_json, plot_dir, target):
 @click.option("--field", default="text", show_default=True, help="The text field of each .jsonl record.")
 @click.option("--max-samples", type=click.IntRange(min=1), help="At most this many samples.")
 @click.option("--seed", type=int, help="Pick --max-samples at random over the whole source (default: the first ones).")
+@click.option(
+    "--stride",
+    type=click.IntRange(min=1),
+    help="Windows move on and score this many tokens; the rest is context (sliding-window perplexity).",
+)
 @click.option("--size", type=click.IntRange(min=1), help="Images: resize the shorter side to this many pixels.")
 @click.option("--crop", type=click.IntRange(min=1), help="Images: center crop (default: the input's height/width).")
 @click.option("--mean", type=_FLOATS, help="Images: per-channel mean in [0, 1] units, e.g. 0.485,0.456,0.406.")
@@ -137,7 +142,7 @@ def inspect(model, as_json, plot_dir, target):
 @click.option("--sample-rate", type=click.IntRange(min=1), help="Audio: resample to this rate (default 16000).")
 @click.option("--chunk", type=click.IntRange(min=1), help="Audio: samples per feed (default: one second).")
 @_run
-def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, seed, **media):
+def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, seed, stride, **media):
     """Make calibration/evaluation data for MODEL from text, images or audio.
 
     SOURCE is a .txt/.jsonl text file, an image file or folder (subfolders = classes: `labels`), or
@@ -150,6 +155,7 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
     Examples:
       fp8onnx data model.onnx corpus.txt --tokenizer tokenizer.json -o calib.npz --max-samples 256
       fp8onnx data export_dir/ sentences.txt --pad --seq-len 128 -o eval.npz
+      fp8onnx data llm.onnx ptb.test.txt --seq-len 512 --stride 256 -o ptb.npz   # sliding-window perplexity
       fp8onnx data resnet.onnx images/ --size 256 --crop 224 --mean 0.485,0.456,0.406 -o calib.npz
       fp8onnx data wav2vec.onnx clips/ --sample-rate 16000 --chunk 16000 -o calib.npz
     """
@@ -167,6 +173,7 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
         field=field,
         max_samples=max_samples,
         seed=seed,
+        stride=stride,
         image=image,
         audio=audio,
         progress=sys.stderr.isatty(),

@@ -16,7 +16,8 @@ import onnx_ir as ir
 
 from fp8onnx.data.feeds import Batch, FeedData, InputSpec, NpzData, TextSource, is_text
 from fp8onnx.data.media import kind_of
-from fp8onnx.data.sources import MediaData, TextData
+from fp8onnx.data.sources import MediaData, TextData, find_tokenizer
+from fp8onnx.data.tasks import TaskData, is_task_file
 
 __all__ = ["Data", "DataSource", "as_data"]
 
@@ -46,7 +47,9 @@ def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
         path = pathlib.Path(data)
         if isinstance(data, TextSource) or is_text(path):
             text = data if isinstance(data, TextSource) else TextSource(data)
-            return TextData(text.path, specs, model, tokenizer=text.tokenizer, seq_len=text.seq_len)
+            if is_task_file(path):  # zero-shot task items (LAMBADA, HellaSwag), not running text
+                return TaskData(path, specs, text.tokenizer or find_tokenizer(path, model), text.seq_len)
+            return TextData(text.path, specs, model, tokenizer=text.tokenizer, seq_len=text.seq_len, stride=text.stride)
         if path.suffix.lower() not in (".npz", ".npy") and not (path.is_dir() and any(path.glob("*.npz"))):
             kind = kind_of(path)  # images or audio (a folder of them, or one file)
             if kind is not None:

@@ -356,14 +356,16 @@ def is_text(path: str | os.PathLike) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TextSource(os.PathLike):
-    """A text file with how to tokenize it (``--tokenizer``, ``--seq-len``). It is path-like, so it
-    goes wherever a data path goes (path checks, reports); :func:`fp8onnx.data.datasource.as_data` reads its options.
-    ``tokenizer`` None: the ``tokenizer.json`` beside the model or the text; ``seq_len`` None: 128."""
+    """A text file with how to tokenize it (``--tokenizer``, ``--seq-len``, ``--stride``). It is path-like,
+    so it goes wherever a data path goes (path checks, reports); :func:`fp8onnx.data.datasource.as_data`
+    reads its options. ``tokenizer`` None: the ``tokenizer.json`` beside the model or the text; ``seq_len``
+    None: 128; ``stride`` None: windows side by side (see :mod:`fp8onnx.data.text`)."""
 
     path: str | os.PathLike
     tokenizer: str | os.PathLike | None = None
     seq_len: int | None = None
     label: str | None = None  # how reports name it (the default sample: not its temporary path)
+    stride: int | None = None
 
     def __fspath__(self) -> str:
         return os.fspath(self.path)

@@ -21,14 +21,13 @@ from fp8onnx.base.progress import progress_bar
 from fp8onnx.base.scratch import make_dir, remove
 from fp8onnx.data import media
 from fp8onnx.data.feeds import LABELS, TEXT_SUFFIXES, Batch, InputSpec, input_specs
+from fp8onnx.data.kv_cache import cache_sizes, model_folder
 from fp8onnx.data.media import AudioOptions, ImageOptions
 from fp8onnx.data.text import (
     PAST,
     TextOptions,
     _first_or_sampled,
     _ids_input,
-    _model_folder,
-    cache_sizes,
     check_tokenizer,
     load_tokenizer,
     text_samples,
@@ -137,7 +136,7 @@ def write_text_data(model: ir.Model, source, out, options: TextOptions, progress
     tokenizer = load_tokenizer(options.tokenizer)
     check_tokenizer(model, tokenizer, options.tokenizer)
     counts = {"documents": 0, "tokens": 0}
-    sizes = cache_sizes(_model_folder(model))
+    sizes = cache_sizes(model_folder(model))
     samples = text_samples(source, input_specs(model), options, tokenizer, counts, sizes)
     short = "" if options.pad else f" (fewer than {options.seq_len + 1} tokens; lower --seq-len or use --pad)"
     summary = write_samples(samples, out, source, f"Text file {str(source)!r} gave no sample{short}.", progress, counts)
@@ -157,6 +156,7 @@ def make_data(
     field: str = "text",
     max_samples: int | None = None,
     seed: int | None = None,
+    stride: int | None = None,
     image: ImageOptions | None = None,
     audio: AudioOptions | None = None,
     progress: bool = False,
@@ -177,7 +177,7 @@ def make_data(
     ir_model = load_model(path)
     if kind == "text":
         text_tokenizer = cast("str | os.PathLike", tokenizer)  # _checked_sources gives text one
-        options = TextOptions(text_tokenizer, seq_len, pad, field, max_samples, seed)
+        options = TextOptions(text_tokenizer, seq_len, pad, field, max_samples, seed, stride)
         summary = write_text_data(ir_model, source, out, options, progress=bar)
     else:
         specs = input_specs(ir_model)
@@ -235,7 +235,7 @@ class MediaData:
 
     def __init__(self, path: str | os.PathLike, specs: list[InputSpec], model: ir.Model | None, kind: str):
         self.path, self.specs, self.kind = pathlib.Path(path), specs, kind
-        self.folder = _model_folder(model)
+        self.folder = model_folder(model)
 
     def count_batches(self, batch_size: int) -> None:
         return None
@@ -260,6 +260,7 @@ class TextData:
         *,
         tokenizer: str | os.PathLike | None = None,
         seq_len: int | None = None,
+        stride: int | None = None,
     ):
         self.path = pathlib.Path(path)
         self.specs = specs
@@ -269,7 +270,7 @@ class TextData:
             tokenizer = find_tokenizer(path, model)
         elif not self.path.is_file():
             raise Fp8OnnxError(f"Text file {str(path)!r} does not exist.")
-        self.options = TextOptions(tokenizer, pad=pad) if seq_len is None else TextOptions(tokenizer, seq_len, pad)
+        self.options = TextOptions(tokenizer, 128 if seq_len is None else seq_len, pad, stride=stride)
         self.tokenizer = load_tokenizer(self.options.tokenizer)
         if model is not None:
             check_tokenizer(model, self.tokenizer, self.options.tokenizer)
@@ -285,7 +286,7 @@ class TextData:
         return None  # known only once the text is read
 
     def batches(self, batch_size: int):
-        sizes = cache_sizes(_model_folder(self.model))
+        sizes = cache_sizes(model_folder(self.model))
         yield from _batched(text_samples(self.path, self.specs, self.options, self.tokenizer, sizes=sizes), batch_size)
 
 

@@ -120,6 +120,7 @@ class StudyRow:
     passes_ptq: bool | None
     cosine_mean: float | None
     emulated: bool
+    ratio_noise: float | None = None  # one standard error of ratio_to_fp16, paired with FP16's samples
 
 
 @dataclasses.dataclass
@@ -155,7 +156,7 @@ class StudyResult:
                 r.label + (" (emulated)" if r.emulated else ""),
                 r.group,
                 _f(r.value, ".4f"),
-                _f(r.ratio_to_fp16, ".2%"),
+                _f(r.ratio_to_fp16, ".2%") + (f" ±{r.ratio_noise:.2%}" if r.ratio_noise else ""),
                 _yes(r.passes_llm),
                 _yes(r.passes_ptq),
                 _f(r.cosine_mean, ".5f"),
@@ -173,6 +174,11 @@ class StudyResult:
         best = next((r for r in self.rows if not r.emulated), None)
         if best:
             lines.append(f"best deployable: {best.label} ({describe_config(best.config)})")
+        if any(r.ratio_noise for r in self.rows):
+            lines.append(
+                f"±: one standard error of the ratio to FP16, paired over the {self.samples} evaluation samples "
+                "(LM windows); configurations within twice it of each other are not told apart by this data"
+            )
         return "\n".join(lines)
 
 
@@ -254,6 +260,7 @@ def _row(label: str, group: str, config: QuantizeConfig, r) -> StudyRow:
         r.passes_ptq,
         cosine,
         config.emulated,
+        r.ratio_noise,
     )
 
 

@@ -16,7 +16,9 @@ import os
 import pathlib
 
 from fp8onnx.accuracy.compare import compare
+from fp8onnx.accuracy.compare_results import RowResult, ratio_to
 from fp8onnx.accuracy.evaluation import ReferenceRun
+from fp8onnx.accuracy.metrics import gain_se
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.scratch import make_dir, remove
 from fp8onnx.graph.runtime import RunOptions
@@ -34,7 +36,8 @@ class Candidates:
 
     requires: ``stats`` are the statistics ``config`` needs (None for dynamic activations);
     ensures: ``ratios`` returns, per variant, its headline metric / FP16's (None where there is no
-    FP16 baseline) and counts each distinct variant once in ``evaluated``.
+    FP16 baseline) and counts each distinct variant once in ``evaluated``; ``noise`` the standard error of
+    each such ratio, paired with FP16's samples (None with fewer than 2 samples).
     """
 
     def __init__(
@@ -55,8 +58,11 @@ class Candidates:
         self.metric = ""
         self.evaluated = 0  # distinct variants quantized and evaluated
         self.rounds = 0  # compare runs
-        self._cache: dict[frozenset[str], float | None] = {}
-        self._fp16: float | None = None  # FP16's headline value, from the first round
+        self._cache: dict[frozenset[str], tuple[float | None, float | None]] = {}  # -> (ratio, its noise)
+        self._columns: dict[frozenset[str], dict] = {}  # -> the variant's per-sample sums
+        self._fp16: RowResult | None = None  # FP16's row (headline value, per-sample sums), from the first round
+        self.samples = 0  # samples of the evaluation data (the unit of the noise)
+        self.labelled = 0  # labelled positions among them (a language model's tokens)
         self._tmp: str | None = None
 
     def __enter__(self) -> Candidates:
@@ -105,16 +111,31 @@ class Candidates:
             )
             by_name = {r.name: r for r in result.rows}
             if first and "FP16" in by_name:
-                self._fp16 = by_name["FP16"].value
+                self._fp16 = by_name["FP16"]
+                columns = self._fp16.columns
+                self.samples = len(next(iter(columns.values()))) if columns else result.samples
+                self.labelled = int(sum(columns.get("labelled", ())))
             for keep, path in zip(todo, paths):
                 row = by_name[path.name]
-                ok = self._fp16 and row.value is not None
-                self._cache[keep] = row.ratio_to_fp16 if first else (row.value / self._fp16 if ok else None)
+                self._cache[keep] = ratio_to(row, self._fp16) if self._fp16 is not None else (None, None)
+                self._columns[keep] = row.columns
                 self.metric = row.headline
                 path.unlink()
             self.evaluated += len(todo)
             self.rounds += 1
             logger.info("evaluated %d variants (%d so far, %d rounds)", len(todo), self.evaluated, self.rounds)
-            if all(self._cache[k] is None for k in todo):
+            if all(self._cache[k][0] is None for k in todo):
                 raise Fp8OnnxError(f"No FP16 baseline to measure against: {'; '.join(result.notes)}")
-        return [self._cache[frozenset(k)] for k in keeps]
+        return [self._cache[frozenset(k)][0] for k in keeps]
+
+    def noise(self, keep: tuple[str, ...]) -> float | None:
+        """One standard error of a variant's ratio to FP16 (scored already by :meth:`ratios`)."""
+        found = self._cache.get(frozenset(keep))
+        return None if found is None else found[1]
+
+    def gain_noise(self, keep: tuple[str, ...], base: tuple[str, ...]) -> float | None:
+        """One standard error of ratio(keep) - ratio(base), paired over the samples (both scored already)."""
+        a, b = self._columns.get(frozenset(keep)), self._columns.get(frozenset(base))
+        if a is None or b is None or self._fp16 is None:
+            return None
+        return gain_se(self._fp16.headline_key, a, b, self._fp16.columns)

@@ -44,7 +44,7 @@ from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.scratch import make_dir, remove
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import InputSpec, TextSource, is_text
-from fp8onnx.data.text import cache_sizes
+from fp8onnx.data.kv_cache import cache_sizes
 from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic

@@ -13,27 +13,37 @@ and a count that passes while a larger one fails met the target by the noise of 
 set (seen on the sample decoder at 99.9%: 27 nodes passed, 28 failed, and 27 missed the target on
 held-out data). If no count within the budget meets
 the target, nothing is written: :class:`TargetNotMet` carries what was tried.
+
+Every ratio carries its noise (one standard error, paired with FP16's samples: LM windows), and a
+gap to the target within ``Z`` standard errors is not a reason to keep a node in float (SPEC §12): a
+count whose ratio cannot be told from the target counts as meeting it, and where the all-FP8 model is
+such a count the summary says the data cannot resolve the target and how many samples would. The
+search chooses on two thirds of ``eval_data`` and confirms its choice on the other third
+(:mod:`fp8onnx.data.split`), which is reported separately.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 
+from fp8onnx.accuracy.compare import compare
+from fp8onnx.accuracy.compare_results import CompareResult
 from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from fp8onnx.base.errors import Fp8OnnxError
-from fp8onnx.data.datasource import Data
+from fp8onnx.data.datasource import Data, as_data
+from fp8onnx.data.feeds import input_specs
+from fp8onnx.data.split import EVERY, Part, count_samples
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
-from fp8onnx.graph.model_io import write_text_atomic
+from fp8onnx.graph.model_io import load_model, model_file, write_text_atomic
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.graph.runtime import RunOptions, resolve_provider
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import QuantizeConfig
-from fp8onnx.settings.report import QuantizeReport
 from fp8onnx.techniques.family import detect_family
 from fp8onnx.workflows.candidates import Candidates
+from fp8onnx.workflows.target_result import FallbackResult, TargetNotMet, Z, nearly_all, not_met, unresolved
 
 __all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
 
@@ -44,61 +54,6 @@ logger = logging.getLogger(__name__)
 # accuracy search 5 refined nodes changed no result on the sample decoder (targets 99-99.85%) or the
 # digits CNN and cost 5 more evaluations each.
 REFINE_DEFAULTS = {"sensitivity": 5, "quantize_to_target": 0}
-
-
-@dataclasses.dataclass
-class FallbackResult:
-    accuracy_target: float  # percent of FP16's headline metric
-    metric: str
-    tried: dict[int, float | None]  # nodes kept in float -> headline relative to FP16 (fraction)
-    kept_in_float: list[str]  # the chosen nodes, most sensitive first
-    met: bool
-    report: QuantizeReport | None  # None when the target was not met (nothing written)
-    evaluations: int = 0  # models scored on the end metric, refinement included
-    sensitivity: list[dict] = dataclasses.field(default_factory=list)  # per node, as SensitivityResult.to_json()
-    unit: str = "nodes"  # what was kept in float: whole nodes, or only their activations (W8A16)
-
-    def summary(self) -> str:
-        lines = [self.report.summary()] if self.report else []
-        verdict = "met" if self.met else "NOT met (nothing written)"
-        lines.append(
-            f"  accuracy target {self.accuracy_target:g}% of FP16 ({self.metric}): {verdict}; "
-            f"{self.evaluations} models evaluated"
-        )
-        for k, ratio in sorted(self.tried.items()):
-            shown = "-" if ratio is None else f"{ratio:.2%}"
-            mark = "  <- written" if self.met and k == len(self.kept_in_float) else ""
-            lines.append(f"    {k:>4} {self._in_float}: {shown}{mark}")
-        if self.kept_in_float:
-            shown = ", ".join(self.kept_in_float[:8]) + (" ..." if len(self.kept_in_float) > 8 else "")
-            what = "kept in float" if self.unit == "nodes" else "activations kept in float (W8A16)"
-            lines.append(f"  {what} (most sensitive first): {shown}")
-        return "\n".join(lines)
-
-    @property
-    def _in_float(self) -> str:
-        return "nodes in float" if self.unit == "nodes" else "with float activations"
-
-    def to_json(self) -> dict:
-        return {
-            "target_pct_of_fp16": self.accuracy_target,
-            "metric": self.metric,
-            "tried": {str(k): v for k, v in sorted(self.tried.items())},
-            "kept_in_float": self.kept_in_float,
-            "met": self.met,
-            "evaluations": self.evaluations,
-            "unit": self.unit,
-            "report": self.report.to_json() if self.report else None,
-        }
-
-
-class TargetNotMet(Fp8OnnxError):
-    """The target did not hold within the float-node budget; nothing was written. ``result`` says
-    what was tried (its ``kept_in_float`` is the best count's nodes)."""
-
-    def __init__(self, message: str, result: FallbackResult):
-        super().__init__(message)
-        self.result = result
 
 
 def sensitivity(
@@ -132,10 +87,11 @@ def sensitivity(
     source = calib if calib is not None else data
     with Candidates(model, config, result.stats, eval_data, run, source, metric, needs_data) as candidates:
         base, *ratios = candidates.ratios([(), *((n.name,) for n in nodes)])
-    result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
-    for node, ratio in zip(nodes, ratios):
-        node.metric_ratio = ratio
-        node.metric_gain = None if ratio is None or base is None else ratio - base
+        result.metric, result.base_ratio, result.evaluations = candidates.metric, base, candidates.evaluated
+        for node, ratio in zip(nodes, ratios):
+            node.metric_ratio = ratio
+            node.metric_gain = None if ratio is None or base is None else ratio - base
+            node.gain_noise = candidates.gain_noise((node.name,), ())
     return result
 
 
@@ -156,8 +112,8 @@ NEARLY_ALL = 0.9  # a target met only with this share of the nodes in float is r
 def search(sens: SensitivityResult, candidates: Candidates, accuracy_target: float, limit: int):
     """(tried, chosen): the headline ratio to FP16 per count of nodes kept in float (in
     ``sens.order()``), and the smallest count within ``limit`` whose ratio, and that of every larger
-    count tried, is >= ``accuracy_target`` percent (None when there is none). Scores come from
-    ``candidates``; its cache makes repeated searches cheap."""
+    count tried, is >= ``accuracy_target`` percent or within ``Z`` standard errors below it (None when
+    there is none). Scores come from ``candidates``; its cache makes repeated searches cheap."""
     order = [n.name for n in sens.order()]
     tried: dict[int, float | None] = {}
     if sens.base_ratio is not None:  # refinement scored these already
@@ -174,7 +130,10 @@ def search(sens: SensitivityResult, candidates: Candidates, accuracy_target: flo
                 tried[k] = ratio
 
     def passes(k: int) -> bool:
-        return tried[k] is not None and tried[k] * 100 >= accuracy_target
+        if tried[k] is None:
+            return False
+        gap, se = accuracy_target / 100 - tried[k], candidates.noise(tuple(order[:k]))
+        return gap <= 0 or (se is not None and gap <= Z * se)
 
     def stable() -> int | None:
         """The smallest count from which every larger count tried passes too: a count that passes
@@ -213,16 +172,21 @@ def quantize_to_target(
     report: str | os.PathLike | None = None,
     metric: str = "auto",
     run: RunOptions | None = None,
+    confirm: bool = True,
     **options,
 ) -> FallbackResult:
     """Quantize ``model`` keeping the fewest most sensitive nodes in float (at most
-    ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``accuracy_target``% of FP16's.
+    ``max_float_nodes``) such that its headline metric on ``eval_data`` is >= ``accuracy_target``% of
+    FP16's, or cannot be told from it (within ``Z`` standard errors).
 
     requires: ``calib`` data (sensitivity and scales come from it), ``eval_data`` with an FP16 baseline;
-    ensures: the output is written only when the target holds on ``eval_data`` with fewer than
-    ``NEARLY_ALL`` of the nodes in float (more only when ``max_float_nodes`` allows it); otherwise
-    :class:`TargetNotMet` is raised and nothing is written. Deterministic for the same inputs.
-    ``metric``: the headline (``fp8onnx.accuracy.metrics.METRICS``; auto: compare's own choice).
+    ensures: the output is written only when the target holds (or is within the noise) on the tuning
+    part of ``eval_data`` with fewer than ``NEARLY_ALL`` of the nodes in float (more only when
+    ``max_float_nodes`` allows it); otherwise :class:`TargetNotMet` is raised and nothing is written.
+    With ``confirm`` (and at least ``2 * EVERY`` samples) the choice is made on two thirds of
+    ``eval_data`` and the written model is scored on the other third (``FallbackResult.held_out``).
+    Deterministic for the same inputs. ``metric``: the headline (``fp8onnx.accuracy.metrics.METRICS``;
+    auto: compare's own choice).
     """
     if isinstance(options.get("target"), (int, float)):  # a percentage under the deploy target's name
         raise Fp8OnnxError(
@@ -239,27 +203,77 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    ranked, sens = _ranked(model, config, calib, eval_data, refine, metric, run)
+    tuning, held_out = split_eval(model, eval_data, run.batch) if confirm else (eval_data, None)
+    headline = metric  # compare's --metric; ``metric`` becomes its label below
+    ranked, sens = _ranked(model, config, calib, tuning, refine, metric, run)
     needs_data = ranked.weights_need_data
     order = [n.name for n in sens.order()]
     limit = len(order) if max_float_nodes is None else min(max_float_nodes, len(order))
-    with Candidates(model, config, sens.stats, eval_data, run, calib, metric, needs_data) as candidates:
+    with Candidates(model, config, sens.stats, tuning, run, calib, metric, needs_data) as candidates:
         tried, chosen = search(sens, candidates, accuracy_target, limit)
-    evaluations = sens.evaluations + candidates.evaluated
-    metric, nodes, unit = candidates.metric, sens.to_json()["nodes"], ranked.fallback
-    if chosen is None:
-        raise _not_met(accuracy_target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, unit)
-    if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
-        result = FallbackResult(accuracy_target, metric, tried, order[:chosen], False, None, evaluations, nodes, unit)
-        raise TargetNotMet(_nearly_all(accuracy_target, metric, chosen, len(order)), result)
-    final = candidates.write(order[:chosen], output, run)
+        evaluations = sens.evaluations + candidates.evaluated
+        metric, nodes, unit = candidates.metric, sens.to_json()["nodes"], ranked.fallback
+        noise = {k: candidates.noise(tuple(order[:k])) for k in tried}
+        if chosen is None:
+            error = not_met(accuracy_target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, unit)
+            _with_noise(error.result, noise, candidates)
+            raise error
+        if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
+            result = FallbackResult(
+                accuracy_target, metric, tried, order[:chosen], False, None, evaluations, nodes, unit
+            )
+            _with_noise(result, noise, candidates)
+            raise TargetNotMet(nearly_all(accuracy_target, metric, chosen, len(order)), result)
+        final = candidates.write(order[:chosen], output, run)
     logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, accuracy_target, evaluations)
     result = FallbackResult(accuracy_target, metric, tried, order[:chosen], True, final, evaluations, nodes, unit)
+    _with_noise(result, noise, candidates)
+    result.unresolved = unresolved(result, chosen)
+    if held_out is not None:
+        result.held_out = confirm_on(model, output, held_out, accuracy_target, headline, run)
     if report is not None:  # the usual report, plus how the target was met and the sensitivity it used
         doc = {**final.to_json(), "accuracy_target": result.to_json(), "sensitivity": result.sensitivity}
         del doc["accuracy_target"]["report"]
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
     return result
+
+
+def split_eval(model, eval_data, batch: int):
+    """(the part the search chooses on, the part that confirms it or None): :mod:`fp8onnx.data.split`'s
+    two parts of ``eval_data``; None where it holds fewer than ``2 * EVERY`` samples (too few to hold
+    any out: the search then chooses on all of it, and says so)."""
+    ir_model = load_model(model_file(model))
+    source = as_data(eval_data, input_specs(ir_model), ir_model)
+    if hasattr(source, "readable_again"):  # feeds given as an iterator are read many times here
+        source = source.readable_again()
+    if getattr(source, "task", None) is not None:
+        logger.warning("a task file's items span several samples: nothing is held out; the choice is not confirmed")
+        return source, None
+    samples = count_samples(source, batch)
+    if samples < 2 * EVERY:
+        logger.warning(
+            "the evaluation data holds %d samples: too few to hold a third out; the choice is not confirmed", samples
+        )
+        return source, None
+    return Part(source, held_out=False), Part(source, held_out=True)
+
+
+def confirm_on(model, output, held_out, accuracy_target: float, metric: str, run: RunOptions) -> dict:
+    """The written model's headline ratio to FP16 (and its noise) on the held-out part."""
+    result: CompareResult = compare(
+        model, [output], held_out, generate=0, memory=False, metric=metric, run=RunOptions.of(run, progress=False)
+    )
+    row = result.rows[-1]
+    ratio, se = row.ratio_to_fp16, row.ratio_noise
+    verdict = ""
+    if ratio is not None:
+        gap = accuracy_target / 100 - ratio
+        verdict = "confirmed" if gap <= 0 else ("within the noise" if se and gap <= Z * se else "NOT confirmed")
+    return {"ratio": ratio, "noise": se, "samples": result.samples, "verdict": verdict}
+
+
+def _with_noise(result: FallbackResult, noise: dict, candidates: Candidates) -> None:
+    result.noise, result.samples, result.tokens = noise, candidates.samples, candidates.labelled
 
 
 def _ranked(model, config: QuantizeConfig, calib, eval_data, refine: int, metric: str, run: RunOptions):
@@ -271,14 +285,6 @@ def _ranked(model, config: QuantizeConfig, calib, eval_data, refine: int, metric
     if ranked.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
         return ranked, sensitivity(model, None, calib, **scoring)
     return ranked, sensitivity(model, calib, **scoring)
-
-
-def _nearly_all(accuracy_target: float, metric: str, chosen: int, nodes: int) -> str:
-    return (
-        f"Accuracy target {accuracy_target:g}% of FP16 ({metric}) holds only with {chosen} of {nodes} nodes in float: "
-        "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
-        f"with --max-float-nodes {chosen})."
-    )
 
 
 def _check_search(accuracy_target: float, max_float_nodes: int | None, refine: int, calib) -> None:
@@ -297,23 +303,3 @@ def _ranking_config(model, config: QuantizeConfig) -> QuantizeConfig:
     if config.preset != "auto":
         return config
     return config.for_family(detect_family(prepare_model(model, config.precision)[0], config.native_gemm).preset)
-
-
-def _not_met(accuracy_target, metric, tried, order, limit, eval_path, evaluations, nodes, unit) -> TargetNotMet:
-    """No count within ``limit`` met the target: the error, naming the best count tried."""
-    best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
-    result = FallbackResult(accuracy_target, metric, tried, order[:best], False, None, evaluations, nodes, unit)
-    shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
-    if tried[best] is not None and tried[best] * 100 >= accuracy_target:
-        shown += " (not confirmed: a count with more nodes in float missed the target)"
-    return TargetNotMet(
-        f"Accuracy target {accuracy_target:g}% of FP16 ({metric}) not met on {eval_path or 'the evaluation data'} "
-        f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
-        + (
-            "nothing written (raise --max-float-nodes or lower --accuracy-target)."
-            if limit < len(order)
-            else "nothing written: every node was allowed in float (what is not a node, such as float8 "
-            "embedding tables, stays as the recipe has it; lower --accuracy-target or try --preset none)."
-        ),
-        result,
-    )

@@ -173,7 +173,7 @@ def runtime_generate(kind: str, folder: pathlib.Path) -> np.ndarray:
 
 def engine_generate(folder: pathlib.Path) -> np.ndarray:
     from fp8onnx.accuracy.generation import Generator, start_token
-    from fp8onnx.data.text import cache_sizes
+    from fp8onnx.data.kv_cache import cache_sizes
     from fp8onnx.graph.runtime import make_session
     from fp8onnx.workflows.exports import describe_export
 

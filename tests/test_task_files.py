@@ -1,0 +1,103 @@
+"""Zero-shot task files (LAMBADA-style completions, HellaSwag-style multiple choice) in ``compare``:
+the items are scored from the per-sample sums exactly as a harness scores them one by one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from test_sources import _docs, _model
+
+import fp8onnx
+from fp8onnx.cli import main
+from fp8onnx.data.feeds import TextSource
+from fp8onnx.data.tasks import is_task_file
+
+tokenizers = pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        _docs(), trainers.WordLevelTrainer(vocab_size=400, special_tokens=["[PAD]", "[UNK]", "<bos>"])
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def _items(n: int = 12):
+    words = " ".join(_docs()[:20]).split()
+    completions = [{"context": " ".join(words[i * 9 : i * 9 + 8]), "target": words[i * 9 + 8]} for i in range(n)]
+    choices = [
+        {
+            "context": " ".join(words[i * 7 : i * 7 + 5]),
+            "endings": [" ".join(words[j : j + 2]) for j in (i, 40 + i, 80 + i)],
+            "label": i % 3,
+        }
+        for i in range(n)
+    ]
+    return completions, choices
+
+
+def _write(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    return path
+
+
+def _log_softmax(x):
+    x = x.astype(np.float64)
+    return x - (np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) + x.max(-1, keepdims=True))
+
+
+def _one(session, tok, context, continuation):
+    """(log-probabilities of the continuation's tokens, whether each is the argmax), one sample alone."""
+    head = tok.encode(context, add_special_tokens=False).ids
+    whole = tok.encode(context + " " + continuation, add_special_tokens=False).ids
+    ids = np.array([[2, *whole]], np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    feed["position_ids"] = np.arange(ids.shape[1])[None]
+    logp = _log_softmax(session.run(["logits"], feed)[0][0])
+    cont = whole[len(head) :]
+    at = np.arange(len(head), len(head) + len(cont))  # position of each continuation token's predictor (after <bos>)
+    return logp[at, cont], logp[at].argmax(-1) == np.array(cont)
+
+
+def test_task_items_score_as_a_harness_scores_them_one_by_one(tmp_path, bos_tokenizer):
+    model = _model(tmp_path / "lm.onnx", past=False)
+    completions, choices = _items()
+    lam, hs = _write(tmp_path / "lambada.jsonl", completions), _write(tmp_path / "hellaswag.jsonl", choices)
+    assert is_task_file(lam) and is_task_file(hs) and not is_task_file(_write(tmp_path / "t.jsonl", [{"text": "a"}]))
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    tok = tokenizers.Tokenizer.from_file(str(bos_tokenizer))
+
+    result = fp8onnx.compare(model, [], TextSource(lam, bos_tokenizer), batch_size=5, provider="cpu", memory=False)
+    fp32 = result.rows[0]
+    scored = [_one(session, tok, r["context"], r["target"]) for r in completions]
+    assert fp32.accuracy == pytest.approx(np.mean([hits.all() for _, hits in scored]))
+    assert fp32.perplexity == pytest.approx(np.exp(np.mean([-lp.sum() for lp, _ in scored])), rel=1e-5)
+    assert any("12 completions (LAMBADA-style)" in n for n in result.notes)
+
+    result = fp8onnx.compare(model, [], TextSource(hs, bos_tokenizer), batch_size=4, provider="cpu", memory=False)
+    expected = []
+    for r in choices:
+        norm = [_one(session, tok, r["context"], e)[0].sum() / len(e) for e in r["endings"]]
+        expected.append(int(np.argmax(norm)) == r["label"])
+    assert result.rows[0].accuracy == pytest.approx(np.mean(expected)) and result.rows[0].perplexity is None
+    fp16 = result.rows[1]
+    assert fp16.name == "FP16" and len(fp16.columns["correct"]) == 12  # an item, not an ending, per unit
+
+
+def test_a_bad_task_file_is_one_sentence(tmp_path, bos_tokenizer):
+    model = _model(tmp_path / "lm.onnx", past=False)
+    bad = _write(tmp_path / "bad.jsonl", [{"context": "a b", "endings": ["c", "d"], "label": 5}])
+    r = CliRunner().invoke(main, ["compare", str(model), "--data", str(bad), "--tokenizer", str(bos_tokenizer)])
+    assert r.exit_code == 2 and "line 1: 'label' 5 but 2 endings" in r.output
