@@ -17,6 +17,7 @@ from .common import output_channel_axis, release
 from .convert_fp16 import ConvertFloat16Pass, Float16Error
 from .emulate_bf16 import EmulateBfloat16Pass, has_bfloat16
 from .fold_weight_transforms import FoldWeightTransformsPass
+from .gate_inputs import GATE_PREFIX, GateInputsPass
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass, LoweringResult
 from .quantize_embeddings import EmbeddingsResult, QuantizeEmbeddingsPass
@@ -27,6 +28,7 @@ from .upgrade_opset import TARGET_OPSET, UpgradeError, UpgradeOpsetPass, default
 __all__ = [
     "AMAX_SUFFIX",
     "BLOCK_FP8_OP",
+    "GATE_PREFIX",
     "MS_DOMAIN",
     "NODE_PREFIX",
     "TARGET_OPSET",
@@ -40,6 +42,7 @@ __all__ = [
     "EmulateBlockFp8MatMulPass",
     "Float16Error",
     "FoldWeightTransformsPass",
+    "GateInputsPass",
     "InsertQDQPass",
     "LowerGemmFloat8Pass",
     "LoweringResult",

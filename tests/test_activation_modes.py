@@ -156,9 +156,11 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     assert all(p["why"] for p in PRESETS.values())
     w8a8 = QuantizeConfig.for_preset("llm-w8a8", target="onnxruntime-cuda")
     assert (w8a8.activations, w8a8.weight_block_size, w8a8.gemm_op) == ("static", 32, "block-fp8")
-    assert w8a8.float_activations[:4] == ("*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*")
+    assert w8a8.w8a8_share == 0.67 and w8a8.float_activations == () and w8a8.float_last_layers == 0  # by loss
     assert w8a8.float_vocab and w8a8.weight_rounding == "gptq" and w8a8.fallback == "activations"
-    assert w8a8.float_last_layers == 1
+    assert QuantizeConfig.for_preset("llm-w8a8", activations="dynamic").w8a8_share is None  # yields to it
+    with pytest.raises(Fp8OnnxError, match="--w8a8-share chooses which static activations"):
+        QuantizeConfig(activations="dynamic", w8a8_share=0.5)
     # a preset's part that contradicts an explicit option yields to it
     assert QuantizeConfig.for_preset("cnn", activations="dynamic").scaling.value == "amax"
     constant = QuantizeConfig.for_preset("llm-weight-only", scaling="constant", scale=0.5)

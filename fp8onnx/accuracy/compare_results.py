@@ -232,9 +232,9 @@ _COLUMNS = (
 )
 
 
-def _pm(value, noise, spec: str) -> str:
+def _pm(value, noise, spec: str, noise_spec: str = "") -> str:
     """A figure and its standard error: ``0.6217 ±0.0008``."""
-    return _fmt(value, spec) + (f" ±{noise:{spec}}" if value is not None and noise else "")
+    return _fmt(value, spec) + (f" ±{noise:{noise_spec or spec}}" if value is not None and noise else "")
 
 
 def _cells(r, o: dict) -> list[str]:
@@ -248,7 +248,7 @@ def _cells(r, o: dict) -> list[str]:
         _fmt(o.get("max_abs_err"), ".3g"),
         _pm(o.get("top1_agreement"), n.get("top1_agreement"), ".4f"),
         _pm(r.accuracy, n.get("accuracy"), ".4f"),
-        _pm(r.perplexity, n.get("perplexity"), ".2f"),
+        _pm(r.perplexity, n.get("perplexity"), ".2f", ".3f"),
         _fmt(r.ratio_to_fp16, ".2%")
         + (f" ±{r.ratio_noise:.2%}" if r.ratio_to_fp16 is not None and r.ratio_noise else ""),
         _yes(r.passes_llm),

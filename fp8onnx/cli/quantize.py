@@ -168,6 +168,15 @@ class _QuantizeCommand(_Sectioned):
     help="The MatMul/Gemm nodes of the last N decoder layers (told by 'layers.K' in their names, as torch, Optimum "
     "and onnxruntime-genai name them) keep float activations and FP8 weights (W8A16), like --float-activations.",
 )
+@click.option(
+    "--w8a8-share",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    metavar="FRACTION",
+    help="With static activations: at least this share of the quantized MACs W8A8; the other nodes keep float "
+    "activations (W8A16), chosen by each one's measured share of the output's loss (KL to FP32) on a few "
+    "calibration samples, cheapest per MAC W8A8 first. [llm-w8a8: 0.67]",
+)
 @click.option("--activation-matmuls", is_flag=True, help="Also quantize MatMuls whose both inputs are activations.")
 @click.option(
     "--preset",

@@ -227,7 +227,9 @@ def demo(out_dir, provider):
         fp8 = cmp.rows[-1]
         verdict = "within" if fp8.passes_llm else "NOT within"
         click.echo(
-            f"\nFP8 next-byte accuracy {fp8.accuracy:.4f} is {fp8.ratio_to_fp16:.2%} of FP16's: {verdict} "
+            f"\nFP8 next-byte accuracy {fp8.accuracy:.4f} is {fp8.ratio_to_fp16:.2%}"
+            + (f" (±{fp8.ratio_noise:.2%})" if fp8.ratio_noise else "")
+            + f" of FP16's: {verdict} "
             f"the 99.5% criterion. ({time.perf_counter() - t0:.1f}s)"
         )
         if out_dir:

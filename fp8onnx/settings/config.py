@@ -61,6 +61,8 @@ class QuantizeConfig:
     exclude: tuple[str, ...] = ()
     float_activations: tuple[str, ...] = ()  # globs: these nodes' activations stay in float (W8A16), weights FP8
     float_last_layers: int = 0  # the last N decoder layers' (named layers.K/) activations in float (W8A16)
+    # at least this share of the quantized MACs W8A8, the W8A16 rest chosen by measured loss (workflows.loss_choice)
+    w8a8_share: float | None = None
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
     fallback: FallbackUnit | str = FallbackUnit.NODES  # what keep_float leaves in float (activations none: nodes)
     activation_matmuls: bool = False
@@ -134,6 +136,9 @@ class QuantizeConfig:
         last = self.float_last_layers
         if isinstance(last, bool) or not isinstance(last, int) or last < 0:
             raise Fp8OnnxError(f"--float-last-layers must be a non-negative integer, got {last!r}.")
+        share = self.w8a8_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise Fp8OnnxError(f"--w8a8-share must be a fraction in (0, 1], got {share!r}.")
         group = self.group_size
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise Fp8OnnxError(f"--group-size must be a positive integer, got {group!r}.")
@@ -145,6 +150,11 @@ class QuantizeConfig:
         object.__setattr__(self, "activations", parse_choice(Activations, self.activations, "--activations"))
         if self.activations is Activations.NONE:  # no activation to keep in float: the unit is the node
             object.__setattr__(self, "fallback", FallbackUnit.NODES)
+        if self.w8a8_share is not None and self.activations is not Activations.STATIC:
+            raise Fp8OnnxError(
+                f"--w8a8-share chooses which static activations stay in float; --activations {self.activations.value} "
+                "has none to choose (use --activations static)."
+            )
         if Fp8Format.INT8 in (self.weight_format, self.activation_format) and self.native_gemm:
             raise Fp8OnnxError("--native-gemm is onnxruntime's float8 GEMM; int8 takes standard Q/DQ only.")
         if self.target == "onnxruntime-cuda" and not (self.weight_format.cuda_ok and self.activation_format.cuda_ok):
@@ -298,6 +308,7 @@ class QuantizeConfig:
             "preset": (self.preset, bool(self.preset)),
             "float_activations": (list(self.float_activations), bool(self.float_activations)),
             "float_last_layers": (self.float_last_layers, bool(self.float_last_layers)),
+            "w8a8_share": (self.w8a8_share, self.w8a8_share is not None),
             "fallback": (self.fallback.value, self.fallback is not FallbackUnit.NODES),
             "weight_rounding": (self.weight_rounding.value, self.weight_rounding is not WeightRounding.NEAREST),
             "smooth": (self.smooth, self.smooth is not None),

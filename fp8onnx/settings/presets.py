@@ -43,9 +43,9 @@ PRESETS = {
             "weight_rounding": "gptq",
             "float_vocab": True,
             "embeddings": "fp8",
-            # the attention projections W8A16: Llama names (torch, Optimum, genai's qkv_proj; fp8onnx's sample)
-            "float_activations": ("*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*", "*/q", "*/k", "*/v", "*/o"),
-            "float_last_layers": 1,  # the last layer's MLP input: 15% of the W8A8 model's KL to FP32 on SmolLM2
+            # at least 2/3 of the quantized MACs W8A8; which nodes stay W8A16 comes from each one's measured share
+            # of the output's KL to FP32 on calibration samples (names: the fallback, workflows.loss_choice)
+            "w8a8_share": 0.67,
             "fallback": "activations",
         },
         "why": "FP8 on both GEMM inputs in the form FP8 GEMMs take (one static E4M3 scale per activation; E4M3 "
@@ -86,6 +86,8 @@ def overruled(field: str, value, explicit: dict) -> bool:
     constant = given.get("scaling") == "constant"
     if field == "scaling" and dynamic:
         return True
+    if field == "w8a8_share" and given.get("activations") not in (None, "static"):
+        return True  # no static activations to choose W8A16 among
     # a scaling the user chose that reads calibration histograms (percentile, MSE) means calibrated
     # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
     if field == "activations" and given.get("scaling") in ("percentile", "mse") and "activations" not in given:

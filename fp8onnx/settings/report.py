@@ -113,6 +113,7 @@ class QuantizeReport:
     target_problems: list[str] = dataclasses.field(default_factory=list)  # what --target would reject
     phases: list[dict] = dataclasses.field(default_factory=list)  # wall seconds per phase (fp8onnx.base.phases)
     family: dict | None = None  # --preset auto: the model family seen, why, and the preset applied
+    w8a16: dict | None = None  # --w8a8-share: {how, nodes, w8a8_share, losses} (workflows.loss_choice)
 
     @property
     def quantized(self) -> list[NodeReport]:
@@ -123,7 +124,10 @@ class QuantizeReport:
         return [n for n in self.nodes if not n.quantized]
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self, dict_factory=_json_dict)
+        doc = dataclasses.asdict(self, dict_factory=_json_dict)
+        if doc["w8a16"] is None:  # only where chosen: other reports stay as earlier versions wrote them
+            del doc["w8a16"]
+        return doc
 
     def summary(self) -> str:
         cfg = self.config

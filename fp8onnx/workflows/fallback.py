@@ -24,14 +24,18 @@ search chooses on two thirds of ``eval_data`` and confirms its choice on the oth
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import logging
 import os
+import pathlib
 
 from fp8onnx.accuracy.compare import compare
 from fp8onnx.accuracy.compare_results import CompareResult
 from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.data.split import EVERY, Part, count_samples
@@ -43,6 +47,7 @@ from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.techniques.family import detect_family
 from fp8onnx.workflows.candidates import Candidates
+from fp8onnx.workflows.quantizer import quantize
 from fp8onnx.workflows.target_result import FallbackResult, TargetNotMet, Z, nearly_all, not_met, unresolved
 
 __all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
@@ -203,6 +208,7 @@ def quantize_to_target(
         + [("the calibration data", as_path(calib)), ("the evaluation data", as_path(eval_data))],
         model_writes("the output model", output) + [("the report", report)],
     )
+    config, chosen_line = resolved_w8a16(model, config, calib, run)
     tuning, held_out = split_eval(model, eval_data, run.batch) if confirm else (eval_data, None)
     headline = metric  # compare's --metric; ``metric`` becomes its label below
     ranked, sens = _ranked(model, config, calib, tuning, refine, metric, run)
@@ -225,6 +231,8 @@ def quantize_to_target(
             _with_noise(result, noise, candidates)
             raise TargetNotMet(nearly_all(accuracy_target, metric, chosen, len(order)), result)
         final = candidates.write(order[:chosen], output, run)
+        if chosen_line:
+            final.prepared.append(chosen_line)
     logger.info("kept %d nodes in float for %g%% of FP16 after %d evaluations", chosen, accuracy_target, evaluations)
     result = FallbackResult(accuracy_target, metric, tried, order[:chosen], True, final, evaluations, nodes, unit)
     _with_noise(result, noise, candidates)
@@ -236,6 +244,22 @@ def quantize_to_target(
         del doc["accuracy_target"]["report"]
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
     return result
+
+
+def resolved_w8a16(model, config: QuantizeConfig, calib, run: RunOptions) -> tuple[QuantizeConfig, str]:
+    """``config`` with its ``w8a8_share`` choice made once (a quantization to a scratch file) and written as
+    the nodes' names, so that the search's variants do not measure it again; and the choice's line."""
+    if config.w8a8_share is None:
+        return config, ""
+    with temporary_dir("fp8onnx-w8a16-") as tmp:
+        done = quantize(
+            model, pathlib.Path(tmp) / "choice.onnx", calib, config=config, run=RunOptions.of(run, progress=False)
+        )
+    if done.w8a16 is None:
+        return config, ""
+    names = tuple(glob.escape(n) for n in done.w8a16["nodes"])
+    line = next((p for p in done.prepared if p.startswith("W8A16 ")), "")
+    return dataclasses.replace(config, w8a8_share=None, float_activations=(*config.float_activations, *names)), line
 
 
 def split_eval(model, eval_data, batch: int):

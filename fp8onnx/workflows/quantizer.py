@@ -44,6 +44,7 @@ from fp8onnx.techniques.scales import (
     node_report,
     weight_quant,
 )
+from fp8onnx.workflows.loss_choice import choose_w8a16
 from fp8onnx.workflows.rewrite import rewrite
 
 __all__ = [
@@ -115,6 +116,11 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     _refuse_integer_models(model, ir_model, decisions)
     lap("plan")
     calibration, quant, amax = _calibrate(ir_model, decisions, config, source, stats, run, prepared)
+    choice = None
+    if config.w8a8_share is not None:  # the W8A16 nodes, by their measured share of the loss
+        decisions, choice = choose_w8a16(ir_model, decisions, quant, config.w8a8_share, source, run)
+        prepared.append(choice.line())
+        lap("choose W8A16 by loss")
     nodes = [node_report(d, quant, amax) for d in decisions]
     rewritten = rewrite(ir_model, decisions, quant, config, run, prepared)
     if not rewritten.modified:  # nothing to quantize: the output is the input graph as it was
@@ -144,6 +150,7 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         runtime_checked=check_on,
         target_problems=target_problems,
         family=None if family is None else family.to_json(),
+        w8a16=None if choice is None else choice.to_json(),
         **rewritten.report_fields(),
     )
     if report is not None:

@@ -257,8 +257,8 @@ def test_float_activations_make_chosen_nodes_w8a16_in_one_model(tmp_path):
 
 
 def test_the_w8a8_preset_on_a_llama_export(tmp_path):
-    """--preset llm-w8a8 on fp8onnx's sample Llama: every weight MatMul in the fast form, the attention
-    projections and the last layer W8A16, the other MLPs W8A8 (static E4M3 a_scale)."""
+    """--preset llm-w8a8 on fp8onnx's sample Llama: every weight MatMul in the fast form; the nodes the loss
+    measurement chose W8A16 without a_scale, the rest W8A8 (static E4M3 a_scale), at least 67% of the MACs."""
     from fp8onnx.models.build_llama import build
 
     path = build(tmp_path / "tiny", layers=2, dim=64, heads=4, ffn=160, vocab=300)
@@ -266,12 +266,12 @@ def test_the_w8a8_preset_on_a_llama_export(tmp_path):
     np.savez(tmp_path / "c.npz", input_ids=ids)
     out = tmp_path / "w8a8.onnx"
     report = fp8onnx.quantize(path, out, tmp_path / "c.npz", preset="llm-w8a8", target="onnxruntime-cuda")
-    form = report.fast_form
-    attention = [f"/layers.0/{p}" for p in ("q", "k", "v", "o")]
-    last = [f"/layers.1/{p}" for p in ("q", "k", "v", "o", "gate", "up", "down")]
-    assert sorted(form["w8a16"]) == sorted(attention + last), form
-    w8a8 = [name for name in form["w8a8"] if name.startswith("/layers.")]  # the tiny head (300 outputs) too
-    assert sorted(w8a8) == [f"/layers.0/{p}" for p in ("down", "gate", "up")] and not form["kept_qdq"]
+    form, chosen = report.fast_form, report.w8a16
+    assert chosen["how"].startswith("by measured loss") and chosen["w8a8_share"] >= 0.67
+    assert sorted(form["w8a16"]) == sorted(chosen["nodes"]) and not form["kept_qdq"], form
+    layers = [f"/layers.{k}/{p}" for k in (0, 1) for p in ("q", "k", "v", "o", "gate", "up", "down")]
+    assert sorted(n for n in form["w8a8"] + form["w8a16"] if n.startswith("/layers.")) == sorted(layers)
+    assert set(layers) <= set(chosen["losses"])  # every activation measured (the tiny head's too: 300 outputs)
 
 
 def test_float_last_layers_keeps_the_last_layers_activations_in_float(tmp_path, caplog):

@@ -1,0 +1,193 @@
+"""Which GEMMs keep float activations (W8A16), chosen by the model's own loss (``--w8a8-share``).
+
+Each node with a quantized activation is measured by its share of the model's output loss: the loss
+with only that activation in FP8 (every weight FP8, as the recipe has it) less the loss with none,
+on a few calibration samples. The loss is the KL divergence of the output's distribution from FP32's
+where the output is class scores (an LLM's next-token distribution), else one minus the cosine of its
+rows. One onnxruntime session serves every measurement: the quantized inputs are gated
+(:class:`fp8onnx.passes.GateInputsPass`) and each run opens one gate.
+
+The choice: nodes go W8A8 cheapest first (loss share per multiply-accumulate, a node's MACs counted by
+its weight's size: every GEMM of a transformer runs once per token) until ``w8a8_share`` of the
+quantized MACs are W8A8, and so does every further node whose share is not above zero; the rest stay
+W8A16. The same rule holds whatever the exporter called the nodes (a dynamo export's ``node_linear_N``,
+onnxruntime-genai's fused ``qkv_proj``). Without data to measure on (``--stats``), or a model too large
+to hold twice in memory, the names of the Llama-style attention projections and the last layer are
+the fallback (:data:`W8A16_NAMES`), and the summary says which way the choice was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from fp8onnx.accuracy.metrics import class_outputs
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph.plan import Decision, last_layers
+from fp8onnx.graph.runtime import RunOptions, machine_memory, session_for_model, weight_bytes
+from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
+
+__all__ = ["LOSS_SAMPLES", "W8A16_NAMES", "LossChoice", "choose_w8a16"]
+
+logger = logging.getLogger(__name__)
+
+LOSS_SAMPLES = 8  # calibration samples the loss is measured on (an LLM's windows)
+
+# The fallback: the attention projections (Llama names: torch, Optimum, genai's qkv_proj; fp8onnx's sample)
+# and the last decoder layer, as --preset llm-w8a8 chose them by name before the loss was measured.
+W8A16_NAMES = ("*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*", "*/q", "*/k", "*/v", "*/o")
+
+
+@dataclasses.dataclass
+class LossChoice:
+    """The nodes left W8A16, and how they were chosen (the summary's line)."""
+
+    w8a16: list[str]
+    share: float  # of the quantized MACs W8A8
+    how: str
+    losses: dict[str, float] = dataclasses.field(default_factory=dict)  # node -> its share of the loss
+
+    def to_json(self) -> dict:
+        return {"how": self.how, "nodes": self.w8a16, "w8a8_share": self.share, "losses": self.losses}
+
+    def line(self) -> str:
+        return (
+            f"W8A16 {self.how}: {len(self.w8a16)} nodes keep float activations, {self.share:.1%} of the quantized "
+            "MACs W8A8"
+        )
+
+
+def choose_w8a16(
+    model: ir.Model, decisions: list[Decision], quant: dict[str, TensorQuant], goal: float, source, run: RunOptions
+) -> tuple[list[Decision], LossChoice]:
+    """(``decisions`` with the chosen nodes' activations taken out, the choice).
+
+    requires: ``quant`` holds every quantized tensor's TensorQuant; ``model`` is still the float graph.
+    ensures: the W8A8 nodes' MACs are at least ``goal`` of the quantized MACs, or every node is W8A8."""
+    candidates = [d for d in decisions if any(k == "activation" for _, k in d.inputs) and d.node.graph is model.graph]
+    macs = {d.node.name: _macs(d) for d in decisions}
+    why = _cannot_measure(model, candidates, source)
+    if why:
+        names = _by_names(model, candidates)
+        how = f"by names (the fallback: {why})"
+    else:
+        losses = _losses(model, decisions, candidates, quant, source, run)
+        names = _by_loss(losses, macs, [d.node.name for d in candidates], goal)
+        how = f"by measured loss ({_loss_kind(model)} to FP32 on {LOSS_SAMPLES} calibration samples, a run per node)"
+    chosen = set(names)
+    out = [
+        Decision(d.node, [(i, k) for i, k in d.inputs if k == "weight"]) if d.node.name in chosen else d
+        for d in decisions
+    ]
+    total = sum(macs.values()) or 1
+    w8a8 = sum(macs[d.node.name] for d in out if any(k == "activation" for _, k in d.inputs))
+    choice = LossChoice(sorted(chosen), w8a8 / total, how, {} if why else losses)
+    logger.info("%s", choice.line())
+    return out, choice
+
+
+def _macs(d: Decision) -> int:
+    """A node's multiply-accumulates per token: its weight's size (0 without a constant weight)."""
+    for index, kind in d.inputs:
+        value = d.node.inputs[index]
+        if kind == "weight" and value is not None and value.const_value is not None:
+            return int(np.prod(value.const_value.shape))
+    return 0
+
+
+def _cannot_measure(model: ir.Model, candidates, source) -> str:
+    if source is None:
+        return "no calibration data to measure the loss on"
+    if not model.graph.outputs or not candidates:
+        return "nothing to measure"
+    if 3 * weight_bytes(model) > machine_memory():
+        return "the model is too large to hold a measuring copy"
+    return ""
+
+
+def _by_names(model: ir.Model, candidates) -> list[str]:
+    late = last_layers(model, 1)
+    return [
+        d.node.name
+        for d in candidates
+        if d.node.name in late or any(fnmatch.fnmatchcase(d.node.name or "", p) for p in W8A16_NAMES)
+    ]
+
+
+def _by_loss(losses: dict[str, float], macs: dict[str, int], names: list[str], goal: float) -> list[str]:
+    """The nodes left W8A16: the costliest per MAC, once ``goal`` of the MACs are W8A8 by the cheapest."""
+    total = sum(macs.values()) or 1
+    w8a8 = sum(m for n, m in macs.items() if n not in names)  # nodes without an activation to choose for
+    order = sorted(names, key=lambda n: (losses[n] / max(macs[n], 1), n))
+    kept = []
+    for name in order:
+        if w8a8 / total < goal or losses[name] <= 0:
+            w8a8 += macs[name]
+        else:
+            kept.append(name)
+    return kept
+
+
+def _loss_kind(model: ir.Model) -> str:
+    first = model.graph.outputs[0].name
+    return "KL of the output distribution" if first in class_outputs(model) or "logit" in first else "1 - cosine"
+
+
+def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> dict[str, float]:
+    """Per candidate: the output loss with only its activation quantized, less the loss with none."""
+    gated, gates = _gated_copy(model, decisions, candidates, quant)
+    what = "the loss-measuring copy"
+    reference = session_for_model(model, run.provider, "the float model", arena=False)
+    session = session_for_model(gated, run.provider, what, arena=False)
+    dtype = np.float16 if gates[0].dtype == ir.DataType.FLOAT16 else np.float32
+    output = model.graph.outputs[0].name
+    kl = _loss_kind(model).startswith("KL")
+    sums = np.zeros(len(gates) + 1)
+    seen = 0
+    for batch in source.batches(min(run.batch, 4)):  # an LLM's logits: a few samples at a time
+        ref = reference.run([output], batch.feed)[0]
+        for k in range(len(gates) + 1):  # k = 0: no gate open; k: gate k - 1 alone
+            feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
+            out = session.run([output], {**batch.feed, **feed})[0]
+            sums[k] += _loss(ref, out, kl)
+        seen += batch.size
+        if seen >= LOSS_SAMPLES:
+            break
+    if not seen:
+        raise Fp8OnnxError("The calibration data gave no batch to measure the loss on.")
+    return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}
+
+
+def _gated_copy(model, decisions, candidates, quant):
+    """A copy of ``model`` with every weight quantized and every candidate's activation gated."""
+    gated = model.clone()
+    by_name = {n.name: n for n in gated.graph}
+    originals = {
+        (d.node.name, i): by_name[d.node.name].inputs[i] for d in candidates for i, k in d.inputs if k == "activation"
+    }
+    node_inputs = [(by_name[d.node.name], i) for d in decisions if d.node.name in by_name for i, _ in d.inputs]
+    InsertQDQPass(node_inputs, quant)(gated)
+    GateInputsPass([(name, i, x) for (name, i), x in originals.items()])(gated)
+    gates = [v for v in gated.graph.inputs if v.name.startswith(GATE_PREFIX)]
+    return gated, gates
+
+
+def _loss(ref: np.ndarray, out: np.ndarray, kl: bool) -> float:
+    """Summed over samples (the first axis): the mean over rows of KL(ref || out), or of 1 - cosine."""
+    r = ref.astype(np.float32).reshape(ref.shape[0], -1, ref.shape[-1])
+    c = out.astype(np.float32).reshape(r.shape)
+    if kl:
+        lr = r - r.max(-1, keepdims=True)
+        lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
+        lc = c - c.max(-1, keepdims=True)
+        lc -= np.log(np.exp(lc).sum(-1, keepdims=True))
+        per_row = (np.exp(lr) * (lr - lc)).sum(-1)
+    else:
+        dot = (r * c).sum(-1)
+        norms = np.linalg.norm(r, axis=-1) * np.linalg.norm(c, axis=-1)
+        per_row = 1.0 - np.where(norms > 0, dot / np.maximum(norms, 1e-30), 1.0)
+    return float(per_row.mean(axis=1).sum())

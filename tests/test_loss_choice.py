@@ -1,0 +1,93 @@
+"""--w8a8-share: which GEMMs keep float activations, chosen by each one's measured share of the output loss.
+
+The toy chain's second MatMul reads an activation with one huge channel (static E4M3 leaves the others a
+few subnormal steps): FP8 on it costs the output far more than on the first, whatever the nodes are
+called. The gate pass's numbers are checked against models quantized one node at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from test_fallback import _activation_outlier_chain
+
+import fp8onnx
+from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.numerics.formats import Fp8Format
+from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
+from fp8onnx.workflows.loss_choice import _by_loss
+
+from helpers import run_ort
+
+
+def test_the_node_whose_fp8_activation_costs_the_loss_stays_w8a16(tmp_path):
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", calib, activations="static", w8a8_share=0.1, provider="cpu")
+    assert report.w8a16["nodes"] == ["second"] and report.w8a16["how"].startswith("by measured loss")
+    assert report.w8a16["losses"]["second"] > 10 * max(report.w8a16["losses"]["first"], 0)
+    line = next(p for p in report.prepared if p.startswith("W8A16 by measured loss (KL of the output distribution"))
+    assert "1 nodes keep float activations" in line and "MACs W8A8" in line
+    producers = {o: n.op_type for n in onnx.load(tmp_path / "q.onnx").graph.node for o in n.output}
+    nodes = {n.name: n for n in onnx.load(tmp_path / "q.onnx").graph.node}
+    assert producers[nodes["first"].input[0]] == "DequantizeLinear"  # W8A8
+    assert producers[nodes["second"].input[0]] != "DequantizeLinear"  # W8A16: the float activation
+    # the same model with its nodes renamed gets the same choice (no names involved)
+    model = onnx.load(path)
+    for i, node in enumerate(model.graph.node):
+        node.name = f"node_linear_{i}"
+    onnx.save(model, tmp_path / "renamed.onnx")
+    renamed = fp8onnx.quantize(
+        tmp_path / "renamed.onnx", tmp_path / "r.onnx", calib, activations="static", w8a8_share=0.1, provider="cpu"
+    )
+    second = next(n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] == "b")
+    assert renamed.w8a16["nodes"] == [second]
+
+
+def test_without_data_to_measure_on_the_names_are_the_fallback(tmp_path):
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    stats = fp8onnx.calibrate(path, calib, provider="cpu")
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", stats=stats, activations="static", w8a8_share=0.5)
+    assert report.w8a16["how"].startswith("by names (the fallback: no calibration data")
+    assert report.w8a16["nodes"] == []  # no attention projection and no layer index among these names
+
+
+def test_the_budget_takes_the_cheapest_per_mac_first():
+    losses = {"a": 0.5, "b": 0.1, "c": 2.0, "d": -0.01}
+    macs = {"a": 100, "b": 100, "c": 100, "d": 10, "w": 50}  # w: a node without an activation to choose
+    # per MAC: d (free), b, a, c; w8a8 starts at w's 50 of 360 MACs
+    assert _by_loss(losses, macs, ["a", "b", "c", "d"], 0.3) == ["a", "c"]  # d, b: 160 of 360
+    assert _by_loss(losses, macs, ["a", "b", "c", "d"], 0.5) == ["c"]  # d, b, a: 260 of 360
+    assert _by_loss(losses, macs, ["a", "b", "c", "d"], 0.9) == []  # 0.9 needs all
+
+
+def test_a_gate_at_one_is_the_quantized_input_and_at_zero_the_float_one(tmp_path):
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(onnx.load(path)))
+    second = next(n for n in model.graph if n.name == "second")
+    x = second.inputs[0]
+    scale = float(np.abs(np.load(calib)["x"]).max()) / 448
+    InsertQDQPass([(second, 0)], {x.name: TensorQuant(Fp8Format.E4M3FN, scale * 1e3)})(model)
+    quantized_model = ir.to_proto(model)
+    GateInputsPass([("second", 0, x)])(model)
+    assert [v.name for v in model.graph.inputs if v.name.startswith(GATE_PREFIX)] == [f"{GATE_PREFIX}0"]
+    assert not GateInputsPass([("second", 0, x)])(model).modified  # idempotent
+    onnx.save(ir.to_proto(model), tmp_path / "gated.onnx")
+    onnx.save(quantized_model, tmp_path / "quantized.onnx")
+    feed = {"x": np.load(calib)["x"][:4]}
+    closed = run_ort(tmp_path / "gated.onnx", {**feed, f"{GATE_PREFIX}0": np.array(0, np.float32)})[0]
+    opened = run_ort(tmp_path / "gated.onnx", {**feed, f"{GATE_PREFIX}0": np.array(1, np.float32)})[0]
+    # onnxruntime's float arithmetic: x + (q - x) differs from q by its rounding (SPEC §11), so a tolerance
+    np.testing.assert_allclose(closed, run_ort(path, feed)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opened, run_ort(tmp_path / "quantized.onnx", feed)[0], rtol=1e-4, atol=1e-4)
+    assert np.abs(opened - closed).max() > 1e-3  # the gate matters
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5])
+def test_a_share_outside_zero_to_one_is_one_sentence(share):
+    from fp8onnx.base.errors import Fp8OnnxError
+    from fp8onnx.settings.config import QuantizeConfig
+
+    with pytest.raises(Fp8OnnxError, match=r"--w8a8-share must be a fraction in \(0, 1\]"):
+        QuantizeConfig(w8a8_share=share)
+    assert RunOptions  # the module's imports stay used
