@@ -103,10 +103,13 @@ class CompareResult:
         out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
         out.extend(f"note: {n}" for n in self.notes)
         if any(r.noise for r in self.rows):
+            columns = self.rows[0].columns
+            units = len(columns.get("correct", columns.get("cos", ())))
+            what = "items" if any(n.startswith("Task ") for n in self.notes) else "samples"
             out.append(
                 f"±: one standard error of the figure's difference from FP32's (for vs FP16: of the ratio), paired "
-                f"over the {self.samples} samples (jackknife; a sample is one index of the outputs' first axis, a "
-                "language model's window); a difference within twice it is within chance"
+                f"over the {units} {what} (jackknife; a sample is one index of the outputs' first axis, a language "
+                "model's window; a task's unit is its item); a difference within twice it is within chance"
             )
         headline = next((r.headline for r in self.rows if r.headline), "")
         if headline:

@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from fp8onnx.accuracy.metrics import class_outputs
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.base.progress import progress_bar
 from fp8onnx.graph.plan import Decision, last_layers
 from fp8onnx.graph.runtime import RunOptions, machine_memory, session_for_model, weight_bytes
 from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
@@ -150,7 +151,10 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> dic
     seen = 0
     for batch in source.batches(min(run.batch, 4)):  # an LLM's logits: a few samples at a time
         ref = reference.run([output], batch.feed)[0]
-        for k in range(len(gates) + 1):  # k = 0: no gate open; k: gate k - 1 alone
+        runs = progress_bar(
+            range(len(gates) + 1), total=len(gates) + 1, desc="loss per node", unit="run", enable=run.progress
+        )
+        for k in runs:  # k = 0: no gate open; k: gate k - 1 alone
             feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
             out = session.run([output], {**batch.feed, **feed})[0]
             sums[k] += _loss(ref, out, kl)

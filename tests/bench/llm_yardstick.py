@@ -1,0 +1,98 @@
+"""The field's yardsticks for language models, FP32 / FP16 / FP8 side by side in one run, with their noise:
+next-token accuracy and greedy generation on held-out windows, sliding-window perplexity on PTB and C4,
+LAMBADA and HellaSwag accuracy (files from ``models/eval_corpora.py``), each through ``fp8onnx.compare``
+(the FP32 reference, its FP16 baseline and every FP8 model on the same samples; ``±`` one standard error
+of the difference from FP32's, or of the ratio to FP16's, paired over windows or items).
+
+Usage: python tests/bench/llm_yardstick.py REFERENCE.onnx MODEL.onnx [MODEL.onnx ...] --tokenizer tokenizer.json
+       [--eval eval.npz] [--corpora models/corpora] [--seq-len 512] [--windows 48] [--lambada 500]
+       [--hellaswag 200] [--prompts 20] [--batch 4] [--only eval,ptb,c4,lambada,hellaswag] [--json out.json]
+Subsets are the first windows or items of each set (stated in the output); the noise says what they resolve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import fp8onnx
+from fp8onnx.data.feeds import TextSource
+
+
+def _row(r) -> dict:
+    n = r.noise
+    top1 = next(iter(r.outputs.values()))["top1_agreement"]
+    return {
+        "model": r.name,
+        "accuracy": r.accuracy,
+        "accuracy_se": n.get("accuracy"),
+        "ratio_to_fp16": r.ratio_to_fp16,
+        "ratio_se": n.get("ratio_to_fp16"),
+        "perplexity": r.perplexity,
+        "perplexity_se": n.get("perplexity"),
+        "top1_agreement": top1,
+        "generation": r.generation,
+    }
+
+
+def _sets(args) -> dict:
+    corpora = pathlib.Path(args.corpora)
+    text = {"tokenizer": args.tokenizer, "seq_len": args.seq_len}  # windows side by side: each token once
+    sets = {
+        "eval": (args.eval, None),
+        "ptb": (TextSource(corpora / "ptb.test.txt", **text), args.windows),
+        "c4": (TextSource(corpora / "c4.txt", **text), args.windows),
+        "lambada": (TextSource(corpora / "lambada.jsonl", args.tokenizer), args.lambada),
+        "hellaswag": (TextSource(corpora / "hellaswag.jsonl", args.tokenizer), 4 * args.hellaswag),
+    }
+    return {k: v for k, v in sets.items() if k in args.only.split(",") and v[0] is not None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reference")
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--eval")
+    parser.add_argument("--corpora", default="models/corpora")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=48)
+    parser.add_argument("--lambada", type=int, default=500)
+    parser.add_argument("--hellaswag", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--only", default="eval,ptb,c4,lambada,hellaswag")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    out = {}
+    for name, (data, limit) in _sets(args).items():
+        start = time.perf_counter()
+        generate = 32 if name == "eval" else 0
+        result = fp8onnx.compare(
+            args.reference,
+            args.models,
+            data,
+            max_samples=limit,
+            generate=generate,
+            prompts=args.prompts,
+            memory=False,
+            batch_size=args.batch,
+            provider="cpu",
+            progress=False,
+        )
+        out[name] = {
+            "samples": result.samples,
+            "rows": [_row(r) for r in result.rows],
+            "notes": result.notes,
+            "seconds": time.perf_counter() - start,
+        }
+        print(f"== {name}: {result.samples} samples, {out[name]['seconds']:.0f} s", flush=True)
+        print(result.table(), flush=True)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
