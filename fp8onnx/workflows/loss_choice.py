@@ -36,7 +36,7 @@ __all__ = ["LOSS_SAMPLES", "W8A16_NAMES", "LossChoice", "choose_w8a16"]
 
 logger = logging.getLogger(__name__)
 
-LOSS_SAMPLES = 8  # calibration samples the loss is measured on (an LLM's windows)
+LOSS_SAMPLES = 4  # calibration samples the loss is measured on (an LLM's windows: 512 tokens of 128)
 
 # The fallback: the attention projections (Llama names: torch, Optimum, genai's qkv_proj; fp8onnx's sample)
 # and the last decoder layer, as --preset llm-w8a8 chose them by name before the loss was measured.
@@ -149,15 +149,14 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> dic
     kl = _loss_kind(model).startswith("KL")
     sums = np.zeros(len(gates) + 1)
     seen = 0
-    for batch in source.batches(min(run.batch, 4)):  # an LLM's logits: a few samples at a time
-        ref = reference.run([output], batch.feed)[0]
+    for batch in source.batches(min(run.batch, LOSS_SAMPLES)):  # an LLM's logits: a few samples at a time
+        ref = _Reference(reference.run([output], batch.feed)[0], kl)
         runs = progress_bar(
             range(len(gates) + 1), total=len(gates) + 1, desc="loss per node", unit="run", enable=run.progress
         )
         for k in runs:  # k = 0: no gate open; k: gate k - 1 alone
             feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
-            out = session.run([output], {**batch.feed, **feed})[0]
-            sums[k] += _loss(ref, out, kl)
+            sums[k] += ref.loss(session.run([output], {**batch.feed, **feed})[0])
         seen += batch.size
         if seen >= LOSS_SAMPLES:
             break
@@ -180,18 +179,32 @@ def _gated_copy(model, decisions, candidates, quant):
     return gated, gates
 
 
-def _loss(ref: np.ndarray, out: np.ndarray, kl: bool) -> float:
-    """Summed over samples (the first axis): the mean over rows of KL(ref || out), or of 1 - cosine."""
-    r = ref.astype(np.float32).reshape(ref.shape[0], -1, ref.shape[-1])
-    c = out.astype(np.float32).reshape(r.shape)
-    if kl:
-        lr = r - r.max(-1, keepdims=True)
-        lr -= np.log(np.exp(lr).sum(-1, keepdims=True))
-        lc = c - c.max(-1, keepdims=True)
-        lc -= np.log(np.exp(lc).sum(-1, keepdims=True))
-        per_row = (np.exp(lr) * (lr - lc)).sum(-1)
-    else:
-        dot = (r * c).sum(-1)
-        norms = np.linalg.norm(r, axis=-1) * np.linalg.norm(c, axis=-1)
-        per_row = 1.0 - np.where(norms > 0, dot / np.maximum(norms, 1e-30), 1.0)
-    return float(per_row.mean(axis=1).sum())
+class _Reference:
+    """FP32's output on one batch, with what every loss against it reuses: per row, the probabilities and
+    their negative entropy (KL), or the unit rows (cosine)."""
+
+    def __init__(self, ref: np.ndarray, kl: bool):
+        r = ref.astype(np.float32).reshape(ref.shape[0], -1, ref.shape[-1])
+        self.kl, self.shape = kl, r.shape
+        if kl:
+            log_p = r - _logsumexp(r)
+            self.p = np.exp(log_p)
+            self.neg_entropy = (self.p * log_p).sum(-1)
+        else:
+            self.unit = r / np.maximum(np.linalg.norm(r, axis=-1, keepdims=True), 1e-30)
+
+    def loss(self, out: np.ndarray) -> float:
+        """Summed over samples (the first axis): the mean over rows of KL(ref || out), or of 1 - cosine.
+        KL(p || q) = sum p log p - (sum p c - logsumexp(c)) for q = softmax(c), as sum p = 1."""
+        c = out.astype(np.float32).reshape(self.shape)
+        if self.kl:
+            per_row = self.neg_entropy - ((self.p * c).sum(-1) - _logsumexp(c)[..., 0])
+        else:
+            norms = np.linalg.norm(c, axis=-1)
+            per_row = 1.0 - np.where(norms > 0, (self.unit * c).sum(-1) / np.maximum(norms, 1e-30), 1.0)
+        return float(per_row.mean(axis=1).sum())
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    peak = x.max(-1, keepdims=True)
+    return peak + np.log(np.exp(x - peak).sum(-1, keepdims=True))
