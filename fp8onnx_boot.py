@@ -3,10 +3,12 @@
 Importing fp8onnx takes a third of a second or more (onnx, onnxruntime, numpy, onnx_ir). A SIGINT,
 SIGTERM or SIGHUP in that time used to end the interpreter the default way (killed by the signal, or a
 KeyboardInterrupt traceback); here it is noted, and the command does not start: exit 128 + N, as at any
-other moment (fp8onnx.cli.entry).
+other moment (fp8onnx.cli.entry). Before that, a missing onnxruntime is one sentence (exit 2): the
+package names no runtime of its own, its extras choose the CPU or the GPU build (pyproject.toml).
 """
 
 import signal
+import sys
 
 
 def note_stops(noted: list[int]) -> None:
@@ -25,6 +27,11 @@ def note_stops(noted: list[int]) -> None:
 def entry() -> None:
     noted: list[int] = []
     note_stops(noted)
-    from fp8onnx.cli import entry as run
-
+    try:
+        from fp8onnx.cli import entry as run
+    except ModuleNotFoundError as exc:  # fp8onnx's own sentence for a missing runtime (fp8onnx/__init__.py)
+        if exc.name != "onnxruntime":
+            raise
+        print(f"fp8onnx: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     run(noted)

@@ -10,7 +10,15 @@ Bad input raises :class:`Fp8OnnxError` with one sentence.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+
+if importlib.util.find_spec("onnxruntime") is None:  # the package names no runtime: an extra chooses one
+    raise ModuleNotFoundError(
+        "fp8onnx needs onnxruntime, which is not installed: pip install 'fp8onnx[cpu]' for the CPU build, or "
+        "'fp8onnx[gpu]' for the CUDA one (not both).",
+        name="onnxruntime",
+    )
 
 from fp8onnx.base import deferred  # noqa: F401  (first: sympy, through onnx_ir, imported on first use)
 

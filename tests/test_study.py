@@ -94,6 +94,7 @@ def test_study_cli_writes_json_and_csv(tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "best deployable: " in r.output and "(emulated)" in r.output
+    assert "evaluated on 64 (cpu)" in r.output  # the provider every number was measured on
     doc = json.loads((tmp_path / "s.json").read_text())
     rows = list(csv.DictReader(io.StringIO((tmp_path / "s.csv").read_text())))
     assert [row["label"] for row in rows] == [row["label"] for row in doc["rows"]]

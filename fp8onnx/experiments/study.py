@@ -133,6 +133,7 @@ class StudyResult:
     metric: str
     rows: list[StudyRow]  # ranked, best first
     scale_exponents: dict[str, list[float]]  # log2 of per-tensor scales (amax, e4m3fn): weights, activations
+    provider: str = "cpu"  # the execution provider every number was measured on
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -166,7 +167,8 @@ class StudyResult:
         widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
         lines = [
             f"{self.model}: {len(self.rows)} configurations, calibrated on {self.calibration_samples} samples, "
-            f"evaluated on {self.samples}; FP32 {_f(self.fp32, '.4f')}, FP16 {_f(self.fp16, '.4f')} ({self.metric})",
+            f"evaluated on {self.samples} ({self.provider}); FP32 {_f(self.fp32, '.4f')}, FP16 {_f(self.fp16, '.4f')} "
+            f"({self.metric})",
             "  ".join(h.ljust(w) for h, w in zip(head, widths)),
             "  ".join("-" * w for w in widths),
         ]
@@ -242,6 +244,7 @@ def study(
         rows[0].metric if rows else "",
         rows,
         scales,
+        result.provider,
     )
 
 

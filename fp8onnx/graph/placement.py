@@ -7,11 +7,14 @@ fails when the session is created ("Could not find an implementation for ..."). 
 and then fail at Run: a float8 DequantizeLinear/QuantizeLinear with ``block_size`` on the CUDA EP (its
 block kernels are int4-only: "Unsupported quantization type").
 
-The CPU EP's kernel table is onnxruntime's own (``get_all_opkernel_def()`` of the installed build). The
-CUDA EP's is :data:`CUDA_KERNELS_FILE`, read from onnxruntime's source (see its ``source`` entry);
-only a CUDA build carries that registry. Types come from the graph (values without a known type
-match any constraint, and say so). Not modelled: the CUDA EP's choice to leave small shape
-computations on the CPU (``GetCpuPreferredNodes``) and graph fusions made before placement.
+The kernel tables are :mod:`fp8onnx.graph.kernels`' (the CPU EP's from the installed onnxruntime, the
+CUDA EP's read from onnxruntime's source). Types come from the graph: its own value types, then onnx's
+type and shape inference on a copy, then each op schema's type constraints (an output bound to the same
+type parameter as a typed input has its type: what carries types through onnxruntime's contrib ops,
+which onnx does not know). A node with an input whose type stays unknown is not placed ("not placed",
+naming the inputs): a float8 tensor where the table expects float would otherwise match silently. Not
+modelled: the CUDA EP's choice to leave small shape computations on the CPU (``GetCpuPreferredNodes``)
+and graph fusions made before placement.
 """
 
 from __future__ import annotations
@@ -19,73 +22,45 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
-import pathlib
+import logging
 
 import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
 
-__all__ = ["CUDA_KERNELS_FILE", "NodePlacement", "no_cuda_kernel_in", "placement_summary", "predict_placement"]
+from fp8onnx.graph.kernels import CUDA_KERNELS_FILE, cpu_kernels, cuda_kernels, domain_of
 
-CUDA_KERNELS_FILE = pathlib.Path(__file__).with_name("cuda_kernels.json")
-_OPEN = 2**31 - 1
+__all__ = [
+    "CUDA_KERNELS_FILE",
+    "NOT_PLACED",
+    "NodePlacement",
+    "infer_types",
+    "no_cuda_kernel_in",
+    "placement_summary",
+    "predict_placement",
+]
+
+logger = logging.getLogger(__name__)
+NOT_PLACED = "not placed"  # a node with an input of unknown type
 _HALF, _SINGLE = "tensor(float16)", "tensor(float)"
 _FLOAT8 = {"tensor(float8e4m3fn)", "tensor(float8e5m2)", "tensor(float8e4m3fnuz)", "tensor(float8e5m2fnuz)"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    domain: str
-    op: str
-    since: int
-    until: int
-    constraints: tuple[tuple[str, frozenset[str]], ...] = ()  # type parameter -> the types it admits
-    typed: str | None = None  # a typed registration: the type of the node's first input
-
-    def admits(self, since: int, types: dict[str, set[str]], first: str | None) -> bool:
-        """Whether a node whose schema dates from opset ``since`` (onnxruntime's KernelRegistry: the
-        kernel's first version equals it, or a closed range covers it) with these types runs here."""
-        if not (self.since == since or (self.until != _OPEN and self.since <= since <= self.until)):
-            return False
-        if self.typed is not None and first is not None and first != self.typed:
-            return False
-        return all(not types.get(p) or types[p] <= allowed for p, allowed in self.constraints)
+_domain = domain_of
 
 
 @dataclasses.dataclass(frozen=True)
 class NodePlacement:
     node: str
     op: str  # domain-qualified for non-ONNX domains
-    where: str  # "cuda", "cpu", "initializer" (a Constant), "inlined" (a function), "fails at load" or "at run"
+    # "cuda", "cpu", "initializer" (a Constant), "inlined" (a function), "fails at load", "fails at run",
+    # or NOT_PLACED (an input's type unknown)
+    where: str
     why: str = ""
 
 
-def _domain(domain: str) -> str:
-    return "" if domain in ("", "ai.onnx") else domain
-
-
 @functools.cache
-def cpu_kernels() -> dict[tuple[str, str], list[Kernel]]:
-    from onnxruntime.capi import _pybind_state as C
+def _ort_schemas() -> tuple:
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 
-    table: dict[tuple[str, str], list[Kernel]] = collections.defaultdict(list)
-    for k in C.get_all_opkernel_def():
-        if k.provider != "CPUExecutionProvider":
-            continue
-        constraints = tuple((p, frozenset(types)) for p, types in sorted(k.type_constraints.items()))
-        table[_domain(k.domain), k.op_name].append(Kernel(_domain(k.domain), k.op_name, *k.version_range, constraints))
-    return dict(table)
-
-
-@functools.cache
-def cuda_kernels() -> tuple[dict[tuple[str, str], list[Kernel]], str]:
-    """The CUDA EP's kernels from :data:`CUDA_KERNELS_FILE`, and where they were read."""
-    doc = json.loads(CUDA_KERNELS_FILE.read_text(encoding="utf-8"))
-    table: dict[tuple[str, str], list[Kernel]] = collections.defaultdict(list)
-    for k in doc["kernels"]:
-        constraints = tuple((p, frozenset(t)) for p, t in sorted((k.get("constraints") or {}).items()))
-        kernel = Kernel(_domain(k["domain"]), k["op"], k["since"], k["until"] or _OPEN, constraints, k.get("type"))
-        table[kernel.domain, kernel.op].append(kernel)
-    return dict(table), doc["source"]
+    return tuple(get_all_operator_schema())
 
 
 @functools.cache
@@ -98,9 +73,7 @@ def _schema(domain: str, op: str, version: int):
         schema = onnx.defs.get_schema(op, version, domain)
         return [i.type_str for i in schema.inputs], [o.type_str for o in schema.outputs], schema.since_version
     except Exception:  # not an ONNX op: onnxruntime's contrib schemas
-        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
-
-        found = [s for s in get_all_operator_schema() if s.name == op and _domain(s.domain) == domain]
+        found = [s for s in _ort_schemas() if s.name == op and _domain(s.domain) == domain]
         older = [s for s in found if s.since_version <= version]
         if older or found:
             s = max(older or found, key=lambda s: s.since_version)
@@ -109,6 +82,7 @@ def _schema(domain: str, op: str, version: int):
 
 
 _NAMES = {"FLOAT": "float", "DOUBLE": "double", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "BOOL": "bool"}
+_DTYPES = {f"tensor({_NAMES.get(t.name, t.name.lower())})": t for t in ir.DataType if t != ir.DataType.UNDEFINED}
 
 
 def _tensor_type(value: ir.Value | None) -> str | None:
@@ -118,25 +92,19 @@ def _tensor_type(value: ir.Value | None) -> str | None:
     return f"tensor({_NAMES.get(name, name.lower())})"
 
 
-def _node_types(node: ir.Node, version: int) -> tuple[dict[str, set[str]], str | None, bool, int]:
-    """(type parameter -> the node's types for it, its first input's type, whether any was unknown,
-    the schema's since version)."""
+def _node_types(node: ir.Node, version: int) -> tuple[dict[str, set[str]], str | None, list[str], int]:
+    """(type parameter -> the node's types for it, its first input's type, the inputs whose type is
+    unknown, the schema's since version)."""
     params = _schema(_domain(node.domain), node.op_type, version)
     first = _tensor_type(node.inputs[0]) if node.inputs else None
+    unknown = [v.name or f"input {i}" for i, v in enumerate(node.inputs) if v is not None and v.dtype is None]
     if params is None:
-        return {}, first, True, version
+        return {}, first, unknown, version
     ins, outs, since = params
     types: dict[str, set[str]] = collections.defaultdict(set)
-    unknown = False
     for i, value in enumerate(node.inputs):
-        if value is None or not ins:
-            continue
-        param = ins[min(i, len(ins) - 1)]  # a variadic last input repeats
-        t = _tensor_type(value)
-        if t is None:
-            unknown = True
-        else:
-            types[param].add(t)
+        if value is not None and ins and (t := _tensor_type(value)) is not None:
+            types[ins[min(i, len(ins) - 1)]].add(t)  # a variadic last input repeats
     for i, value in enumerate(node.outputs):
         if i < len(outs) and (t := _tensor_type(value)) is not None:
             types[outs[i]].add(t)
@@ -146,6 +114,38 @@ def _node_types(node: ir.Node, version: int) -> tuple[dict[str, set[str]], str |
 def _version(model: ir.Model, node: ir.Node) -> int:
     domain = _domain(node.domain)
     return model.opset_imports.get(domain, model.opset_imports.get("ai.onnx", 1) if domain == "" else 1)
+
+
+def infer_types(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` (weights shared) whose values carry every type that can be inferred: onnx's
+    type and shape inference, then each op schema's type constraints (:func:`_schema_types`)."""
+    model = model.clone()
+    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=False)(model)
+    _schema_types(model)
+    return model
+
+
+def _schema_types(model: ir.Model) -> int:
+    """Types onnx could not infer (onnxruntime's contrib ops): an output whose schema names a concrete type,
+    or the type parameter of a typed input, gets that type. Returns how many values got one."""
+    filled = 0
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        params = _schema(_domain(node.domain), node.op_type, _version(model, node))
+        if params is None or not any(v is not None and v.dtype is None for v in node.outputs):
+            continue
+        ins, outs, _ = params
+        bound: dict[str, set[str]] = collections.defaultdict(set)
+        for i, value in enumerate(node.inputs):
+            if value is not None and ins and (t := _tensor_type(value)) is not None:
+                bound[ins[min(i, len(ins) - 1)]].add(t)
+        for i, value in enumerate(node.outputs):
+            if value is None or value.dtype is not None or not outs:
+                continue
+            param = outs[min(i, len(outs) - 1)]
+            known = {param} if param in _DTYPES else bound.get(param, set())
+            if len(known) == 1 and (only := next(iter(known))) in _DTYPES:
+                value.dtype, filled = _DTYPES[only], filled + 1
+    return filled
 
 
 def _has(table, node: ir.Node, since: int, types, first) -> bool:
@@ -160,39 +160,49 @@ def _fails_at_run_on_cuda(node: ir.Node, types: dict[str, set[str]]) -> str | No
 
 
 def predict_placement(model: ir.Model, provider: str = "cuda") -> list[NodePlacement]:
-    """Every node of the main graph and its subgraphs, where ``provider`` ("cuda" or "cpu") puts it."""
-    cpu = cpu_kernels()
+    """Every node of the main graph and its subgraphs, where ``provider`` ("cuda" or "cpu") puts it, on
+    the types :func:`infer_types` finds (the model itself is not changed)."""
+    cpu = cpu_kernels()[0]
     cuda = cuda_kernels()[0] if provider == "cuda" else None
+    model = infer_types(model)
     out = []
     functions = {(_domain(f.domain), f.name) for f in model.functions.values()}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type == "Constant" and _domain(node.domain) == "":
             out.append(NodePlacement(node.name, "Constant", "initializer", "onnxruntime makes it one at load"))
-            continue
-        if (_domain(node.domain), node.op_type) in functions:
+        elif (_domain(node.domain), node.op_type) in functions:
             why = "a model-local function: onnxruntime inlines its body at load"
             out.append(NodePlacement(node.name, f"{node.domain}.{node.op_type}", "inlined", why))
-            continue
-        version = _version(model, node)
-        types, first, unknown, since = _node_types(node, version)
-        op = node.op_type if _domain(node.domain) == "" else f"{node.domain}.{node.op_type}"
-        maybe = " (some types unknown)" if unknown else ""
-        on_cpu, widened = _has(cpu, node, since, types, first), ""
-        if not on_cpu and any(_HALF in t for t in types.values()):  # onnxruntime's InsertCastTransformer
-            wide = {p: {_SINGLE if x == _HALF else x for x in t} for p, t in types.items()}
-            on_cpu = _has(cpu, node, since, wide, _SINGLE if first == _HALF else first)
-            widened = "float16 run in float32 (onnxruntime casts around it)" if on_cpu else ""
-        if cuda is not None and _has(cuda, node, since, types, first):
-            broken = _fails_at_run_on_cuda(node, types)
-            out.append(NodePlacement(node.name, op, "fails at run" if broken else "cuda", (broken or "") + maybe))
-        elif on_cpu:
-            why = f"no CUDA kernel for opset {version}, {_describe(types)}" if cuda is not None else ""
-            why = "; ".join(w for w in (why, widened) if w)
-            out.append(NodePlacement(node.name, op, "cpu", why + maybe))
         else:
-            why = f"no kernel for opset {version}, {_describe(types)}"
-            out.append(NodePlacement(node.name, op, "fails at load", why))
+            out.append(_place(model, node, cpu, cuda))
+    unplaced = [p.node for p in out if p.where == NOT_PLACED]
+    if unplaced:
+        logger.info("%d nodes not placed, an input's type unknown: %s", len(unplaced), ", ".join(unplaced[:5]))
     return out
+
+
+def _place(model: ir.Model, node: ir.Node, cpu, cuda) -> NodePlacement:
+    version = _version(model, node)
+    types, first, unknown, since = _node_types(node, version)
+    op = node.op_type if _domain(node.domain) == "" else f"{node.domain}.{node.op_type}"
+    on_cpu, widened = _has(cpu, node, since, types, first), ""
+    if not on_cpu and any(_HALF in t for t in types.values()):  # onnxruntime's InsertCastTransformer
+        wide = {p: {_SINGLE if x == _HALF else x for x in t} for p, t in types.items()}
+        on_cpu = _has(cpu, node, since, wide, _SINGLE if first == _HALF else first)
+        widened = "float16 run in float32 (onnxruntime casts around it)" if on_cpu else ""
+    on_cuda = cuda is not None and _has(cuda, node, since, types, first)
+    if unknown and (on_cuda or on_cpu):  # a kernel for some types: which one runs depends on the unknown ones
+        named = ", ".join(repr(n) for n in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        where = "cuda" if on_cuda else "cpu"
+        why = f"the type of {named} is unknown after type inference (with a type it admits: {where})"
+        return NodePlacement(node.name, op, NOT_PLACED, why)
+    if on_cuda:
+        broken = _fails_at_run_on_cuda(node, types)
+        return NodePlacement(node.name, op, "fails at run" if broken else "cuda", broken or "")
+    if on_cpu:
+        why = f"no CUDA kernel for opset {version}, {_describe(types)}" if cuda is not None else ""
+        return NodePlacement(node.name, op, "cpu", "; ".join(w for w in (why, widened) if w))
+    return NodePlacement(node.name, op, "fails at load", f"no kernel for opset {version}, {_describe(types)}")
 
 
 def no_cuda_kernel_in(model: ir.Model, dtype: ir.DataType) -> list[str]:
@@ -218,10 +228,13 @@ def _describe(types: dict[str, set[str]]) -> str:
 
 
 def placement_summary(placements: list[NodePlacement], provider: str = "cuda") -> dict:
-    """Counts per place, and the nodes not on ``provider``, grouped by where, op and why."""
+    """Counts per place, and the nodes not on ``provider``, grouped by where, op and why; the nodes not
+    placed (an input's type unknown) first, and named in ``not_placed``."""
     counts = collections.Counter(p.where for p in placements)
     notable: dict[str, list[str]] = collections.defaultdict(list)
-    for p in placements:
+    ordered = sorted(placements, key=lambda p: p.where != NOT_PLACED)  # stable: graph order within each
+    for p in ordered:
         if p.where not in (provider, "initializer", "inlined") or (p.why and p.where == "cpu" and provider == "cpu"):
             notable[f"{p.where}: {p.op}: {p.why}"].append(p.node)
-    return {"counts": dict(counts), "not_on_the_provider": dict(notable)}
+    unplaced = [p.node for p in placements if p.where == NOT_PLACED]
+    return {"counts": dict(counts), "not_on_the_provider": dict(notable), "not_placed": unplaced}

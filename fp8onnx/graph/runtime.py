@@ -23,6 +23,9 @@ import onnxruntime as ort
 
 from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.graph.cpu_ep import cuda_only_ops, emulated, float16_conv
+from fp8onnx.graph.providers import CPU as _CPU
+from fp8onnx.graph.providers import CUDA as _CUDA
+from fp8onnx.graph.providers import auto_provider, require_cuda
 
 __all__ = [
     "BATCH_MEMORY",
@@ -45,7 +48,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 PROVIDERS = ("auto", "cuda", "cpu")
-_CUDA, _CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 # Weights this big or bigger go to onnxruntime as arrays rather than inside the serialized model.
 HANDOVER_BYTES = 1 << 10
 _IN_MEMORY = "fp8onnx-in-memory"  # the external-data location of those (never a file)
@@ -139,19 +141,14 @@ class RunOptions:
 
 
 def resolve_provider(provider: str) -> str:
-    """'auto' -> 'cuda' when onnxruntime-gpu sees a device, else 'cpu'."""
+    """'cuda' or 'cpu': the provider fp8onnx's sessions will run on. 'auto' is 'cuda' where a session
+    asked for the CUDA EP gets it in this process, else 'cpu', and says which; 'cuda' where the CUDA EP
+    does not start is one sentence with onnxruntime's reason and the command that fixes it
+    (:mod:`fp8onnx.graph.providers`)."""
     provider = provider.lower()
     if provider not in PROVIDERS:
         raise Fp8OnnxError(f"Unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}.")
-    available = ort.get_available_providers()
-    if provider == "auto":
-        return "cuda" if _CUDA in available else "cpu"
-    if provider == "cuda" and _CUDA not in available:
-        raise Fp8OnnxError(
-            "Provider 'cuda' was asked for but this onnxruntime has no CUDA EP; install onnxruntime-gpu "
-            "(see README, GPU)."
-        )
-    return provider
+    return "cpu" if provider == "cpu" else auto_provider() if provider == "auto" else require_cuda()
 
 
 def _options(
@@ -219,6 +216,8 @@ def make_session(
         )
     except Exception as exc:
         raise Fp8OnnxError(f"{what} does not load in onnxruntime ({provider}): {first_line(exc)}") from exc
+    if provider == "cuda" and _CUDA not in session.get_providers():  # the probe said yes; this session says no
+        raise Fp8OnnxError(f"{what} was to run on onnxruntime's CUDA EP but its session has {session.get_providers()}.")
     if weights:
         session._fp8onnx_weights = (weights, values)  # onnxruntime reads them in place: they must outlive it
     return session

@@ -246,7 +246,8 @@ def gemm_stack(path, d=4096, ffn=11008, blocks=2, seed=0):
         inits,
     )
     save(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]),
+        # IR 10 (opset 21's): onnx 1.23 stamps 14 by default, which onnxruntime(-gpu) 1.31 refuses (it reads <= 13)
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10),
         path,
         save_as_external_data=True,
         location=pathlib.Path(path).name + ".data",
