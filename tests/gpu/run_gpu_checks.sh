@@ -1,22 +1,40 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after onnxruntime-gpu is installed into .ortgpu/site (../shared/hooks/gpu/README.md):
-#   bash tests/gpu/run_gpu_checks.sh
-# Step 7 (onnxruntime-genai tokens per second) runs when tests/gpu/stage_genai.py's parts were carried
-# (.gpucarry/p0 ...): they are joined and unpacked, and the onnxruntime-genai-cuda wheel among them is
-# installed next to onnxruntime-gpu.
+# The GPU check on a lent H200 (../shared/hooks/gpu/README.md), from the repo root, two device calls back to back:
+#   1. run(command="ls -la .ortgpu/c1", carry=[".ortgpu/c1"], timeout_s=60)               # starts the machine
+#   2. run(command="bash tests/gpu/run_gpu_checks.sh", carry=[".ortgpu/c2", ".ortgpu/genai"], timeout_s=600)
+# Call 2 unpacks onnxruntime-gpu into .ortgpu/site (unless there already), installs next to it the
+# onnxruntime-genai-cuda wheel staged in .ortgpu/genai/ (the genai step is skipped, saying so, without it),
+# and runs tests/gpu/run_gpu_checks.py (about 7.5 minutes: its --budget-s time guard, default 450 s), its
+# output also in $OUT/gpu_checks.log; gpu_checks.json and gpu_checks_table.txt come back in $OUT.
+# Staging, here, before call 1: ../shared/hooks/gpu/stage-ort-gpu.sh (.ortgpu/c1 ~52 MB, .ortgpu/c2 ~13 MB),
+# then the wheel (16.7 MB, for the machine's Python 3.12):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .ortgpu/genai onnxruntime-genai-cuda==0.18.0
+# Arguments are passed on to run_gpu_checks.py (e.g. --steps gemm, --budget-s 400).
+# Folders staged by tests/gpu/stage_genai.py (.gpucarry/p0 ...) are still taken: joined, unpacked and passed
+# as --genai NAME=FOLDER, with the wheel among them installed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD/.ortgpu/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out=${OUT:-.}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/.ortgpu/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -f .ortgpu/c2/unpack.py ] && [ ! -e .ortgpu/site/onnxruntime/capi/libonnxruntime_providers_cuda.so ]; then
+  python3 .ortgpu/c2/unpack.py .ortgpu/site
+fi
+install_wheel() { python3 -m pip install -q --no-index --no-deps --no-compile --target .ortgpu/site "$1"; }
+for wheel in .ortgpu/genai/*.whl; do
+  if [ -e "$wheel" ]; then install_wheel "$wheel"; fi
+done
 genai=()
 if ls .gpucarry/p*/genai.tar.part >/dev/null 2>&1; then
   rm -rf .gpucarry/genai
   for part in $(ls -d .gpucarry/p* | sort -V); do cat "$part/genai.tar.part"; done | tar -x -C .gpucarry
   for wheel in .gpucarry/genai/wheel/*.whl; do
-    [ -e "$wheel" ] && python3 -m pip install -q --no-index --no-deps --target .ortgpu/site "$wheel"
+    if [ -e "$wheel" ]; then install_wheel "$wheel"; fi
   done
   for name in $(python3 -c 'import json; print(" ".join(json.load(open(".gpucarry/genai/folders.json"))))'); do
     folder=$(python3 -c "import json; print(json.load(open('.gpucarry/genai/folders.json'))['$name'])")
     genai+=("--genai=$name=$PWD/.gpucarry/genai/$folder")
   done
 fi
-python3 tests/gpu/run_gpu_checks.py --out "${OUT:-.}" ${genai[@]+"${genai[@]}"}
+python3 tests/gpu/run_gpu_checks.py --out "$out" ${genai[@]+"${genai[@]}"} "$@" 2>&1 | tee "$out/gpu_checks.log"
