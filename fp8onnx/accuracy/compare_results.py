@@ -252,8 +252,7 @@ def _cells(r, o: dict) -> list[str]:
         _pm(o.get("top1_agreement"), n.get("top1_agreement"), ".4f"),
         _pm(r.accuracy, n.get("accuracy"), ".4f"),
         _pm(r.perplexity, n.get("perplexity"), ".2f", ".3f"),
-        _fmt(r.ratio_to_fp16, ".2%")
-        + (f" ±{r.ratio_noise:.2%}" if r.ratio_to_fp16 is not None and r.ratio_noise else ""),
+        _pm(r.ratio_to_fp16, r.ratio_noise, ".2%"),
         _yes(r.passes_llm),
         _yes(r.passes_ptq),
         _fmt(r.latency_ms, ".1f"),

@@ -58,8 +58,7 @@ class Candidates:
         self.metric = ""
         self.evaluated = 0  # distinct variants quantized and evaluated
         self.rounds = 0  # compare runs
-        self._cache: dict[frozenset[str], tuple[float | None, float | None]] = {}  # -> (ratio, its noise)
-        self._columns: dict[frozenset[str], dict] = {}  # -> the variant's per-sample sums
+        self._cache: dict[frozenset[str], RowResult] = {}  # each variant's compare row (per-sample sums too)
         self._fp16: RowResult | None = None  # FP16's row (headline value, per-sample sums), from the first round
         self.samples = 0  # samples of the evaluation data (the unit of the noise)
         self.labelled = 0  # labelled positions among them (a language model's tokens)
@@ -117,25 +116,27 @@ class Candidates:
                 self.labelled = int(sum(columns.get("labelled", ())))
             for keep, path in zip(todo, paths):
                 row = by_name[path.name]
-                self._cache[keep] = ratio_to(row, self._fp16) if self._fp16 is not None else (None, None)
-                self._columns[keep] = row.columns
+                self._cache[keep] = row
                 self.metric = row.headline
                 path.unlink()
             self.evaluated += len(todo)
             self.rounds += 1
             logger.info("evaluated %d variants (%d so far, %d rounds)", len(todo), self.evaluated, self.rounds)
-            if all(self._cache[k][0] is None for k in todo):
+            if all(self._ratio(k)[0] is None for k in todo):
                 raise Fp8OnnxError(f"No FP16 baseline to measure against: {'; '.join(result.notes)}")
-        return [self._cache[frozenset(k)][0] for k in keeps]
+        return [self._ratio(frozenset(k))[0] for k in keeps]
+
+    def _ratio(self, keep: frozenset[str]) -> tuple[float | None, float | None]:
+        row = self._cache.get(keep)
+        return (None, None) if row is None or self._fp16 is None else ratio_to(row, self._fp16)
 
     def noise(self, keep: tuple[str, ...]) -> float | None:
         """One standard error of a variant's ratio to FP16 (scored already by :meth:`ratios`)."""
-        found = self._cache.get(frozenset(keep))
-        return None if found is None else found[1]
+        return self._ratio(frozenset(keep))[1]
 
     def gain_noise(self, keep: tuple[str, ...], base: tuple[str, ...]) -> float | None:
         """One standard error of ratio(keep) - ratio(base), paired over the samples (both scored already)."""
-        a, b = self._columns.get(frozenset(keep)), self._columns.get(frozenset(base))
+        a, b = self._cache.get(frozenset(keep)), self._cache.get(frozenset(base))
         if a is None or b is None or self._fp16 is None:
             return None
-        return gain_se(self._fp16.headline_key, a, b, self._fp16.columns)
+        return gain_se(self._fp16.headline_key, a.columns, b.columns, self._fp16.columns)

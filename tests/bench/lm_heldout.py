@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import onnxruntime as ort
 
+from fp8onnx.accuracy.metrics import difference_se
+
 
 def scores(path: str, data: dict, batch: int = 4) -> tuple[np.ndarray, float]:
     """The argmax at every position, and exp(mean cross-entropy) against the labels."""
@@ -51,9 +53,11 @@ def main() -> None:
         correct = int((argmax == data["labels"]).sum())
         row = {"model": path, "accuracy": correct / data["labels"].size, "correct": correct, "perplexity": ppl}
         row["agreement"] = float((argmax == ref).mean())
-        # one standard error of accuracy - FP32's (McNemar), as `compare` shows it
-        discordant = int(((argmax == data["labels"]) != (ref == data["labels"])).sum())
-        row["accuracy_noise"] = float(np.sqrt(discordant)) / data["labels"].size
+        # one standard error of accuracy - FP32's, paired over windows (the jackknife), as `compare` shows it
+        per_window = {"labelled": np.full(len(ref), float(ref.shape[1]))}
+        mine = {"correct": (argmax == data["labels"]).sum(1).astype(float), **per_window}
+        theirs = {"correct": (ref == data["labels"]).sum(1).astype(float), **per_window}
+        row["accuracy_noise"] = difference_se("accuracy", mine, theirs)
         print(json.dumps(row), flush=True)
 
 
