@@ -18,6 +18,7 @@ from .convert_fp16 import ConvertFloat16Pass, Float16Error
 from .emulate_bf16 import EmulateBfloat16Pass, has_bfloat16
 from .fold_weight_transforms import FoldWeightTransformsPass
 from .gate_inputs import GATE_PREFIX, GateInputsPass
+from .half_tables import HalfTablesPass, HalfTablesResult
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass, LoweringResult
 from .quantize_embeddings import EmbeddingsResult, QuantizeEmbeddingsPass
@@ -43,6 +44,8 @@ __all__ = [
     "Float16Error",
     "FoldWeightTransformsPass",
     "GateInputsPass",
+    "HalfTablesPass",
+    "HalfTablesResult",
     "InsertQDQPass",
     "LowerGemmFloat8Pass",
     "LoweringResult",

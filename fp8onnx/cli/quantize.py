@@ -219,6 +219,12 @@ class _QuantizeCommand(_Sectioned):
     help="Leave vocabulary-sized projections (an lm_head: as many outputs as an embedding table has rows) in float.",
 )
 @click.option(
+    "--wide-tables",
+    is_flag=True,
+    help="Keep float tables that stay in float (an lm_head under --float-vocab, its tied embedding table) in 32 bits; "
+    "by default they are stored as float16 (bfloat16 beyond its range) and read through a Cast to float32.",
+)
+@click.option(
     "--float-stem",
     is_flag=True,
     help="Leave the stem convolutions (those that read the model's input before any other layer) in float.",

@@ -71,6 +71,7 @@ class QuantizeConfig:
     bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (techniques)
     sequential: bool = False  # each layer calibrated on the quantized layers before it (pipeline.executors)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
+    wide_tables: bool = False  # keep float tables left in float (an lm_head under float_vocab) in 32 bits, not 16
     float_stem: bool = False  # leave the convolutions that read the model's input (the stem) in float
     embeddings: Embeddings | str = Embeddings.FLOAT
     preset: str | None = None  # recorded only: the fields a preset set are already in place (for_preset)
@@ -318,6 +319,7 @@ class QuantizeConfig:
             "group_size": (self.group_size, self.activations == "dynamic-per-group"),
             "float_vocab": (True, self.float_vocab),
             "float_stem": (True, self.float_stem),
+            "wide_tables": (True, self.wide_tables),
             "embeddings": (self.embeddings.value, self.embeddings is not Embeddings.FLOAT),
             "gemm_op": (getattr(self.gemm_op, "value", self.gemm_op), self.gemm_op is GemmOp.BLOCK_FP8),
         }

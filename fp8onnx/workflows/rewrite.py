@@ -13,11 +13,15 @@ from typing import cast
 import onnx_ir as ir
 
 from fp8onnx.base.version import __version__
+from fp8onnx.graph.plan import vocabulary_projections
 from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
     BlockFp8MatMulPass,
     BlockFp8Result,
+    EmbeddingsResult,
+    HalfTablesPass,
+    HalfTablesResult,
     InsertQDQPass,
     LowerGemmFloat8Pass,
     LoweringResult,
@@ -71,10 +75,15 @@ def rewrite(
     fast = _fast_form_weights(decisions, config)
     inserted = InsertQDQPass(node_inputs, quant, per_axis_blocks=_per_axis_blocks(config, run), blocked=fast)(model)
     modified = inserted.modified
+    left_float: list[str] = []  # embedding tables that stay in float
     if config.embeddings == "fp8":
-        modified |= _quantize_embeddings(model, config, inserted.dequantized, prepared)
+        embedded = _quantize_embeddings(model, config, inserted.dequantized, prepared)
+        modified |= embedded.modified
+        left_float = [name for name, why in embedded.skipped.items() if "fewer than" not in why]
     if not modified:
         return Rewritten(False)
+    if not config.wide_tables:
+        _half_tables(model, left_float, prepared)
     # a pass called as a whole (requires, call, ensures) returns its own result type
     lowering = cast(LoweringResult, LowerGemmFloat8Pass()(model)) if config.gemm_op == "gemm-float8" else None
     written = cast(BlockFp8Result, BlockFp8MatMulPass()(model)) if config.gemm_op == "block-fp8" else None
@@ -85,10 +94,10 @@ def rewrite(
     return Rewritten(True, lowering, written)
 
 
-def _quantize_embeddings(model: ir.Model, config: QuantizeConfig, dequantized, prepared: list) -> bool:
+def _quantize_embeddings(model: ir.Model, config: QuantizeConfig, dequantized, prepared: list) -> EmbeddingsResult:
     """Embedding tables in float8 with per-row scales (a tied table gathered from its projection's
     weight); ``prepared`` says which, and which stayed float and why."""
-    embedded = QuantizeEmbeddingsPass(config.weight_format, dequantized=dequantized)(model)
+    embedded = cast(EmbeddingsResult, QuantizeEmbeddingsPass(config.weight_format, dequantized=dequantized)(model))
     fmt = config.weight_format.value
     if embedded.quantized:
         prepared.append(
@@ -99,7 +108,26 @@ def _quantize_embeddings(model: ir.Model, config: QuantizeConfig, dequantized, p
         f"tied embedding table {name!r} gathered from its projection's {fmt} weight" for name in embedded.shared
     ]
     prepared += [f"embedding table {name!r} left in float: {why}" for name, why in embedded.skipped.items()]
-    return embedded.modified
+    return embedded
+
+
+def _half_tables(model: ir.Model, tables: list[str], prepared: list) -> None:
+    """The float32 weights of vocabulary projections left in float (an lm_head under --float-vocab,
+    with its tied table) and the large embedding ``tables`` left in float, stored in 16 bits;
+    ``prepared`` says which (--wide-tables keeps them in 32)."""
+    graph = model.graph
+    gemms = [n for n in graph if n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx")]
+    by_name = {n.name: n for n in gemms}
+    weights = [by_name[name].inputs[1] for name in vocabulary_projections(model, gemms)]
+    names = [w.name for w in weights if w is not None and w.name in graph.initializers] + tables
+    names = [n for n in dict.fromkeys(names) if graph.initializers[n].dtype == ir.DataType.FLOAT]
+    if not names:
+        return
+    stored = cast(HalfTablesResult, HalfTablesPass(names)(model)).stored
+    for name, dtype in stored.items():
+        prepared.append(
+            f"float table {name!r} stored as {dtype} (read through a Cast to float32; --wide-tables: 32 bits)"
+        )
 
 
 def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:
