@@ -1,4 +1,5 @@
 import json
+import logging
 
 import numpy as np
 import onnx
@@ -347,3 +348,27 @@ def test_constant_scaling_alone_casts_with_scale_one(tmp_path):
     assert report.config["scale"] == 1.0 and report.modified
     scales = [t.scale for n in report.quantized for t in n.tensors]
     assert scales and all(s == 1.0 for s in scales)  # exact: the constant is the scale itself
+
+
+def test_a_runtime_that_refuses_float8_activation_qdq_is_named_at_quantize_time(mlp, tmp_path, caplog):
+    """onnxruntime before 1.32 (onnxruntime-gpu's newest is 1.31.1) fuses some float8 activation Q/DQ into
+    kernels without float8 types at its default level: quantize tries a plain session there and says so in
+    one sentence, with the session option that loads it (CI runs this on 1.31.1 and on 1.32)."""
+    import onnxruntime as ort
+
+    path, _ = mlp
+    old = tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 32)
+    with caplog.at_level(logging.WARNING, logger="fp8onnx"):
+        fp8onnx.quantize(path, tmp_path / "q.onnx", activations="dynamic", provider="cpu")
+    said = [r.getMessage() for r in caplog.records if "session.disable_quant_qdq=1" in r.getMessage()]
+    assert len(said) == (1 if old else 0), said
+    x = np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)
+    if old:  # what the sentence says is what this runtime does, and its remedy works
+        assert said[0].startswith(f"onnxruntime {ort.__version__} (installed) refuses") and "MatMulInteger" in said[0]
+        with pytest.raises(Exception, match="float8"):
+            run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})
+    else:
+        run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_quant_qdq", "1")
+    ort.InferenceSession(str(tmp_path / "q.onnx"), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})

@@ -39,6 +39,7 @@ __all__ = [
     "make_session",
     "median_latency_ms",
     "portable_model",
+    "qdq_fusion_warning",
     "resolve_provider",
     "session_for_model",
     "session_from_portable",
@@ -173,6 +174,29 @@ def _options(
     if provider == "cpu":
         so.add_session_config_entry("session.disable_quant_qdq", "1")
     return so
+
+
+def qdq_fusion_warning(path: str | os.PathLike) -> str | None:
+    """The sentence for a written model that the installed onnxruntime refuses in a plain CPU session at
+    its default optimisation level, tried there (before 1.32 only: onnxruntime-gpu's newest is 1.31.1,
+    whose QDQ fusions turn some float8 Q/DQ into MatMulIntegerToFloat / QLinearMatMul, which have no
+    float8 kernel); None where it loads, or where the runtime is 1.32 or newer."""
+    version = tuple(int(p) for p in ort.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if version >= (1, 32):
+        return None
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        ort.InferenceSession(os.fspath(path), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        if "float8" not in str(exc):
+            return None
+        return (
+            f"onnxruntime {ort.__version__} (installed) refuses {os.fspath(path)!r} in a CPU session at its default "
+            f"optimisation level ({first_line(exc)}); set the session option session.disable_quant_qdq=1 in your "
+            "CPU sessions, as fp8onnx's own do, or use onnxruntime 1.32 or newer (the CUDA EP is not affected)."
+        )
+    return None
 
 
 def make_session(

@@ -27,7 +27,7 @@ from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
-from fp8onnx.graph.runtime import RunOptions, make_session, resolve_provider, weight_bytes
+from fp8onnx.graph.runtime import RunOptions, make_session, qdq_fusion_warning, resolve_provider, weight_bytes
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES
 from fp8onnx.settings.config import QuantizeConfig
@@ -153,6 +153,8 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         w8a16=None if choice is None else choice.to_json(),
         **rewritten.report_fields(),
     )
+    if check_on == "cpu" and _activation_qdq(ir_model) and (warning := qdq_fusion_warning(out)):
+        logger.warning("%s", warning)
     if report is not None:
         result.phases = current_phases()
         doc = result.to_json()
@@ -344,6 +346,18 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
         )
         return {"sensitivity": measured.to_json()["nodes"]}
     return {"sensitivity_not_measured": why}
+
+
+def _activation_qdq(model) -> int:
+    """The float8 QuantizeLinear nodes of the written graph that read an activation (not a constant)."""
+    return sum(
+        1
+        for node in model.graph
+        if node.op_type == "QuantizeLinear"
+        and node.inputs[0] is not None
+        and node.inputs[0].const_value is None
+        and node.inputs[0].name not in model.graph.initializers
+    )
 
 
 def _file_size(path) -> int:
