@@ -394,3 +394,38 @@ def test_matmul_inside_scan_body_is_quantized(tmp_path):
     report, _q = quantize_and_check(tmp_path, path, feed, floor=sqnr_floor_db(Fp8Format.E4M3FN, 2))
     assert [n.name for n in report.quantized] == ["scan_mm"]
     assert report.quantized[0].tensors[0].scale is None  # each scanned row: dynamic scale
+
+
+@pytest.mark.parametrize("activations", ["none", "static"])
+def test_an_outer_product_is_left_alone(tmp_path, activations):
+    """A dynamo export's rotary angles: Cos(MatMul(inv_freq [1, D/2, 1] constant, positions [1, 1, S])): K = 1,
+    the constant looks like a weight. Left in float, with the reason; the block's real MatMul is quantized."""
+    rng = np.random.default_rng(0)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).reshape(1, 4, 1).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["inv_freq", "pos"], ["angles"], name="rotary"),
+        helper.make_node("Cos", ["angles"], ["cos"], name="cos"),
+        helper.make_node("MatMul", ["cos", "w"], ["y"], name="proj"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "rotary",
+        [helper.make_tensor_value_info("pos", TensorProto.FLOAT, [1, 1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+        [
+            numpy_helper.from_array(inv_freq, "inv_freq"),
+            numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w"),
+        ],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    feed = {"pos": np.arange(1000, 1016, dtype=np.float32).reshape(1, 1, 16)}  # far positions: FP8 would wreck them
+    calib = tmp_path / "c.npz"
+    np.savez(calib, pos=np.stack([feed["pos"]] * 2))
+    kw = {"calib": calib} if activations == "static" else {}
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", activations=activations, provider="cpu", **kw)
+    assert [n.name for n in report.quantized] == ["proj"]
+    skipped = {n.name: n.reason for n in report.nodes if not n.quantized}
+    assert skipped["rotary"].startswith("an outer product (K = 1")
+    ref, out = run_ort(path, feed)[0], run_ort(tmp_path / "q.onnx", feed)[0]
+    assert sqnr_db(ref, out) > sqnr_floor_db(Fp8Format.E4M3FN, quantized_tensors=1 if activations == "none" else 2)

@@ -49,6 +49,18 @@ def _is_weight(value: ir.Value) -> bool:
     return value.const_value is not None and value.is_initializer() and not value.is_graph_input()
 
 
+def _outer_product(node: ir.Node) -> bool:
+    """A MatMul whose reduction axis has length 1 (``[.., M, 1] @ [.., 1, N]``): no sum to speed up, and
+    its inputs are often position angles (a dynamo export's rotary ``inv_freq @ positions``, where the
+    constant ``inv_freq`` looks like a weight), which FP8 would round for nothing."""
+    if node.op_type != "MatMul":
+        return False
+    a, b = node.inputs[0], node.inputs[1]
+    k_a = a.shape[-1] if a is not None and a.shape is not None and len(a.shape) >= 1 else None
+    k_b = b.shape[-2] if b is not None and b.shape is not None and len(b.shape) >= 2 else None
+    return k_a == 1 or k_b == 1
+
+
 def _decide(node: ir.Node, config: QuantizeConfig, late: frozenset[str] = frozenset()) -> Decision:
     kept = node.name in config.keep_float
     if kept and config.fallback == "nodes":
@@ -68,6 +80,8 @@ def _decide(node: ir.Node, config: QuantizeConfig, late: frozenset[str] = frozen
         if value.is_initializer() and value.is_graph_input():
             return Decision(node, [], f"weight {value.name!r} is also a graph input and can be overridden at run time")
         inputs.append((index, "weight" if _is_weight(value) else "activation"))
+    if _outer_product(node):
+        return Decision(node, [], "an outer product (K = 1, e.g. rotary position angles): FP8 would only round it")
     if config.activations == "none":  # weight-only FP8
         inputs = [(i, kind) for i, kind in inputs if kind == "weight"]
         if not inputs:
