@@ -101,11 +101,11 @@ class HalfTablesPass(ir.passes.InPlacePass):
             derived_tensor(source, lambda t: t.astype(np_dtype), dtype, source.shape, stored_name),
         )
         del graph.initializers[name]
-        cast = ir.node("Cast", [narrow], {"to": int(ir.DataType.FLOAT)}, name=f"{PREFIX}{name}/cast", num_outputs=1)
-        out = cast.outputs[0]
+        tape = ir.tape.Tape()
+        out = tape.op("Cast", [narrow], {"to": int(ir.DataType.FLOAT)}, name=f"{PREFIX}{name}/cast")
         out.dtype, out.shape = ir.DataType.FLOAT, shape
         table.replace_all_uses_with(out)
-        insert_at_definition(narrow, [cast])
+        insert_at_definition(narrow, tape.nodes)
         out.name = name  # the readers keep reading the table's name
         logger.info("table %r stored as %s", name, dtype.name.lower())
         return "bfloat16" if wide else "float16"
