@@ -13,15 +13,25 @@ import sys
 
 def note_stops(noted: list[int]) -> None:
     """SIGINT, SIGTERM and SIGHUP, where they still have their default action, are appended to ``noted``
-    instead of stopping the process (one the parent ignored stays ignored)."""
-
-    def note(signum, frame):
-        noted.append(signum)
-
-    note.fp8onnx_late = True
+    instead of stopping the process (one the parent ignored stays ignored). A copy of
+    fp8onnx.cli.note_stops, which cannot be imported before fp8onnx is: this module imports the CLI
+    (once noting), the CLI never imports this module (tests/test_layout.py); ``noted`` is handed over."""
+    note = _Note(noted)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(sig, note)
+
+
+class _Note:
+    """The handler :func:`note_stops` installs: it appends the signal's number to its list."""
+
+    fp8onnx_late = True  # the mark fp8onnx.cli.common looks for: a command's own handlers replace this one
+
+    def __init__(self, noted: list[int]):
+        self.noted = noted
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.noted.append(signum)
 
 
 def entry() -> None:

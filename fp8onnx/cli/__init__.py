@@ -20,9 +20,32 @@ import sys
 from fp8onnx.base.scratch import drain
 from fp8onnx.cli import evaluate, experiments, quantize, tools  # noqa: F401  (each registers its commands)
 from fp8onnx.cli.common import _STOPPED, main
-from fp8onnx_boot import note_stops
 
 __all__ = ["entry", "main"]
+
+
+def note_stops(noted: list[int]) -> None:
+    """SIGINT, SIGTERM and SIGHUP, where they still have their default action, are appended to ``noted``
+    instead of stopping the process (one the parent ignored stays ignored). The console script's first
+    step (``fp8onnx_boot``) installs the same before fp8onnx is imported, with a copy of its own: it runs
+    before this module can be imported, and it imports this module, never the other way round."""
+
+    note = _Note(noted)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, note)
+
+
+class _Note:
+    """The handler :func:`note_stops` installs: it appends the signal's number to its list."""
+
+    fp8onnx_late = True  # the mark fp8onnx.cli.common looks for: a command's own handlers replace this one
+
+    def __init__(self, noted: list[int]):
+        self.noted = noted
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.noted.append(signum)
 
 
 def entry(noted: list[int] | None = None) -> None:
@@ -36,7 +59,7 @@ def entry(noted: list[int] | None = None) -> None:
     # not fatal halfway: the exit code says it (128 + N), what the command wrote is complete. During the
     # command its own handlers take over (fp8onnx.cli.common) and give this one back when it ends.
     late: list[int] = noted if noted is not None else []
-    note_stops(late)  # where fp8onnx_boot did not already
+    note_stops(late)  # where fp8onnx_boot did not already (its handlers note into ``noted``)
     if late:  # stopped while fp8onnx was being imported: nothing was started
         print(f"fp8onnx: interrupted ({signal.Signals(late[0]).name})", file=sys.stderr)
         sys.stderr.flush()
@@ -45,10 +68,11 @@ def entry(noted: list[int] | None = None) -> None:
         main()  # click's standalone mode ends in SystemExit, whatever happened
         code = 0
     except SystemExit as exc:
-        code = exc.code
-    if code is not None and not isinstance(code, int):  # sys.exit("message")
-        print(code, file=sys.stderr)
-        code = 1
+        if exc.code is not None and not isinstance(exc.code, int):  # sys.exit("message")
+            print(exc.code, file=sys.stderr)
+            code = 1
+        else:
+            code = exc.code or 0
     if _STOPPED and code == 1:  # stopped before the command's own handling began: click said "Aborted!"
         print(f"fp8onnx: interrupted ({signal.Signals(_STOPPED[0]).name})", file=sys.stderr)
         code = 128 + _STOPPED[0]

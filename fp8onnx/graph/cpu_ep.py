@@ -22,6 +22,7 @@ import os
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.graph import known
 from fp8onnx.passes import EmulateBfloat16Pass, EmulateBlockFp8MatMulPass
 
 __all__ = ["BFLOAT16_COMPUTE", "BFLOAT16_MARK", "cuda_only_ops", "emulated", "float16_conv"]
@@ -85,7 +86,7 @@ def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | 
         for value in loaded.graph.initializers.values():
             tensor = value.const_value
             if isinstance(tensor, ir.ExternalTensor) and tensor.location == in_memory and weights:
-                value.const_value = ir.tensor(weights[value.name], dtype=tensor.dtype, name=value.name)
+                value.const_value = ir.tensor(weights[known.name(value)], dtype=tensor.dtype, name=value.name)
     else:
         loaded = ir.load(os.fspath(model))
     EmulateBlockFp8MatMulPass()(loaded)  # first: it writes the op's bfloat16 roundings as Casts

@@ -189,14 +189,14 @@ def check_output_path(out: str | os.PathLike, label: str = "Output path") -> pat
 def check_paths(reads: Iterable[Entry], writes: Iterable[Entry]) -> None:
     """Refuse, in one sentence, a write target that is a file this run reads or another output. A text
     source given with its tokenizer (:class:`fp8onnx.data.feeds.TextSource`) reads that tokenizer too."""
-    reads = list(reads)
-    reads += [(f"the tokenizer of {label}", p.tokenizer) for label, p in reads if getattr(p, "tokenizer", None)]
-    reads = [(label, pathlib.Path(p)) for label, p in reads if p is not None]
-    writes = [(label, pathlib.Path(p)) for label, p in writes if p is not None]
-    for i, (label, out) in enumerate(writes):
+    given = list(reads)
+    given += [(f"the tokenizer of {label}", t) for label, p in given if (t := getattr(p, "tokenizer", None))]
+    read = [(label, pathlib.Path(p)) for label, p in given if p is not None]
+    written = [(label, pathlib.Path(p)) for label, p in writes if p is not None]
+    for i, (label, out) in enumerate(written):
         if not label.startswith("the weights file"):
             check_output_path(out, _cap(label))
-        for src_label, src in reads:
+        for src_label, src in read:
             if _same(out, src):
                 raise Fp8OnnxError(
                     f"{_cap(label)} {str(out)!r} would overwrite {src_label}, which this run reads; "
@@ -207,7 +207,7 @@ def check_paths(reads: Iterable[Entry], writes: Iterable[Entry]) -> None:
                     f"{_cap(label)} {str(out)!r} is inside {src_label} {str(src)!r}, whose .npz files this run reads; "
                     "choose another path."
                 )
-        for other_label, other in writes[:i]:
+        for other_label, other in written[:i]:
             if _same(out, other):
                 raise Fp8OnnxError(f"{_cap(label)} {str(out)!r} is also {other_label}; give each output its own path.")
 

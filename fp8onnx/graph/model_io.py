@@ -189,7 +189,7 @@ def _texts(model: ir.Model):
     """Every string the model carries: names, types, domains, doc strings, string attributes, metadata."""
     yield model.producer_name, model.producer_version, model.domain, model.doc_string
     yield from model.metadata_props.items()
-    graphs = [model.graph, *model.graph.subgraphs(), *model.functions.values()]
+    graphs: list[ir.Graph | ir.Function] = [model.graph, *model.graph.subgraphs(), *model.functions.values()]
     for graph in graphs:
         yield graph.name, graph.doc_string
         yield from graph.metadata_props.items()
@@ -253,7 +253,7 @@ def check_memory(model: ir.Model, path: pathlib.Path) -> None:
     whole is calibrated layer by layer; a session that would load it whole refuses it then
     (:func:`fp8onnx.graph.runtime.session_for_model`)."""
     declared = largest = 0
-    name = ""
+    name: str | None = ""  # the largest tensor's, for the message
     for graph in (model.graph, *model.graph.subgraphs()):
         for v in graph.initializers.values():
             if v.const_value is None:
@@ -369,7 +369,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, check: Callable[
     if not parent.is_dir():
         raise Fp8OnnxError(f"Output folder {str(parent)!r} does not exist.")
     pool = concurrent.futures.ThreadPoolExecutor(1) if check is not None else None
-    checked = pool.submit(check) if pool is not None else None
+    checked = pool.submit(check) if pool is not None and check is not None else None
     tmp = None
     try:
         try:

@@ -48,7 +48,7 @@ _domain = domain_of
 
 @dataclasses.dataclass(frozen=True)
 class NodePlacement:
-    node: str
+    node: str | None  # None: the node has no name (inspect reads a model as it is)
     op: str  # domain-qualified for non-ONNX domains
     # "cuda", "cpu", "initializer" (a Constant), "inlined" (a function), "fails at load", "fails at run",
     # or NOT_PLACED (an input's type unknown)
@@ -153,7 +153,7 @@ def _has(table, node: ir.Node, since: int, types, first) -> bool:
 
 
 def _fails_at_run_on_cuda(node: ir.Node, types: dict[str, set[str]]) -> str | None:
-    if node.op_type in ("DequantizeLinear", "QuantizeLinear") and node.attributes.get_int("block_size", 0):
+    if node.op_type in ("DequantizeLinear", "QuantizeLinear") and node.attributes.get_int("block_size", 0) != 0:
         if any(t & _FLOAT8 for t in types.values()):
             return "a float8 Q/DQ with block_size: the CUDA kernel implements blocks for int4 only"
     return None
@@ -175,7 +175,7 @@ def predict_placement(model: ir.Model, provider: str = "cuda") -> list[NodePlace
             out.append(NodePlacement(node.name, f"{node.domain}.{node.op_type}", "inlined", why))
         else:
             out.append(_place(model, node, cpu, cuda))
-    unplaced = [p.node for p in out if p.where == NOT_PLACED]
+    unplaced = [p.node or p.op for p in out if p.where == NOT_PLACED]  # an unnamed node by its op
     if unplaced:
         logger.info("%d nodes not placed, an input's type unknown: %s", len(unplaced), ", ".join(unplaced[:5]))
     return out
@@ -231,7 +231,7 @@ def placement_summary(placements: list[NodePlacement], provider: str = "cuda") -
     """Counts per place, and the nodes not on ``provider``, grouped by where, op and why; the nodes not
     placed (an input's type unknown) first, and named in ``not_placed``."""
     counts = collections.Counter(p.where for p in placements)
-    notable: dict[str, list[str]] = collections.defaultdict(list)
+    notable: dict[str, list[str | None]] = collections.defaultdict(list)
     ordered = sorted(placements, key=lambda p: p.where != NOT_PLACED)  # stable: graph order within each
     for p in ordered:
         if p.where not in (provider, "initializer", "inlined") or (p.why and p.where == "cpu" and provider == "cpu"):

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph import known
 from fp8onnx.passes import (
     is_quantized,
 )
@@ -50,15 +52,16 @@ def _is_weight(value: ir.Value) -> bool:
 
 
 def _outer_product(node: ir.Node) -> bool:
-    """A MatMul whose reduction axis has length 1 (``[.., M, 1] @ [.., 1, N]``): no sum to speed up, and
-    its inputs are often position angles (a dynamo export's rotary ``inv_freq @ positions``, where the
-    constant ``inv_freq`` looks like a weight), which FP8 would round for nothing."""
+    """A MatMul of a constant left operand over a reduction axis of length 1 (``C[.., M, 1] @ x[.., 1, N]``):
+    a dynamo export's rotary angles (``inv_freq @ positions``, the constant ``inv_freq`` looking like a
+    weight), which FP8 would round for nothing: no sum to speed up. Exporters put a layer's weight on the
+    right, so a dense layer with one input feature (``x[.., 1] @ W[1, N]``) is not one."""
     if node.op_type != "MatMul":
         return False
-    a, b = node.inputs[0], node.inputs[1]
-    k_a = a.shape[-1] if a is not None and a.shape is not None and len(a.shape) >= 1 else None
-    k_b = b.shape[-2] if b is not None and b.shape is not None and len(b.shape) >= 2 else None
-    return k_a == 1 or k_b == 1
+    a = node.inputs[0]
+    if a is None or a.const_value is None or a.shape is None or len(a.shape) < 2:
+        return False
+    return a.shape[-1] == 1
 
 
 def _decide(node: ir.Node, config: QuantizeConfig, late: frozenset[str] = frozenset()) -> Decision:
@@ -117,7 +120,7 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
             reason = f"{node.op_type} is not in --op-types"
             if node.op_type in ("Conv", "ConvTranspose"):
                 reason += f" (opt in with --op-types MatMul,Gemm,{node.op_type})"
-            skipped.append(NodeReport(node.name, node.op_type, False, reason))
+            skipped.append(NodeReport(known.name(node), node.op_type, False, reason))
             continue
         decision = _decide(node, config, late)
         if not decision.reason and config.float_vocab and node in vocab_nodes:
@@ -125,14 +128,16 @@ def plan(model: ir.Model, config: QuantizeConfig) -> tuple[list[Decision], list[
         if not decision.reason and node in stem:
             decision = Decision(node, [], "kept in float: a stem convolution, it reads the input (--float-stem)")
         if decision.reason:
-            skipped.append(NodeReport(node.name, node.op_type, False, decision.reason))
+            skipped.append(NodeReport(known.name(node), node.op_type, False, decision.reason))
         else:
             decisions.append(decision)
     for function in model.functions.values():  # left after inlining: none unless inlining was impossible
         for node in function:
             if node.op_type in SUPPORTED_OP_TYPES:
                 skipped.append(
-                    NodeReport(node.name, node.op_type, False, f"inside function {function.name!r}: not quantized yet")
+                    NodeReport(
+                        known.name(node), node.op_type, False, f"inside function {function.name!r}: not quantized yet"
+                    )
                 )
     return decisions, skipped
 
@@ -150,9 +155,10 @@ def last_layers(model: ir.Model, count: int) -> frozenset[str]:
         return frozenset()
     index = {}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        found = _LAYER.search(node.name or "") if node.op_type in ("MatMul", "Gemm") else None
+        node_name = node.name or ""
+        found = _LAYER.search(node_name) if node.op_type in ("MatMul", "Gemm") else None
         if found:
-            index[node.name] = int(found.group(1))
+            index[node_name] = int(found.group(1))
     if not index:
         logger.warning("--float-last-layers %d: no MatMul/Gemm is named like 'layers.N/'; none kept in float", count)
         return frozenset()
@@ -188,9 +194,9 @@ def activation_tensors(decisions: Iterable[Decision], model: ir.Model) -> list[s
     names = []
     for d in decisions:
         for i, kind in d.inputs:
-            value = d.node.inputs[i]
+            value = known.required_input(d.node, i)
             if kind == "activation" and in_main_graph(value, model):
-                names.append(value.name)
+                names.append(known.name(value))
     return list(dict.fromkeys(names))
 
 
@@ -222,24 +228,27 @@ def integer_quantized(model: ir.Model) -> dict[str, int]:
 VOCAB_SIZE = 16384  # output channels from which a projection counts as vocabulary-sized
 
 
-def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str, str]:
-    """Node name -> why it is a vocabulary-sized projection, for MatMul/Gemm nodes with a constant
+def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str | None, str]:
+    """Node name (None: an unnamed node of a model inspected as it is) -> why it is a vocabulary-sized
+    projection, for MatMul/Gemm nodes with a constant
     weight whose output channels match the rows of an embedding table (a Gather over a constant
     2-D tensor) or number at least ``VOCAB_SIZE``. Weights behind a DequantizeLinear count."""
     tables = set()
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         table = _constant_2d(node.inputs[0]) if node.op_type == "Gather" and node.inputs else None
         if table is not None:  # a tied table is gathered along axis 1 of the projection's weight
-            axis = node.attributes.get_int("axis", 0)
-            if isinstance(table.shape[axis], int):
-                tables.add(int(table.shape[axis]))
+            rows = table[node.attributes.get_int("axis", 0)]
+            if isinstance(rows, int):
+                tables.add(int(rows))
     risks = {}
     for node in nodes:
         weight = _constant_2d(node.inputs[1]) if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 else None
         if weight is None:
             continue
-        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-        channels = int(weight.shape[0 if transposed else 1])
+        transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0
+        channels = weight[0 if transposed else 1]
+        if not isinstance(channels, int):  # a constant's shape is static
+            raise Fp8OnnxError(f"The weight of {node.op_type} node {node.name!r} has a symbolic shape {weight}.")
         if channels in tables and channels >= 1000:
             risks[node.name] = f"vocabulary projection ({channels} outputs, the rows of an embedding table)"
         elif channels >= VOCAB_SIZE:
@@ -247,11 +256,12 @@ def vocabulary_projections(model: ir.Model, nodes: list[ir.Node]) -> dict[str, s
     return risks
 
 
-def _constant_2d(value: ir.Value | None) -> ir.Value | None:
-    """``value`` (or the float8 constant its DequantizeLinear reads) when it is a constant 2-D tensor."""
+def _constant_2d(value: ir.Value | None) -> ir.Shape | None:
+    """The shape of ``value`` (or of the float8 constant its DequantizeLinear reads) when it is a constant
+    2-D tensor."""
     producer = value.producer() if value is not None else None
     if producer is not None and producer.op_type == "DequantizeLinear":
         value = producer.inputs[0]
     if value is None or value.const_value is None or value.shape is None or len(value.shape) != 2:
         return None
-    return value
+    return value.shape

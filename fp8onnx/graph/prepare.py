@@ -22,6 +22,7 @@ from fp8onnx.passes import (
     UpgradeOpsetPass,
     default_opset,
 )
+from fp8onnx.passes.upgrade_opset import UpgradeResult
 from fp8onnx.settings.choices import SUPPORTED_OP_TYPES, check_precision
 
 __all__ = ["Float16Unsupported", "prepare_model"]
@@ -43,7 +44,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
     model = load_model(path)
     external = model.meta[EXTERNAL_META]
     upgrade = UpgradeOpsetPass()
-    steps = []
+    steps: list[tuple[ir.passes.PassBase, str | None]] = []  # (pass, what it did, when it did something)
     if model.ir_version is not None and model.ir_version < 4:
         # Before IR 4 every initializer had to be listed as a graph input too: they are weights.
         lifted = sum(1 for v in model.graph.inputs if v.is_initializer())
@@ -82,7 +83,7 @@ def prepare_model(path: str | os.PathLike, precision: str = "model") -> tuple[ir
                 f"Model file {str(path)!r} cannot be upgraded from opset {from_version} to {upgrade.target}: {exc}"
             ) from exc
         model = result.model  # ConvertFloat16Pass returns a new model
-        if step is upgrade and result.modified and from_version is not None:
+        if isinstance(result, UpgradeResult) and result.modified and from_version is not None:  # upgrade's
             rewritten = f" ({result.rewritten} nodes rewritten)" if result.rewritten else ""
             done.append(f"upgraded opset {from_version} -> {upgrade.target}{rewritten}")
         elif result.modified and label:
@@ -138,5 +139,7 @@ def _types_from_partners(model: ir.Model) -> None:
         if node.op_type not in SUPPORTED_OP_TYPES or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
             continue
         a, b = node.inputs[0], node.inputs[1]
-        if a is not None and b is not None and (a.dtype is None) != (b.dtype is None):
-            (a if a.dtype is None else b).dtype = a.dtype or b.dtype
+        if a is not None and b is not None and a.dtype is None and b.dtype is not None:
+            a.dtype = b.dtype
+        elif a is not None and b is not None and b.dtype is None and a.dtype is not None:
+            b.dtype = a.dtype

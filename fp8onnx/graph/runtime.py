@@ -22,6 +22,7 @@ import onnx_ir.external_data
 import onnxruntime as ort
 
 from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.graph import known
 from fp8onnx.graph.cpu_ep import cuda_only_ops, emulated, float16_conv
 from fp8onnx.graph.providers import CPU as _CPU
 from fp8onnx.graph.providers import CUDA as _CUDA
@@ -332,10 +333,12 @@ def portable_model(model: ir.Model, *, files: bool = True) -> tuple[bytes, dict]
     saved = [(v, v.const_value) for v in (*handed, *external)]
     try:  # placeholders while the graph is serialized; the caller's model is restored after
         for v in handed:
-            t = v.const_value
-            v.const_value = ir.ExternalTensor(_IN_MEMORY, 0, t.nbytes, t.dtype, shape=t.shape, name=v.name)
+            t = known.constant(v)
+            shape = known.tensor_shape(t)
+            v.const_value = ir.ExternalTensor(_IN_MEMORY, 0, t.nbytes, t.dtype, shape=shape, name=known.name(v))
         for v in external:
-            v.const_value = ir.Tensor(v.const_value.numpy(), dtype=v.const_value.dtype, name=v.name)
+            t = known.constant(v)
+            v.const_value = ir.Tensor(t.numpy(), dtype=t.dtype, name=v.name)
         graph = ir.to_proto(model).SerializeToString()
     finally:
         for v, tensor in saved:

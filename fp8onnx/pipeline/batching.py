@@ -44,13 +44,13 @@ def _run_peak(session, outputs: list[str], feed: dict) -> tuple[int, int]:
     except Exception as exc:
         raise Fp8OnnxError(f"Calibration batch 0 failed in onnxruntime: {first_line(exc)}") from exc
     peak = _memory_kib("VmHWM") if start is not None else None
-    return sum(v.nbytes for v in values), 0 if peak is None else max(0, peak - start) << 10
+    return sum(v.nbytes for v in values), 0 if peak is None or start is None else max(0, peak - start) << 10
 
 
 def _segmented_values(model, outputs, feed, budget, provider) -> tuple[int, int]:
     """Bytes one layer-by-layer run fetches, twice: onnxruntime's buffers and their NumPy copies are
     alive together (its resident growth would count the segments' weights, so it is not measured)."""
-    fetched = []
+    fetched: list[int] = []
     run_segmented(
         model,
         outputs,

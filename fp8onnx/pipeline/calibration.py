@@ -18,11 +18,13 @@ import math
 import os
 import pathlib
 from collections.abc import Iterable
+from typing import NoReturn
 
 import numpy as np
 import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph import known
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.runtime import WEIGHT_MEMORY, RunOptions
 from fp8onnx.numerics.histogram import NUM_BINS, LogHistogram
@@ -96,7 +98,7 @@ class _Schema:
     def __init__(self, where: str):
         self.where = where
 
-    def fail(self, key: str, what: str, value) -> None:
+    def fail(self, key: str, what: str, value) -> NoReturn:
         shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
         raise Fp8OnnxError(f"{self.where}: {key} must be {what}, got {shown[:60]}.")
 
@@ -113,16 +115,19 @@ class _Schema:
             self.fail(key, "a finite non-negative number", value)
         return float(value)
 
+    def count_list(self, items, key: str) -> list:
+        if not isinstance(items, list):
+            self.fail(key, "a list of integers", items)
+        for i, item in enumerate(items):
+            self.count_value(item, f"{key}[{i}]")
+        return items
+
     def histogram(self, value, key: str) -> LogHistogram:
         if not isinstance(value, dict):
             self.fail(key, "a mapping with zeros, bins and counts", value)
         self.count_value(value.get("zeros"), f"{key}['zeros']")
-        bins, counts = value.get("bins"), value.get("counts")
-        for name, items in (("bins", bins), ("counts", counts)):
-            if not isinstance(items, list):
-                self.fail(f"{key}[{name!r}]", "a list of integers", items)
-            for i, item in enumerate(items):
-                self.count_value(item, f"{key}[{name!r}][{i}]")
+        bins = self.count_list(value.get("bins"), f"{key}['bins']")
+        counts = self.count_list(value.get("counts"), f"{key}['counts']")
         if len(bins) != len(counts):
             self.fail(f"{key}['counts']", f"as long as {key}['bins'] ({len(bins)})", len(counts))
         if any(b >= NUM_BINS for b in bins) or len(set(bins)) != len(bins):
@@ -140,8 +145,9 @@ def weight_amax(value: ir.Value, axis: int | None = None):
     """Absolute maximum of a constant tensor, or per slice along ``axis``.
 
     A weight holding NaN or Inf is corrupt (or a trap): it is refused rather than quantized."""
-    arr = np.abs(value.const_value.numpy().astype(np.float32))
-    release(value.const_value)  # read once: unmap it, so a large model never sits in memory whole
+    tensor = known.constant(value)
+    arr = np.abs(tensor.numpy().astype(np.float32))
+    release(tensor)  # read once: unmap it, so a large model never sits in memory whole
     if arr.size == 0:
         return 0.0 if axis is None else np.zeros(arr.shape[axis], np.float64)
     if not np.isfinite(arr).all():
@@ -156,8 +162,9 @@ def block_amax(value: ir.Value, axis: int, block: int) -> np.ndarray:
     """Absolute maximum of a 2-D constant tensor per block of ``block`` elements along ``axis`` (the
     last block may be shorter): shape of the tensor with ``axis`` divided into blocks. A tensor of
     more dimensions (a Conv weight) is taken as its 2-D view [dim 0, the rest] (``axis`` 1)."""
-    arr = np.abs(value.const_value.numpy().astype(np.float32))
-    release(value.const_value)
+    tensor = known.constant(value)
+    arr = np.abs(tensor.numpy().astype(np.float32))
+    release(tensor)
     if arr.ndim > 2:
         arr = arr.reshape(arr.shape[0], -1)
     if not np.isfinite(arr).all():

@@ -47,8 +47,8 @@ class _Worker:
     """A Ray actor holding one onnxruntime session at a time."""
 
     def __init__(self) -> None:
-        self.session = None
-        self.model = None
+        self.session: object | None = None  # make's: an onnxruntime session
+        self.model: str | None = None  # the key of the model the session is of
 
     def load(self, key: str, model, make: Callable, args: tuple) -> None:
         """Build the session for ``model`` (bytes, their object-store reference, or a path) with
@@ -127,8 +127,8 @@ class WorkerPool:
         self._nodes: list[str | None] = [None] * workers
         self._placing = {w: actor.node.remote() for w, actor in enumerate(self.workers)}
         self._placed(self.timeout, every=True)
-        self._keep = []  # object-store references the loaded models need while the actors live
-        self._model = None
+        self._keep: list[object] = []  # object-store references the loaded models need while the actors live
+        self._model: tuple[str, object, Callable, tuple] | None = None  # (key, model, make, args): load's
         self.replaced = 0  # workers replaced after their node was lost
         self.shared = False
         logger.info("%d Ray workers, %d onnxruntime threads each", workers, self.threads)
@@ -167,10 +167,10 @@ class WorkerPool:
             st = os.stat(model)
             key = f"{os.path.abspath(model)}:{st.st_size}:{st.st_mtime_ns}"
         key = f"{key}:{make.__module__}.{make.__qualname__}{args!r}"
-        self._model = (key, model, make, (*args, self.threads))
+        loaded = self._model = (key, model, make, (*args, self.threads))
         placed = [self.workers[w] for w in self._placed(0)]  # the others load with their first batch
         try:
-            self._ray.get([w.load.remote(*self._model) for w in placed])
+            self._ray.get([w.load.remote(*loaded) for w in placed])
         except self._ray.exceptions.RayError as exc:  # e.g. the model does not load in onnxruntime
             raise Fp8OnnxError(cause(exc)) from exc
 
@@ -180,7 +180,8 @@ class WorkerPool:
         With ``keep``, the task returns (small, large) and this yields (small, a reference to large):
         the large part stays in the object store, for later tasks to take as an argument."""
         ray = self._ray
-        pending, done = {}, {}
+        pending: dict[object, tuple] = {}  # reference -> (index, worker, large, item, tries)
+        done: dict[int, object] = {}
         load = [0] * len(self.workers)
         items = iter(items)
         next_index = next_out = 0

@@ -27,6 +27,7 @@ import onnx_ir as ir
 from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.phases import phase
 from fp8onnx.base.progress import progress_bar
+from fp8onnx.graph import known
 from fp8onnx.graph.runtime import RunOptions, session_for_model, weight_bytes
 from fp8onnx.pipeline.batching import _run_peak, _segmented_values
 from fp8onnx.pipeline.distributed import fetch, shared_pool, statistics_pool
@@ -120,12 +121,13 @@ class LayerByLayer(Executor):
         return None
 
     def map(self, feeds, reduce, merge, total, desc) -> None:
-        graph, run, completed = self.model.graph, self.run, set()
+        graph, run = self.model.graph, self.run
+        completed: set[str] = set()
         settle = None
         if self.settle is not None:
 
             def settle(seg) -> None:
-                completed.update(v.name for v in seg.outputs)
+                completed.update(known.name(v) for v in seg.outputs)
                 stored = self.settle([n.name for n in seg.nodes], completed)
                 if self.segments() is not None:  # sequential: later segments read the layers as stored
                     for name, tensor in stored.items():

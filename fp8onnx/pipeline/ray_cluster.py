@@ -84,7 +84,7 @@ def threads_per_worker(workers: int, address: str | None) -> int:
     return 1 if address else max(1, (os.cpu_count() or 1) // workers)
 
 
-def lost_errors(ray) -> tuple[type, ...]:
+def lost_errors(ray) -> tuple[type[BaseException], ...]:
     """Ray's errors for a worker or node that went away (not for a batch that failed)."""
     e = ray.exceptions
     return (e.RayActorError, e.NodeDiedError, e.ObjectLostError)

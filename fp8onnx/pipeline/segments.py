@@ -29,6 +29,7 @@ from onnx import helper
 from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.phases import phase
 from fp8onnx.base.scratch import make_dir, remove
+from fp8onnx.graph import known
 from fp8onnx.graph.runtime import make_session, open_weights, session_from_portable, weight_location
 from fp8onnx.passes import release
 
@@ -60,7 +61,7 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return sum(v.const_value.nbytes for v in (*self.weights, *self.constants))
+        return sum(known.constant(v).nbytes for v in (*self.weights, *self.constants))
 
 
 def _is_fed(value: ir.Value) -> bool:
@@ -130,7 +131,7 @@ def split(graph: ir.Graph, budget: int, wanted: Iterable[str], sequential=None) 
                     (seg.weights if _is_fed(v) else seg.constants).append(v)
                 else:
                     seg.inputs.append(v)
-        seg.later = {out.name for node in seg.nodes for out in node.outputs if last_read.get(id(out), -1) > i}
+        seg.later = {known.name(out) for node in seg.nodes for out in node.outputs if last_read.get(id(out), -1) > i}
         seg.outputs = [out for node in seg.nodes for out in node.outputs if out.name in wanted or out.name in seg.later]
     over = [s for s in segments if s.nbytes > budget]
     if over:
@@ -154,15 +155,17 @@ def _value_info(name: str, dtype: int | None, rank_or_shape) -> onnx.ValueInfoPr
 def _segment_proto(model: ir.Model, seg: Segment, first_feed: dict[str, np.ndarray]) -> onnx.ModelProto:
     """A self-contained model of ``seg``: activations and large weights are graph inputs."""
     inputs = [
-        _value_info(v.name, helper.np_dtype_to_tensor_dtype(first_feed[v.name].dtype), first_feed[v.name].ndim)
-        for v in seg.inputs
+        _value_info(name, helper.np_dtype_to_tensor_dtype(first_feed[name].dtype), first_feed[name].ndim)
+        for name in map(known.name, seg.inputs)
     ]
-    inputs += [_value_info(v.name, int(v.const_value.dtype), list(v.const_value.shape.numpy())) for v in seg.weights]
-    outputs = [_value_info(v.name, int(v.dtype) if v.dtype is not None else None, None) for v in seg.outputs]
+    weights = [(known.name(v), known.constant(v)) for v in seg.weights]
+    inputs += [_value_info(name, int(t.dtype), list(t.shape.numpy())) for name, t in weights]
+    outputs = [_value_info(known.name(v), int(v.dtype) if v.dtype is not None else None, None) for v in seg.outputs]
     constants = []
     for v in seg.constants:
-        proto = ir.serde.serialize_tensor(ir.Tensor(v.const_value.numpy(), dtype=v.const_value.dtype, name=v.name))
-        release(v.const_value)
+        t = known.constant(v)
+        proto = ir.serde.serialize_tensor(ir.Tensor(t.numpy(), dtype=t.dtype, name=v.name))
+        release(t)
         constants.append(proto)
     graph = helper.make_graph(
         [ir.serde.serialize_node(n) for n in seg.nodes], "segment", inputs, outputs, initializer=constants
@@ -241,7 +244,7 @@ def run_segmented(
                 if name in graph_inputs:
                     spill.save(name, num_batches, array)
             num_batches += 1
-        last_read = {v.name: i for i, seg in enumerate(segments) for v in seg.inputs}
+        last_read = {known.name(v): i for i, seg in enumerate(segments) for v in seg.inputs}
         for i, seg in enumerate(segments):
             if not seg.outputs:
                 continue  # computes nothing anyone asked for (e.g. the model's own outputs only)
@@ -321,8 +324,8 @@ def _last_readers(segments: list, graph_inputs: set[str]) -> dict[str | int, int
     last_read: dict[str | int, int] = {}
     for i, seg in enumerate(segments):
         for v in seg.inputs:
-            last_read[source.get(v.name, "feed")] = i
-        source.update({v.name: i for v in seg.outputs})
+            last_read[source.get(known.name(v), "feed")] = i
+        source.update({known.name(v): i for v in seg.outputs})
     return last_read
 
 
@@ -360,7 +363,7 @@ def run_segmented_on(
     segments = split(model.graph, budget, wanted)
 
     logger.info("running %d segments on %d Ray workers", len(segments), len(pool.workers))
-    graph_inputs = {v.name for v in model.graph.inputs}
+    graph_inputs = {known.name(v) for v in model.graph.inputs}
     produced: dict[tuple[str | int, int], object] = {}  # (producer, batch) -> object-store reference
     num_batches = 0
     for feed in feeds:
@@ -369,8 +372,8 @@ def run_segmented_on(
     last_read = _last_readers(segments, graph_inputs)
     source: dict[str, str | int] = {name: "feed" for name in graph_inputs}  # tensor -> producer ("feed", segment)
     for i, seg in enumerate(segments):
-        producers = sorted({source[v.name] for v in seg.inputs}, key=str)
-        source.update({v.name: i for v in seg.outputs})
+        producers = sorted({source[known.name(v)] for v in seg.inputs}, key=str)
+        source.update({known.name(v): i for v in seg.outputs})
         if not seg.outputs or num_batches == 0:
             continue
         what = f"Calibration segment {i + 1}/{len(segments)} (from node {seg.nodes[0].name!r})"

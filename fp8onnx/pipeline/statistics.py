@@ -62,7 +62,7 @@ def reduce_batch(values: dict[str, np.ndarray]) -> dict:
     """One batch's instrumented outputs, reduced where they were computed (in this process or on a
     Ray worker): amax outputs to one float, value outputs to sparse histogram counts, in-graph sums
     as they are. Merged in batch order, the statistics are the same bit for bit on every executor."""
-    summary = {}
+    summary: dict[str, object] = {}
     for key, array in values.items():
         if key.endswith(AMAX_SUFFIX):
             summary[key] = float(array)

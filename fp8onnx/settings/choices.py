@@ -5,6 +5,7 @@ user's string into a member or one sentence naming the option."""
 from __future__ import annotations
 
 import enum
+from typing import Any, Generic, TypeVar, overload
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.settings.targets import TARGETS
@@ -41,8 +42,12 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"
 
 
-# Which runtime's rules the output must meet (the names are fp8onnx.settings.targets').
-Target = enum.Enum("Target", {name.upper(): name for name in TARGETS}, type=str)
+# Which runtime's rules the output must meet (the names are fp8onnx.settings.targets', in its order: a
+# literal, so that type checkers see the members; the assert keeps the two lists one).
+Target = enum.Enum(
+    "Target", {"ONNXRUNTIME": "onnxruntime", "ONNXRUNTIME-CUDA": "onnxruntime-cuda", "TENSORRT": "tensorrt"}, type=str
+)
+assert tuple(t.value for t in Target) == TARGETS, "Target and fp8onnx.settings.targets.TARGETS differ"
 ACTIVATION_MODES = tuple(a.value for a in Activations)
 
 
@@ -92,7 +97,10 @@ FALLBACK_UNITS = tuple(f.value for f in FallbackUnit)
 PRECISIONS = tuple(p.value for p in Precision)
 
 
-def parse_choice(kind: type[enum.Enum], value, option: str):
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_choice(kind: type[E], value: object, option: str) -> E:
     """``value`` as a member of ``kind`` (the members are strings too, so comparisons with the
     plain names keep working), or one sentence naming the option."""
     try:
@@ -102,6 +110,40 @@ def parse_choice(kind: type[enum.Enum], value, option: str):
         raise Fp8OnnxError(f"Unknown {option} {value!r}; choose one of {choices}.") from None
 
 
-def check_precision(precision: str) -> Precision:
+def check_precision(precision: Precision | str) -> Precision:
     """The one rule for --precision: model (keep the model's float types), fp16 or bf16."""
     return parse_choice(Precision, precision, "--precision")
+
+
+T = TypeVar("T")
+Given = TypeVar("Given")
+
+
+class Normalised(Generic[T, Given]):
+    """A dataclass field that takes more on creation (``Given``: a member or its name, None for "derived")
+    than it holds once ``__post_init__`` has normalised it (``T``: the member): the constructor accepts
+    the names, the attribute reads as the member. The value lives in the instance's ``__dict__`` under
+    the field's own name, as a plain field's does (repr, equality, pickling, ``dataclasses.replace``
+    unchanged); reading it before ``__post_init__`` has normalised it gives what was passed."""
+
+    def __init__(self, default: Given) -> None:
+        self.default = default
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Given: ...  # the class's: the default
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:  # dataclasses reads the field's default from the class
+            return self.default
+        try:
+            return vars(obj)[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj: object, value: Given) -> None:
+        vars(obj)[self.name] = value

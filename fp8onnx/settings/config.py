@@ -1,9 +1,11 @@
 """What to quantize and how: :class:`QuantizeConfig`, the quantization recipe, validated on creation
 (every rule about which options go together lives here)."""
 
+# ruff: noqa: RUF009  (a Normalised default is the field's descriptor, one per field, not a value shared by instances)
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 
 from fp8onnx.base.errors import Fp8OnnxError
@@ -16,6 +18,7 @@ from fp8onnx.settings.choices import (
     Embeddings,
     FallbackUnit,
     GemmOp,
+    Normalised,
     Precision,
     Target,
     WeightRounding,
@@ -43,17 +46,18 @@ BLOCK_FP8_DEFAULT_BLOCK = 128
 class QuantizeConfig:
     """What to quantize and how; validated on creation.
 
-    ``format`` sets both ``weight_format`` and ``activation_format`` unless they are given.
+    ``format`` sets both ``weight_format`` and ``activation_format`` unless they are given. The enumerated
+    fields take a member or its name (:class:`~fp8onnx.settings.choices.Normalised`) and hold the member.
     """
 
-    format: Fp8Format | str = Fp8Format.E4M3FN
-    weight_format: Fp8Format | str | None = None
-    activation_format: Fp8Format | str | None = None
-    scaling: Scaling | str = Scaling.AMAX
+    format: Normalised[Fp8Format, Fp8Format | str] = Normalised(Fp8Format.E4M3FN)
+    weight_format: Normalised[Fp8Format, Fp8Format | str | None] = Normalised(None)  # None: format
+    activation_format: Normalised[Fp8Format, Fp8Format | str | None] = Normalised(None)  # None: format
+    scaling: Normalised[Scaling, Scaling | str] = Normalised(Scaling.AMAX)
     margin: int = 0
     scale: float | None = None
     percentile: float | None = None
-    activations: Activations | str = Activations.STATIC
+    activations: Normalised[Activations, Activations | str] = Normalised(Activations.STATIC)
     per_channel: bool | None = None  # None: Conv/ConvTranspose per output channel, MatMul/Gemm per tensor
     weight_block_size: int = 0  # one weight scale per this many elements along the reduction axis (0: off)
     group_size: int = 128  # --activations dynamic-per-group: channels per in-graph scale
@@ -64,23 +68,25 @@ class QuantizeConfig:
     # at least this share of the quantized MACs W8A8, the W8A16 rest chosen by measured loss (workflows.loss_choice)
     w8a8_share: float | None = None
     keep_float: tuple[str, ...] = ()  # node names kept in float for an accuracy target (accuracy.fallback)
-    fallback: FallbackUnit | str = FallbackUnit.NODES  # what keep_float leaves in float (activations none: nodes)
+    # what keep_float leaves in float (activations none: nodes)
+    fallback: Normalised[FallbackUnit, FallbackUnit | str] = Normalised(FallbackUnit.NODES)
     activation_matmuls: bool = False
-    weight_rounding: WeightRounding | str = WeightRounding.NEAREST
+    weight_rounding: Normalised[WeightRounding, WeightRounding | str] = Normalised(WeightRounding.NEAREST)
     smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (techniques)
     bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (techniques)
     sequential: bool = False  # each layer calibrated on the quantized layers before it (pipeline.executors)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
     wide_tables: bool = False  # keep float tables left in float (an lm_head under float_vocab) in 32 bits, not 16
     float_stem: bool = False  # leave the convolutions that read the model's input (the stem) in float
-    embeddings: Embeddings | str = Embeddings.FLOAT
+    embeddings: Normalised[Embeddings, Embeddings | str] = Normalised(Embeddings.FLOAT)
     preset: str | None = None  # recorded only: the fields a preset set are already in place (for_preset)
     # --preset auto: the fields the user set, kept over the family's preset once it is known (for_family)
     explicit: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
-    precision: Precision | str | None = None  # None: fp16 for --gemm-op block-fp8 (the op's A), else model
+    # None: fp16 for --gemm-op block-fp8 (the op's A), else model
+    precision: Normalised[Precision, Precision | str | None] = Normalised(None)
     native_gemm: bool = False  # the same as gemm_op="gemm-float8"
-    target: Target | str = "onnxruntime"
-    gemm_op: GemmOp | str = GemmOp.AUTO  # resolved on creation: never AUTO afterwards
+    target: Normalised[Target, Target | str] = Normalised("onnxruntime")
+    gemm_op: Normalised[GemmOp, GemmOp | str] = Normalised(GemmOp.AUTO)  # resolved on creation: never AUTO afterwards
     # precision was not given: fp16 chosen for the fast form (quantize keeps float32 where fp16 cannot be had)
     precision_derived: bool = dataclasses.field(default=False, compare=False, repr=False)
 
@@ -122,7 +128,11 @@ class QuantizeConfig:
 
     def _check_techniques(self) -> None:
         """Weight rounding, smoothing, bias correction, blocks, groups, the fallback unit, embeddings."""
-        choices = {"weight_rounding": WeightRounding, "fallback": FallbackUnit, "embeddings": Embeddings}
+        choices: dict[str, type[enum.Enum]] = {
+            "weight_rounding": WeightRounding,
+            "fallback": FallbackUnit,
+            "embeddings": Embeddings,
+        }
         for field, kind in choices.items():
             object.__setattr__(self, field, parse_choice(kind, getattr(self, field), "--" + field.replace("_", "-")))
         if self.smooth is not None and not 0 <= self.smooth <= 1:

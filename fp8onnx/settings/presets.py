@@ -3,14 +3,22 @@ stands for (``--format mxfp8``), as :class:`~fp8onnx.settings.config.QuantizeCon
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling
 
 __all__ = ["MXFP8", "PRESETS", "bundled", "overruled"]
 
+
+class Preset(TypedDict):
+    settings: dict[str, object]  # QuantizeConfig fields
+    why: str  # the measurement behind it
+
+
 # The measured best per model family (docs/benchmarks.md, "Techniques"): what each turns on and why.
-PRESETS = {
+PRESETS: dict[str, Preset] = {
     "llm": {
         "settings": {
             "activations": "dynamic-per-token",

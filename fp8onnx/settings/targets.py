@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.numerics.formats import Fp8Format, format_of
 from fp8onnx.passes import output_channel_axis
 
@@ -42,6 +43,8 @@ def check_tensorrt(model: ir.Model) -> list[str]:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             continue
         fp8 = node.outputs[0] if node.op_type == "QuantizeLinear" else node.inputs[0]
+        if fp8 is None:  # a required input left out: not a model onnxruntime or TensorRT loads
+            raise Fp8OnnxError(f"{node.op_type} {where!r} has no input x (its first input is required).")
         if format_of(fp8.dtype) not in (None, Fp8Format.E4M3FN):
             problems.append(f"{where}: {fp8.dtype} - TensorRT's FP8 is E4M3FN only")
         zero_point = node.inputs[2] if len(node.inputs) > 2 else None
@@ -49,27 +52,32 @@ def check_tensorrt(model: ir.Model) -> list[str]:
             zero_point.const_value is None or np.any(zero_point.const_value.numpy().astype(np.float32))
         ):
             problems.append(f"{where}: non-zero zero point")
-        reason = _scale_problem(node.inputs[1])
-        if reason:
+        scale = node.inputs[1]
+        reason = _scale_problem(scale)
+        if reason or scale is None or scale.const_value is None:  # the last two: a reason given
             problems.append(f"{where}: {reason}")
             continue
         if node.attributes.get_int("block_size", 0):
             problems.append(f"{where}: block-wise scales (block_size {node.attributes.get_int('block_size', 0)})")
             continue
-        if node.outputs[0].name.endswith("/block_rows"):  # fp8onnx's per-axis form of block scales
-            problems.append(f"{where}: block-wise scales (per-axis form, block {fp8.shape[-1]})")
+        if (node.outputs[0].name or "").endswith("/block_rows"):  # fp8onnx's per-axis form of block scales
+            block = "?" if fp8.shape is None else fp8.shape[-1]
+            problems.append(f"{where}: block-wise scales (per-axis form, block {block})")
             continue
-        per_axis = node.inputs[1].const_value.size > 1
+        per_axis = scale.const_value.size > 1
         is_weight = node.op_type == "DequantizeLinear" and fp8.const_value is not None
         if per_axis and not is_weight:
             problems.append(f"{where}: activations must be quantized per tensor")
-        if per_axis and is_weight and not _axis_is_output_channel(node):
+        if per_axis and is_weight and not _axis_is_output_channel(node, fp8):
             problems.append(f"{where}: per-channel weight scale is not along the output channel")
     return problems
 
 
-def _axis_is_output_channel(dq: ir.Node) -> bool:
-    weight = dq.inputs[0]
+def _axis_is_output_channel(dq: ir.Node, weight: ir.Value) -> bool:
+    """Whether the per-axis scales of ``dq`` (reading the constant ``weight``) run along the output
+    channel of every node that reads it."""
+    if weight.shape is None:
+        raise Fp8OnnxError(f"the weight {weight.name!r} of DequantizeLinear {dq.name!r} has no shape.")
     rank = len(weight.shape)
     axis = dq.attributes.get_int("axis", 1) % rank
     for use in dq.outputs[0].uses():

@@ -10,6 +10,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.data.datasource import check_calibration_source
 from fp8onnx.graph.guard import as_path
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.graph.runtime import RunOptions
@@ -30,7 +31,6 @@ __all__ = [
     "activation_stats",
     "assign_scales",
     "bias_overflows",
-    "check_calibration_source",
     "describe_source",
     "keep_conv_bias_in_int32_range",
     "tensor_report",
@@ -85,12 +85,6 @@ def _per_token(value: ir.Value) -> bool:
         or node.op_type not in ("MatMul", "Gemm", "Conv", "ConvTranspose")
         for node, idx in uses
     )
-
-
-def check_calibration_source(calib, stats) -> None:
-    """The one rule: statistics come from calibration data or from a statistics file, not both."""
-    if calib is not None and stats is not None:
-        raise Fp8OnnxError("Give either --calib or --stats, not both.")
 
 
 def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Stats | None:

@@ -20,7 +20,7 @@ from fp8onnx.accuracy.sensitivity import measure_sensitivity
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.phases import current_phases, lap, recording
 from fp8onnx.base.scratch import scratch
-from fp8onnx.data.datasource import Data, as_data
+from fp8onnx.data.datasource import Data, as_data, check_calibration_source
 from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.data.text_sample import default_text_sample
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
@@ -38,7 +38,6 @@ from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_f
 from fp8onnx.techniques.scales import (
     activation_ranges,
     assign_scales,
-    check_calibration_source,
     describe_source,
     keep_conv_bias_in_int32_range,
     node_report,
