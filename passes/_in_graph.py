@@ -13,6 +13,7 @@ import onnx_ir as ir
 from ..numerics.formats import Fp8Format
 from ..numerics.scaling import SAFE_AMAX, amax_to_scale, mx_emax
 from .common import initializer
+from .known import dtype as dtype_of
 
 __all__ = ["NODE_PREFIX", "emulated_rounding", "scale_array"]
 
@@ -46,7 +47,7 @@ class _Builder:
     def const(self, name: str, array: np.ndarray) -> ir.Value:
         return initializer(self.graph, f"{NODE_PREFIX}{name}", array)
 
-    def op(self, op_type: str, inputs, name: str, dtype: ir.DataType | None = None, shape=None, **attrs) -> ir.Value:
+    def op(self, op_type: str, inputs, name: str, dtype: ir.DataType, shape=None, **attrs) -> ir.Value:
         out = self.tape.op(op_type, inputs, attrs or None, name=f"{NODE_PREFIX}{name}")
         out.name = f"{NODE_PREFIX}{name}"
         out.dtype = dtype
@@ -91,7 +92,7 @@ def emulated_rounding(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format,
     step = op("Pow", [two, op("Sub", [e, const(f"{fmt.value}/mbits", fmt.mantissa_bits)], "e_step")], "step")
     q = op("Mul", [op("Round", [op("Div", [v, step], "units")], "rounded"), step], "grid")
     y = op("Mul", [q, sf], "emulated_f32")
-    return b.cast(y, x.dtype, f"{prefix}/emulated")
+    return b.cast(y, dtype_of(x), f"{prefix}/emulated")
 
 
 def _power_of_two_above(b: _Builder, s: ir.Value, prefix: str) -> ir.Value:
@@ -125,12 +126,13 @@ def _dynamic_scale(
     b: _Builder, x: ir.Value, fmt: Fp8Format, prefix: str, per_token: bool = False, pow2: bool | str = False
 ) -> ir.Value:
     f32 = lambda v: np.array(v, np.float32)  # noqa: E731
-    abs_x = b.op("Abs", [x], f"{prefix}/abs", x.dtype, x.shape)
+    xt = dtype_of(x)
+    abs_x = b.op("Abs", [x], f"{prefix}/abs", xt, x.shape)
     if per_token:  # [..., K] -> [..., 1]: one scale per row
         last = b.const("const/axes_last", np.array([-1], np.int64))
-        amax = b.op("ReduceMax", [abs_x, last], f"{prefix}/amax", x.dtype, None, keepdims=1)
+        amax = b.op("ReduceMax", [abs_x, last], f"{prefix}/amax", xt, None, keepdims=1)
     else:
-        amax = b.op("ReduceMax", [abs_x], f"{prefix}/amax", x.dtype, ir.Shape([]), keepdims=0)
+        amax = b.op("ReduceMax", [abs_x], f"{prefix}/amax", xt, ir.Shape([]), keepdims=0)
     shape = amax.shape
     amax32 = b.cast(amax, _F32, f"{prefix}/amax_f32")
     if pow2 == "mx":  # OCP MX: 2^(floor(log2 amax) - emax); values above fmax * scale saturate in the cast
@@ -149,16 +151,16 @@ def _dynamic_scale(
     )
     if pow2 and pow2 != "mx":  # the smallest power of two at least amax / fmax: E8M0-representable, no element clipped
         s = _power_of_two_above(b, s, prefix)
-    lo, hi = _scale_range(x.dtype)
-    same = x.dtype == _F32
+    lo, hi = _scale_range(xt)
+    same = xt == _F32
     s = b.op(
         "Clip",
-        [s, b.const(f"const/scale_min/{x.dtype.name}", f32(lo)), b.const(f"const/scale_max/{x.dtype.name}", f32(hi))],
+        [s, b.const(f"const/scale_min/{xt.name}", f32(lo)), b.const(f"const/scale_max/{xt.name}", f32(hi))],
         f"{prefix}/scale" if same else f"{prefix}/scale_f32",
         _F32,
         shape,
     )
-    return s if same else b.cast(s, x.dtype, f"{prefix}/scale")
+    return s if same else b.cast(s, xt, f"{prefix}/scale")
 
 
 def _rows_rounded(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, prefix: str, out: str) -> ir.Value:
@@ -166,11 +168,12 @@ def _rows_rounded(b: _Builder, x: ir.Value, scale: ir.Value, fmt: Fp8Format, pre
     QuantizeLinear/DequantizeLinear's values for a per-row ``scale`` (which is not a per-axis Q/DQ),
     in ops every EP runs. Nodes ``<prefix>_scaled``, ``_fp8``, ``_float`` and ``out``. For int8 (a Cast
     to int8 truncates and does not saturate): Round (half to even) and Clip to [-128, 127] instead."""
-    scaled = b.op("Div", [x, scale], f"{prefix}_scaled", x.dtype, x.shape)
+    xt = dtype_of(x)
+    scaled = b.op("Div", [x, scale], f"{prefix}_scaled", xt, x.shape)
     if fmt.integer:
-        rounded = b.op("Round", [scaled], f"{prefix}_round", x.dtype, x.shape)
-        lo, hi = (b.const(f"const/int8_{v}/{x.dtype.name}", np.array(v, x.dtype.numpy())) for v in (-128, 127))
-        q = b.op("Clip", [rounded, lo, hi], f"{prefix}_int8", x.dtype, x.shape)
-        return b.op("Mul", [q, scale], out, x.dtype, x.shape)
+        rounded = b.op("Round", [scaled], f"{prefix}_round", xt, x.shape)
+        lo, hi = (b.const(f"const/int8_{v}/{xt.name}", np.array(v, xt.numpy())) for v in (-128, 127))
+        q = b.op("Clip", [rounded, lo, hi], f"{prefix}_int8", xt, x.shape)
+        return b.op("Mul", [q, scale], out, xt, x.shape)
     q = b.op("Cast", [scaled], f"{prefix}_fp8", fmt.ir_type, x.shape, to=int(fmt.onnx_type), saturate=1)
-    return b.op("Mul", [b.cast(q, x.dtype, f"{prefix}_float"), scale], out, x.dtype, x.shape)
+    return b.op("Mul", [b.cast(q, xt, f"{prefix}_float"), scale], out, xt, x.shape)

@@ -33,10 +33,10 @@ VALUE_SUFFIX = "__fp8onnx_value"
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
-    values = {v.name: v for v in graph.inputs}
+    values = {v.name: v for v in graph.inputs if v.name is not None}
     for node in graph:
-        values.update((v.name, v) for v in node.outputs)
-    return values
+        values.update((v.name, v) for v in node.outputs if v.name is not None)
+    return values  # a nameless value: no name asks for it
 
 
 def _float_output(tape: ir.tape.Tape, graph: ir.Graph, value: ir.Value, name: str) -> None:

@@ -26,6 +26,7 @@ NumPy reference both are tested against.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -33,7 +34,11 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from ..numerics.formats import Fp8Format
-from .common import initializer
+from .common import initializer, transposed
+from .known import constant, dim, graph_of, required_input
+from .known import dtype as dtype_of
+from .known import name as name_of
+from .known import shape as shape_of
 
 __all__ = [
     "BLOCK_FP8_OP",
@@ -61,9 +66,9 @@ def block_fp8_reason(node: ir.Node, weight_format: Fp8Format) -> str | None:
     w = node.inputs[1] if len(node.inputs) > 1 else None
     if w is None or w.const_value is None or w.shape is None or len(w.shape) != 2:
         return "the weight is not a 2-D initializer"
-    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0:
         return "Gemm with transA=1"
-    a = node.inputs[0]
+    a = required_input(node, 0)
     if a.dtype not in (*_A_TYPES, ir.DataType.FLOAT):
         return f"input A is {a.dtype} (the op takes float16/bfloat16)"
     return None
@@ -93,12 +98,12 @@ def _weight(node: ir.Node) -> tuple[ir.Value, np.ndarray, int, bool] | str:
     dq = _dq(node.inputs[1])
     if dq is None:
         return "the weight is not a DequantizeLinear output"
-    codes, scale = dq.inputs[0], _const(dq.inputs[1])
+    codes, scale = required_input(dq, 0), _const(dq.inputs[1])
     if codes.const_value is None or codes.dtype != _E4M3 or codes.shape is None or len(codes.shape) != 2:
         return "the weight is not a 2-D float8e4m3fn initializer"
     if scale is None or not _no_zero_point(dq):
         return "the weight's scale is computed or it has a zero point"
-    kn = not (node.op_type == "Gemm" and node.attributes.get_int("transB", 0))  # stored [K, N]
+    kn = not (node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0)  # stored [K, N]
     k, n = codes.shape.numpy() if kn else codes.shape.numpy()[::-1]
     k_axis = 0 if kn else 1
     scale = scale.astype(np.float32)
@@ -119,18 +124,21 @@ def _weight(node: ir.Node) -> tuple[ir.Value, np.ndarray, int, bool] | str:
     return codes, b_scale, int(block), bool(kn)
 
 
-def _static_e4m3(a: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
+def _static_e4m3(a: ir.Value | None) -> tuple[ir.Value, np.ndarray] | None:
     """(x, its scale) when ``a`` is DequantizeLinear(QuantizeLinear(x)) to E4M3 with one constant scale."""
     dq = _dq(a)
-    q = dq.inputs[0].producer() if dq is not None else None
-    if q is None or q.op_type != "QuantizeLinear" or dq.inputs[0].dtype != _E4M3:
+    if dq is None:
+        return None
+    a8 = required_input(dq, 0)
+    q = a8.producer()
+    if q is None or q.op_type != "QuantizeLinear" or a8.dtype != _E4M3:
         return None
     s_q, s_dq = _const(q.inputs[1]), _const(dq.inputs[1])
     if s_q is None or s_dq is None or s_q.size != 1 or s_dq.size != 1 or s_q.reshape(()) != s_dq.reshape(()):
         return None
-    if not (_no_zero_point(q) and _no_zero_point(dq)) or q.attributes.get_int("block_size", 0):
+    if not (_no_zero_point(q) and _no_zero_point(dq)) or q.attributes.get_int("block_size", 0) != 0:
         return None
-    return q.inputs[0], s_q.astype(np.float32).reshape(())
+    return required_input(q, 0), s_q.astype(np.float32).reshape(())
 
 
 @dataclasses.dataclass
@@ -165,9 +173,9 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
 
     @staticmethod
     def _fits(node: ir.Node) -> bool:
-        if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+        if node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0:
             return False
-        if node.inputs[0].dtype not in (*_A_TYPES, ir.DataType.FLOAT):
+        if required_input(node, 0).dtype not in (*_A_TYPES, ir.DataType.FLOAT):
             return False
         return not isinstance(_weight(node), str)
 
@@ -179,11 +187,11 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
             weight = _weight(node)
             if isinstance(weight, str) or not self._fits(node):
                 if _dq(node.inputs[0]) or _dq(node.inputs[1]):
-                    result.skipped[node.name] = weight if isinstance(weight, str) else "transposed or non-float A"
+                    result.skipped[name_of(node)] = weight if isinstance(weight, str) else "transposed or non-float A"
                 continue
             static = _static_e4m3(node.inputs[0])
             self._write(model.graph, node, weight, static)  # constants in the main graph, seen from every branch
-            (result.w8a8 if static else result.w8a16).append(node.name)
+            (result.w8a8 if static else result.w8a16).append(name_of(node))
         if result.w8a8 or result.w8a16:
             ir.passes.common.RemoveUnusedNodesPass()(model)
             model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -197,30 +205,36 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
             )
         return result
 
-    def _write(self, graph: ir.Graph, node: ir.Node, weight, static) -> None:
+    def _write(
+        self,
+        graph: ir.Graph,
+        node: ir.Node,
+        weight: tuple[ir.Value, np.ndarray, int, bool],
+        static: tuple[ir.Value, np.ndarray] | None,
+    ) -> None:
         codes, b_scale, block, kn = weight
         # new nodes and values are named after the output, unique across If branches (node names may not be)
         out = node.outputs[0]
         name = out.name
-        n, k = b_scale.shape[0], (codes.shape[0] if kn else codes.shape[1])
+        n, k = b_scale.shape[0], (dim(codes, 0) if kn else dim(codes, 1))
         if kn:  # the op reads B as [N, K]: the same codes, transposed when the model is written
-            source = codes.const_value
-            tensor = ir.LazyTensor(
-                lambda s=source: ir.tensor(np.ascontiguousarray(s.numpy().T)), dtype=_E4M3, shape=ir.Shape([n, k])
-            )
+            source = constant(codes)
+            tensor = ir.LazyTensor(functools.partial(transposed, source), dtype=_E4M3, shape=ir.Shape([n, k]))
             codes = initializer(graph, f"{codes.name}/nk", tensor)
         tape = ir.tape.Tape()
-        a, a_scale = (static[0], initializer(graph, f"{name}/a_scale", static[1])) if static else (node.inputs[0], None)
+        a, a_scale = (
+            (static[0], initializer(graph, f"{name}/a_scale", static[1])) if static else (required_input(node, 0), None)
+        )
         wide = a.dtype == ir.DataType.FLOAT  # the op takes float16/bfloat16: cast in and out
         if wide:
             a = tape.op("Cast", [a], {"to": int(ir.DataType.FLOAT16)}, name=f"{name}/a_fp16")
             a.name, a.dtype = f"{name}/a_fp16", ir.DataType.FLOAT16
-        t = a.dtype
+        t = dtype_of(a)
         bias = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
         beta = node.attributes.get_float("beta", 1.0) if node.op_type == "Gemm" else 1.0
         fused = bias is not None and bias.shape is not None and bias.shape.numpy() == (n,) and beta == 1.0
         op_bias = None
-        if fused:
+        if fused and bias is not None:
             op_bias = bias if bias.dtype == t else tape.op("Cast", [bias], {"to": int(t)}, name=f"{name}/bias_cast")
         inputs = [a, codes, initializer(graph, f"{codes.name}/b_scale", b_scale), a_scale, op_bias]
         while inputs[-1] is None:
@@ -231,7 +245,7 @@ class BlockFp8MatMulPass(ir.passes.InPlacePass):
             y = tape.op("Cast", [y], {"to": int(ir.DataType.FLOAT)}, name=f"{name}/y_fp32")
         if bias is not None and not fused:
             if beta != 1.0:
-                scaled = initializer(graph, f"{name}/beta", np.array(beta, bias.dtype.numpy()))
+                scaled = initializer(graph, f"{name}/beta", np.array(beta, dtype_of(bias).numpy()))
                 bias = tape.op("Mul", [bias, scaled], name=f"{name}/beta_c")
             y = tape.op("Add", [y, bias], name=f"{name}/bias")
         for v in tape.nodes:
@@ -268,15 +282,15 @@ class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
     def _lower(self, graph: ir.Graph, node: ir.Node) -> None:
         out = node.outputs[0]
         name = out.name  # unique across If branches (node names may not be)
-        a, codes, b_scale = node.inputs[:3]
+        a, codes, b_scale = (required_input(node, i) for i in range(3))
         a_scale = node.inputs[3] if len(node.inputs) > 3 else None
         bias = node.inputs[4] if len(node.inputs) > 4 else None
         block = node.attributes.get_int("block_size", 128)
         if codes.const_value is None or b_scale.const_value is None:
             raise ir.passes.PreconditionError(f"{name!r}: the weight or its scales are computed; cannot emulate")
-        t = a.dtype
+        t = dtype_of(a)
         source, scales = codes.const_value, b_scale.const_value
-        n, k = codes.shape.numpy()
+        n, k = shape_of(codes).numpy()
 
         def dequantized():
             full = np.repeat(scales.numpy().astype(np.float32), block, axis=1)[:, :k]
@@ -312,10 +326,13 @@ class EmulateBlockFp8MatMulPass(ir.passes.InPlacePass):
 def _swap(node: ir.Node, nodes, y: ir.Value) -> None:
     """``nodes`` in place of ``node``, ``y`` taking over its output (name, type, shape and readers)."""
     out = node.outputs[0]
-    y.dtype, y.shape = out.dtype, out.shape
-    node.graph.insert_before(node, nodes)
+    if out.dtype is not None:  # else left as it is: a Tensor(None) type would not serialize
+        y.dtype = out.dtype
+    y.shape = out.shape
+    graph = graph_of(node)
+    graph.insert_before(node, nodes)
     out.replace_all_uses_with(y, replace_graph_outputs=True)
-    node.graph.remove(node, safe=True)
+    graph.remove(node, safe=True)
     old = out.name
     out.name = f"{old}/replaced"
     y.name = old

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
 
+from .known import graph_of
+
 logger = logging.getLogger(__name__)
 
 
-def insert_at_definition(value: ir.Value, nodes: list[ir.Node]) -> None:
+def insert_at_definition(value: ir.Value, nodes: Sequence[ir.Node]) -> None:
     """Right after the node that computes ``value``, or first in the graph that owns it (graph inputs,
     initializers): every consumer, in that graph or in a subgraph under it, can then read the result."""
     producer = value.producer()
     if producer is not None:
-        producer.graph.insert_after(producer, nodes)
+        graph_of(producer).insert_after(producer, nodes)
         return
-    owner = value.graph
+    owner = graph_of(value)
     first = next(iter(owner), None)
     if first is None:
         owner.extend(nodes)
@@ -40,7 +43,7 @@ def initializer(graph: ir.Graph, name: str, tensor) -> ir.Value:
     return value
 
 
-def derived_tensor(source, compute, dtype: ir.DataType, shape, name: str) -> ir.LazyTensor:
+def derived_tensor(source, compute, dtype: ir.DataType, shape, name: str | None) -> ir.LazyTensor:
     """``compute(source as NumPy)``, evaluated only when the model is saved (one tensor at a time);
     ``source`` is unmapped right after, so a large model is never resident whole."""
 
@@ -51,6 +54,11 @@ def derived_tensor(source, compute, dtype: ir.DataType, shape, name: str) -> ir.
             release(source)
 
     return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+
+def transposed(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    """A 2-D ``tensor`` transposed, contiguous: what a LazyTensor of a [N, K] weight computes."""
+    return ir.tensor(np.ascontiguousarray(tensor.numpy().T))
 
 
 def release(tensor) -> None:
@@ -126,7 +134,8 @@ def check_initializers(model: ir.Model) -> None:
         for value in node.inputs:
             if value is None or value.producer() is not None or value.is_graph_input():
                 continue
-            if value.const_value is not None and graph.initializers.get(value.name) is not value:
+            registered = graph.initializers.get(value.name) if value.name is not None else None
+            if value.const_value is not None and registered is not value:
                 raise ir.passes.PostconditionError(f"node {node.name!r} reads {value.name!r}, no longer an initializer")
 
 

@@ -72,7 +72,7 @@ class ConvertFloat16Pass(ir.passes.FunctionalPass):
         if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
             raise ValueError(f"ConvertFloat16Pass converts to float16 or bfloat16, not {dtype}")
         self.dtype, self.keep = dtype, tuple(keep)
-        self._io: list[tuple[str, ir.DataType | None]] = []
+        self._io: list[tuple[str | None, ir.DataType | None]] = []
 
     def requires(self, model: ir.Model) -> None:
         self._io = [(v.name, v.dtype) for v in (*model.graph.inputs, *model.graph.outputs)]

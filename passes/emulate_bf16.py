@@ -20,6 +20,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from .common import derived_tensor
+from .known import graph_of
 
 __all__ = ["EmulateBfloat16Pass", "has_bfloat16"]
 
@@ -109,12 +110,12 @@ class EmulateBfloat16Pass(ir.passes.InPlacePass):
             if out.dtype != _BF16:
                 continue
             if cast_to_bf16:
-                self._widen(node.graph, out, node, rounded=out, main_outputs=main_outputs)
+                self._widen(graph_of(node), out, node, rounded=out, main_outputs=main_outputs)
             elif node.op_type in _MOVES and id(out) not in main_outputs:
                 out.dtype = _F32
             else:
                 out.dtype = _F32
-                self._widen(node.graph, out, node, rounded=None, main_outputs=main_outputs)
+                self._widen(graph_of(node), out, node, rounded=None, main_outputs=main_outputs)
 
     @staticmethod
     def _widen(graph: ir.Graph, out: ir.Value, node, rounded, main_outputs: set[int]) -> None:

@@ -16,12 +16,17 @@ Rewrite cases, for a node ``n = op(W)`` with ``W`` a float initializer:
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 
 from .common import check_initializers
+from .known import constant, required_input, tensor_shape
+from .known import dtype as dtype_of
+from .known import name as name_of
 
 __all__ = ["FoldWeightTransformsPass"]
 
@@ -54,12 +59,16 @@ def _foldable(node: ir.Node) -> bool:
     return _feeds_a_matmul(out)
 
 
-def _compute(node: ir.Node, source: ir.TensorProtocol):
+def _compute(node: ir.Node, source: ir.TensorProtocol) -> Callable[[], np.ndarray]:
     if node.op_type == "Transpose":
         perm = node.attributes.get_ints("perm", None)
         return lambda: np.transpose(source.numpy(), perm)
     to = ir.DataType(node.attributes.get_int("to"))
     return lambda: source.numpy().astype(to.numpy())
+
+
+def _named(compute: Callable[[], np.ndarray], name: str | None) -> ir.TensorProtocol:
+    return ir.tensor(compute(), name=name)
 
 
 def _folded_shape(node: ir.Node, shape: ir.Shape) -> ir.Shape:
@@ -90,16 +99,16 @@ class FoldWeightTransformsPass(ir.passes.InPlacePass):
             for node in list(graph):
                 if not _foldable(node):
                     continue
-                src, out = node.inputs[0], node.outputs[0]
+                src, out = required_input(node, 0), node.outputs[0]
                 if node.op_type == "Identity":
                     out.replace_all_uses_with(src)
                     graph.remove(node, safe=True)
                 else:
-                    compute = _compute(node, src.const_value)
-                    shape = _folded_shape(node, src.const_value.shape)
-                    dtype = src.dtype if node.op_type == "Transpose" else ir.DataType(node.attributes.get_int("to"))
+                    compute = _compute(node, constant(src))
+                    shape = _folded_shape(node, tensor_shape(constant(src)))
+                    dtype = dtype_of(src) if node.op_type == "Transpose" else ir.DataType(node.attributes.get_int("to"))
                     name = out.name
-                    tensor = ir.LazyTensor(lambda c=compute, n=name: ir.tensor(c(), name=n), dtype=dtype, shape=shape)
+                    tensor = ir.LazyTensor(functools.partial(_named, compute, name), dtype=dtype, shape=shape)
                     new = ir.Value(name=f"{name}__folded", const_value=tensor, shape=shape)
                     new.dtype = dtype
                     out.replace_all_uses_with(new)
@@ -107,7 +116,7 @@ class FoldWeightTransformsPass(ir.passes.InPlacePass):
                     new.name = name
                     graph.register_initializer(new)
                 if not src.uses() and not src.is_graph_output():
-                    graph.initializers.pop(src.name, None)
+                    graph.initializers.pop(name_of(src), None)
                 folded += 1
                 changed = True
         if folded:

@@ -23,6 +23,8 @@ import onnx_ir as ir
 
 from ._in_graph import NODE_PREFIX, _Builder
 from .common import insert_at_definition
+from .known import dtype as dtype_of
+from .known import name as name_of
 
 __all__ = ["GATE_PREFIX", "GateInputsPass"]
 
@@ -58,7 +60,7 @@ class GateInputsPass(ir.passes.InPlacePass):
         inputs = {v.name for v in model.graph.inputs}
         for k, (name, index, _) in enumerate(self.gates):
             value = self._node(model, name).inputs[index]
-            if f"{GATE_PREFIX}{k}" not in inputs or value is None or not value.name.startswith(GATE_PREFIX):
+            if f"{GATE_PREFIX}{k}" not in inputs or value is None or not name_of(value).startswith(GATE_PREFIX):
                 raise ir.passes.PostconditionError(f"input {index} of {name!r} is not gated")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -66,14 +68,15 @@ class GateInputsPass(ir.passes.InPlacePass):
         for k, (name, index, x) in enumerate(self.gates):
             node = self._node(model, name)
             q = node.inputs[index]
-            if q is None or q.name.startswith(GATE_PREFIX):
+            if q is None or name_of(q).startswith(GATE_PREFIX):
                 continue
-            gate = ir.Value(name=f"{GATE_PREFIX}{k}", type=ir.TensorType(x.dtype), shape=ir.Shape([]))
+            xt = dtype_of(x)
+            gate = ir.Value(name=f"{GATE_PREFIX}{k}", type=ir.TensorType(xt), shape=ir.Shape([]))
             graph.inputs.append(gate)
             b = _Builder(graph)
-            error = b.op("Sub", [q, x], f"gate/{k}/error", x.dtype, q.shape)
-            scaled = b.op("Mul", [error, gate], f"gate/{k}/scaled", x.dtype, q.shape)
-            out = b.op("Add", [x, scaled], f"gate/{k}/input", x.dtype, q.shape)
+            error = b.op("Sub", [q, x], f"gate/{k}/error", xt, q.shape)
+            scaled = b.op("Mul", [error, gate], f"gate/{k}/scaled", xt, q.shape)
+            out = b.op("Add", [x, scaled], f"gate/{k}/input", xt, q.shape)
             out.name = f"{GATE_PREFIX}{k}/input"
             insert_at_definition(q, b.take())
             node.replace_input_with(index, out)

@@ -25,6 +25,9 @@ import numpy as np
 import onnx_ir as ir
 
 from .common import check_initializers, derived_tensor, initializer, insert_at_definition, release
+from .known import constant
+from .known import dtype as dtype_of
+from .known import name as name_of
 
 __all__ = ["FLOAT16_MAX", "HalfTablesPass", "HalfTablesResult"]
 
@@ -46,7 +49,7 @@ def _why_not(graph: ir.Graph, name: str) -> str | None:
     if value.is_graph_input() or value.is_graph_output():
         return "a graph input or output (its type is part of the interface)"
     if value.dtype != ir.DataType.FLOAT:
-        return f"stored as {value.dtype.name}, not float32"
+        return f"stored as {dtype_of(value).name}, not float32"
     return None
 
 
@@ -88,12 +91,12 @@ class HalfTablesPass(ir.passes.InPlacePass):
         return result
 
     def _store(self, graph: ir.Graph, table: ir.Value) -> str:
-        source = table.const_value
+        source = constant(table)
         wide = bool(np.abs(source.numpy()).max(initial=0.0) > FLOAT16_MAX)
         release(source)
         dtype = ir.DataType.BFLOAT16 if wide else ir.DataType.FLOAT16
         np_dtype = ml_dtypes.bfloat16 if wide else np.float16
-        name, shape = table.name, table.shape
+        name, shape = name_of(table), table.shape
         stored_name = f"{PREFIX}{name}/{dtype.name.lower()}"
         narrow = initializer(
             graph,

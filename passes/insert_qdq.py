@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from ..base.errors import Fp8OnnxError
 from ..numerics.formats import Fp8Format, dequantize, quantize
 from ..numerics.scaling import expand_blocks
 from ._in_graph import (
@@ -46,6 +47,9 @@ from ._in_graph import (
     scale_array,
 )
 from .common import channels, derived_tensor, initializer, insert_at_definition
+from .known import constant, required_input
+from .known import dtype as dtype_of
+from .known import name as name_of
 
 __all__ = [
     "NODE_PREFIX",
@@ -83,6 +87,13 @@ class TensorQuant:
     block_size: int = 0
     pow2: bool | str = False  # a dynamic scale (``scale`` None) as a power of two in the graph: True up, "mx" OCP
 
+    @property
+    def block_axis(self) -> int:
+        """``axis`` of a block-scaled tensor (which must have one)."""
+        if self.axis is None:
+            raise Fp8OnnxError(f"A block-scaled TensorQuant (block_size {self.block_size}) has no axis.")
+        return self.axis
+
     def full_scale(self, shape) -> np.ndarray:
         """The scale as a float32 array broadcasting against a weight of ``shape``: one per element
         with blocks, one per channel along ``axis``, or a scalar."""
@@ -91,7 +102,7 @@ class TensorQuant:
             flat = [shape[0], int(np.prod(shape[1:]))]
             return expand_blocks(scale, flat, self.axis, self.block_size).reshape(shape)
         if self.block_size:
-            return expand_blocks(scale, shape, self.axis % len(shape), self.block_size)
+            return expand_blocks(scale, shape, self.block_axis % len(shape), self.block_size)
         if self.axis is not None:
             return scale.reshape([-1 if i == self.axis % len(shape) else 1 for i in range(len(shape))])
         return scale
@@ -100,7 +111,7 @@ class TensorQuant:
 def is_quantized(value: ir.Value) -> bool:
     """True if ``value`` was produced by a DequantizeLinear or by this pass."""
     producer = value.producer()
-    return value.name.startswith(NODE_PREFIX) or (producer is not None and producer.op_type == "DequantizeLinear")
+    return name_of(value).startswith(NODE_PREFIX) or (producer is not None and producer.op_type == "DequantizeLinear")
 
 
 MIN_OPSET = 21  # QuantizeLinear with output_dtype (float8 without a zero point)
@@ -164,8 +175,8 @@ class InsertQDQPass(ir.passes.InPlacePass):
 
     def ensures(self, model: ir.Model) -> None:
         for node, index in self._resolved(model):
-            value = node.inputs[index]
-            emulated = value.name.startswith(NODE_PREFIX)  # grid-rounding ops or a rounded weight
+            value = required_input(node, index)
+            emulated = name_of(value).startswith(NODE_PREFIX)  # grid-rounding ops or a rounded weight
             if not (is_quantized(value) or emulated):
                 raise ir.passes.PostconditionError(f"input {index} of {node.name!r} is not quantized")
 
@@ -180,20 +191,21 @@ class InsertQDQPass(ir.passes.InPlacePass):
         weights: list[str] = []
         rewired = 0
         for node in list(ir.traversal.RecursiveGraphIterator(graph)):
-            for index in sorted(wanted.get(node, set()) | wanted.get(node.name, set())):
+            by_name = wanted.get(node.name, set()) if node.name is not None else set()
+            for index in sorted(wanted.get(node, set()) | by_name):
                 value = node.inputs[index]
                 if value is None or is_quantized(value):
                     continue
-                new = replaced.get(value.name)
+                new = replaced.get(name := name_of(value))
                 if new is None:
-                    tq = self.quant[value.name]
+                    tq = self.quant[name]
                     if value.const_value is not None and value.is_initializer():
                         new = self._weight(builder, value, tq)
-                        weights.append(value.name)
+                        weights.append(name)
                     else:
                         new = self._activation(builder, value, tq)
                     insert_at_definition(value, builder.take())
-                    replaced[value.name] = new
+                    replaced[name] = new
                 node.replace_input_with(index, new)
                 rewired += 1
         for name in replaced:
@@ -210,9 +222,9 @@ class InsertQDQPass(ir.passes.InPlacePass):
         return QDQResult(model, modified=bool(rewired), dequantized=dequantized)
 
     def _weight(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value:
-        source = value.const_value
-        scale = scale_array(tq.scale, value.dtype)
-        shape, stored = list(source.shape), dataclasses.replace(tq, scale=scale)
+        source, dtype = constant(value), dtype_of(value)
+        scale = scale_array(tq.scale, dtype)
+        shape, stored = list(source.shape.numpy()), dataclasses.replace(tq, scale=scale)
 
         def scale32() -> np.ndarray:
             # float32 scales broadcastable to the weight (block scales at full size), computed when the
@@ -224,15 +236,15 @@ class InsertQDQPass(ir.passes.InPlacePass):
 
             def emulated(w):
                 s = scale32()
-                return dequantize(quantize(w, s, tq.format), s, value.dtype.numpy())
+                return dequantize(quantize(w, s, tq.format), s, dtype_of(value).numpy())
 
-            return initializer(b.graph, name, derived_tensor(source, emulated, value.dtype, source.shape, name))
+            return initializer(b.graph, name, derived_tensor(source, emulated, dtype, source.shape, name))
         if tq.block_size and len(shape) > 2:  # Conv/ConvTranspose: blocks of its 2-D view, reshaped back
             flat = [shape[0], int(np.prod(shape[1:]))]
             flat_scale = lambda: scale32().reshape(flat)  # noqa: E731
             x = self._dequantized(b, value, tq, scale, flat_scale, flat, f"{value.name}/dequantized_2d")
             shape_value = b.const(f"{value.name}/shape", np.array(shape, np.int64))
-            return b.op("Reshape", [x, shape_value], f"{value.name}/dequantized", value.dtype, value.shape)
+            return b.op("Reshape", [x, shape_value], f"{value.name}/dequantized", dtype, value.shape)
         return self._dequantized(b, value, tq, scale, scale32, shape, f"{value.name}/dequantized")
 
     def _dequantized(self, b: _Builder, value, tq: TensorQuant, scale, scale32, shape: list, out: str) -> ir.Value:
@@ -256,7 +268,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         block's scale (axis 0), then Reshape, Transpose and Reshape (and Slice off the padding, Transpose
         a [N, K] weight) back to the weight's layout. Every value is the blocked DequantizeLinear's, bit
         for bit: each is one code times its block's scale."""
-        source, block, axis = value.const_value, int(tq.block_size), tq.axis % 2
+        source, block, axis = value.const_value, int(tq.block_size), tq.block_axis % 2
         k, other = int(shape[axis]), int(shape[1 - axis])
         blocks = -(-k // block)
 
@@ -267,8 +279,9 @@ class InsertQDQPass(ir.passes.InPlacePass):
             return np.ascontiguousarray(padded.reshape(blocks, block, other).transpose(0, 2, 1)).reshape(-1, block)
 
         name = f"{NODE_PREFIX}{value.name}/fp8_block_rows"
-        codes = derived_tensor(source, rows, tq.format.ir_type, [blocks * other, block], name)
-        codes = initializer(b.graph, name, codes)
+        codes = initializer(
+            b.graph, name, derived_tensor(source, rows, tq.format.ir_type, [blocks * other, block], name)
+        )
         per_row = np.ascontiguousarray(np.moveaxis(scale, axis, 0)).reshape(-1)  # [blocks, M] -> one per row
         row_scales = b.const(f"{value.name}/block_scales", per_row)
         x = b.op("DequantizeLinear", [codes, row_scales], f"{value.name}/block_rows", value.dtype, None, axis=0)
@@ -295,7 +308,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
         if tq.scale is None:
             scale = _dynamic_scale(b, value, tq.format, f"{name}/dynamic", per_token=per_token, pow2=tq.pow2)
         else:
-            scale = b.const(f"{name}/scale", scale_array(tq.scale, value.dtype))
+            scale = b.const(f"{name}/scale", scale_array(tq.scale, dtype_of(value)))
         if not tq.format.deployable:
             return emulated_rounding(b, value, scale, tq.format, f"{name}/{tq.format.value}")
         if per_token:
@@ -312,7 +325,7 @@ class InsertQDQPass(ir.passes.InPlacePass):
             output_dtype=int(tq.format.onnx_type),
             saturate=1,
         )
-        return b.op("DequantizeLinear", [q, scale], f"{name}/dequantized", value.dtype, value.shape)
+        return b.op("DequantizeLinear", [q, scale], f"{name}/dequantized", dtype_of(value), value.shape)
 
     def _per_group(self, b: _Builder, value: ir.Value, tq: TensorQuant) -> ir.Value | None:
         """One in-graph scale per row and per ``tq.block_size`` consecutive channels of the last axis:
@@ -320,14 +333,14 @@ class InsertQDQPass(ir.passes.InPlacePass):
         back; None where the last axis is not a known multiple of G."""
         group, count = tq.block_size, channels(value)
         if count is None or count % group:
-            self._per_row.append((value.name, count, group))  # said once, after the pass
+            self._per_row.append((name_of(value), count, group))  # said once, after the pass
             return None
-        name = value.name
+        name, dtype = name_of(value), dtype_of(value)
         groups = b.op(
             "Reshape",
             [value, b.const(f"const/groups_of_{group}", np.array([-1, group], np.int64))],
             f"{name}/groups",
-            value.dtype,
+            dtype,
             ir.Shape([None, group]),
         )
         scale = _dynamic_scale(b, groups, tq.format, f"{name}/dynamic", per_token=True, pow2=tq.pow2)
@@ -336,4 +349,4 @@ class InsertQDQPass(ir.passes.InPlacePass):
         else:
             back = emulated_rounding(b, groups, scale, tq.format, f"{name}/per_group/{tq.format.value}")
         shape = b.op("Shape", [value], f"{name}/shape", ir.DataType.INT64)
-        return b.op("Reshape", [back, shape], f"{name}/dequantized", value.dtype, value.shape)
+        return b.op("Reshape", [back, shape], f"{name}/dequantized", dtype, value.shape)

@@ -14,6 +14,8 @@ import numpy as np
 import onnx_ir as ir
 
 from .common import initializer, insert_at_definition
+from .known import dtype as dtype_of
+from .known import graph_of, required_input
 
 __all__ = ["Reductions", "error_outputs", "range_only", "scaled", "shadow_of"]
 
@@ -39,8 +41,10 @@ def shadow_of(node: ir.Node, suffix: str = "fp8onnx_shadow") -> ir.Node:
     shadow = tape.nodes[0]
     for out, ref in zip(shadow.outputs, node.outputs):
         out.name = f"{ref.name}/{suffix}"
-        out.dtype, out.shape = ref.dtype, ref.shape
-    node.graph.insert_after(node, shadow)
+        if ref.dtype is not None:  # else left untyped: a Tensor(None) type would not serialize
+            out.dtype = ref.dtype
+        out.shape = ref.shape
+    graph_of(node).insert_after(node, shadow)
     return shadow
 
 
@@ -70,9 +74,9 @@ def range_only(graph: ir.Graph, node: ir.Node, shadow: ir.Node, picked: list[int
     elsewhere, for each input in ``picked`` (``quant``: the TensorQuant of each, static scales); graph
     outputs count the clipped, below-normal and all elements of the first. Returns their names."""
     tape = ir.tape.Tape()
-    counts = {}
+    counts: dict[str, ir.Value] = {}
     for i in picked:
-        x, xq = node.inputs[i], shadow.inputs[i]
+        x, xq = required_input(node, i), shadow.inputs[i]
         tq = quant[x.name]
         s, fmt = np.float32(tq.scale), tq.format
         base = f"{shadow.name}/{i}"
@@ -90,7 +94,7 @@ def range_only(graph: ir.Graph, node: ir.Node, shadow: ir.Node, picked: list[int
         under = tape.op("And", [tiny, tape.op("Greater", [ax, const("zero", 0.0)])])
         out_of_range = tape.op("Or", [over, under])
         kept = tape.op("Where", [out_of_range, e, const("nothing", 0.0)])
-        xr = tape.op("Cast", [tape.op("Add", [x32, kept])], {"to": int(x.dtype)})
+        xr = tape.op("Cast", [tape.op("Add", [x32, kept])], {"to": int(dtype_of(x))})
         shadow.replace_input_with(i, xr)
         if not counts:
             for key, flag in (("clipped", over), ("below_normal", under)):
@@ -139,11 +143,12 @@ def scaled(graph: ir.Graph, x: ir.Value, factor: np.ndarray, name: str, readers:
     """``x * factor`` (a per-channel constant in x's type) computed right after x, read by ``readers``
     (input 0) instead of x; returns the product. The node is ``fp8onnx/NAME/smooth``, its output
     ``NAME/smoothed`` (not under "fp8onnx/": that marks values InsertQDQPass takes as already quantized)."""
-    const = initializer(graph, f"fp8onnx/{name}/smooth_inv", factor.astype(x.dtype.numpy()))
+    xt = dtype_of(x)
+    const = initializer(graph, f"fp8onnx/{name}/smooth_inv", factor.astype(xt.numpy()))
     tape = ir.tape.Tape()
     out = tape.op("Mul", [x, const], name=f"fp8onnx/{name}/smooth")
     out.name = f"{name}/smoothed"
-    out.dtype, out.shape = x.dtype, x.shape
+    out.dtype, out.shape = xt, x.shape
     insert_at_definition(x, list(tape.nodes))
     for node in readers:
         node.replace_input_with(0, out)

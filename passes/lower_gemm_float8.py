@@ -19,6 +19,7 @@ the Q/DQ form above.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -26,7 +27,11 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from ..numerics.formats import Fp8Format
-from .common import initializer
+from .common import initializer, transposed
+from .known import constant, dim, required_input
+from .known import dtype as dtype_of
+from .known import name as name_of
+from .known import shape as shape_of
 
 __all__ = ["MS_DOMAIN", "LowerGemmFloat8Pass"]
 
@@ -35,26 +40,27 @@ MS_DOMAIN = "com.microsoft"
 _CUDA_FP8 = tuple(f.ir_type for f in Fp8Format if f.cuda_ok and not f.integer)
 
 
-def _dq_of(value: ir.Value) -> ir.Node | None:
+def _dq_of(value: ir.Value | None) -> ir.Node | None:
     producer = value.producer() if value is not None else None
     return producer if producer is not None and producer.op_type == "DequantizeLinear" else None
 
 
 def _reason(node: ir.Node) -> str | None:
-    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+    if node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0:
         return "Gemm with transA=1"
     act_dq, w_dq = _dq_of(node.inputs[0]), _dq_of(node.inputs[1])
     if act_dq is None or w_dq is None:
         return "inputs are not both DequantizeLinear outputs"
-    q = act_dq.inputs[0].producer()
+    a8 = required_input(act_dq, 0)
+    q = a8.producer()
     if q is None or q.op_type != "QuantizeLinear":
         return "input A does not come from QuantizeLinear"
-    w8 = w_dq.inputs[0]
-    if w8.const_value is None or len(w8.shape) != 2:
+    w8, w_scale = required_input(w_dq, 0), required_input(w_dq, 1)
+    if w8.const_value is None or len(shape_of(w8)) != 2:
         return "the weight is not a 2-D float8 initializer"
-    if w_dq.inputs[1].const_value is None or w_dq.inputs[1].const_value.size != 1:
+    if w_scale.const_value is None or w_scale.const_value.size != 1:
         return "per-channel weight scales (GemmFloat8 takes one scale per input)"
-    fa, fw = act_dq.inputs[0].dtype, w8.dtype
+    fa, fw = a8.dtype, w8.dtype
     if fa not in _CUDA_FP8 or fw not in _CUDA_FP8:
         return "format without a CUDA float8 GEMM (only e4m3fn and e5m2)"
     if fa != fw:
@@ -67,13 +73,11 @@ def _reason(node: ir.Node) -> str | None:
 def _weight_nk(graph: ir.Graph, node: ir.Node, w8: ir.Value) -> tuple[ir.Value, int, int]:
     """(the float8 weight as [N, K], N, K): a Gemm's with transB as it is, else its transpose, computed
     when the model is written (a new initializer ``<weight>/nk``)."""
-    k, n = w8.shape.dims  # MatMul weight [K, N]; Gemm: [K, N] or [N, K] with transB
-    if node.op_type == "Gemm" and node.attributes.get_int("transB", 0):
+    k, n = dim(w8, 0), dim(w8, 1)  # MatMul weight [K, N]; Gemm: [K, N] or [N, K] with transB
+    if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0:
         return w8, k, n
-    source = w8.const_value
-    tensor = ir.LazyTensor(
-        lambda s=source: ir.tensor(np.ascontiguousarray(s.numpy().T)), dtype=w8.dtype, shape=ir.Shape([n, k])
-    )
+    source = constant(w8)
+    tensor = ir.LazyTensor(functools.partial(transposed, source), dtype=dtype_of(w8), shape=ir.Shape([n, k]))
     return initializer(graph, f"{w8.name}/nk", tensor), n, k
 
 
@@ -104,17 +108,18 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> LoweringResult:
         graph = model.graph
-        lowered, skipped = [], {}
+        lowered: list[str] = []
+        skipped: dict[str, str] = {}
         for node in list(graph):
             if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
                 continue
             reason = _reason(node)
             if reason:
                 if _dq_of(node.inputs[0]) or _dq_of(node.inputs[1]):
-                    skipped[node.name] = reason
+                    skipped[name_of(node)] = reason
                 continue
             self._lower(graph, node)
-            lowered.append(node.name)
+            lowered.append(name_of(node))
         if lowered:
             ir.passes.common.RemoveUnusedNodesPass()(model)
             model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -122,10 +127,14 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
         return LoweringResult(model, bool(lowered), lowered, skipped)
 
     def _lower(self, graph: ir.Graph, node: ir.Node) -> None:
-        name = node.name
+        name = name_of(node)
         act_dq, w_dq = _dq_of(node.inputs[0]), _dq_of(node.inputs[1])
-        a8, a_scale = act_dq.inputs[0], act_dq.inputs[1]
-        w8, w_scale = w_dq.inputs[0], w_dq.inputs[1]
+        if act_dq is None or w_dq is None:
+            raise ir.passes.PreconditionError(
+                f"{node.op_type} node {name!r} does not read two DequantizeLinear outputs."
+            )
+        a8, a_scale = required_input(act_dq, 0), required_input(act_dq, 1)
+        w8, w_scale = required_input(w_dq, 0), required_input(w_dq, 1)
         out = node.outputs[0]
         weight_nk, n, k = _weight_nk(graph, node, w8)
 
@@ -163,11 +172,11 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
             )
         if out.dtype is not None and out.dtype != ir.DataType.FLOAT16:
             y = op("Cast", [y], "y_cast", to=int(out.dtype))
-        if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
-            bias = node.inputs[2]
+        bias = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
+        if bias is not None:
             beta = node.attributes.get_float("beta", 1.0)
             if beta != 1.0:
-                bias = op("Mul", [bias, const("beta", np.array(beta, bias.dtype.numpy()))], "beta_c")
+                bias = op("Mul", [bias, const("beta", np.array(beta, dtype_of(bias).numpy()))], "beta_c")
             y = op("Add", [y, bias], "bias")
         y.dtype, y.shape = out.dtype, out.shape
         graph.insert_before(node, list(tape.nodes))

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from .known import graph_of, required_input
+
 __all__ = ["ADAPTERS", "MIN_IR_VERSION", "TARGET_OPSET", "UpgradeError", "default_opset", "describe"]
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def _const(node: ir.Node, array: np.ndarray, tag: str) -> ir.Value:
     tape = ir.tape.Tape()
     const = tape.op("Constant", [], {"value": ir.tensor(array)}, name=f"{node.name}_{tag}_upgrade")
     const.name = f"{node.name}_{tag}_upgrade"
-    node.graph.insert_before(node, tape.nodes)
+    graph_of(node).insert_before(node, tape.nodes)
     return const
 
 
@@ -42,7 +44,7 @@ def _cast_like(node: ir.Node, value: ir.Value, like: ir.Value, tag: str) -> ir.V
     tape = ir.tape.Tape()
     cast = tape.op("CastLike", [value, like], name=f"{node.name}_{tag}_cast_upgrade")
     cast.name = f"{node.name}_{tag}_cast_upgrade"
-    node.graph.insert_before(node, tape.nodes)
+    graph_of(node).insert_before(node, tape.nodes)
     return cast
 
 
@@ -59,13 +61,13 @@ def _attr_to_input(node: ir.Node, attr: str, index: int, dtype=np.int64, like_in
         return
     value = _const(node, np.array(found.value, dtype=dtype), attr)
     if like_input:  # scalars that must have the data's own type (Pad value, Clip min/max)
-        value = _cast_like(node, value, node.inputs[0], attr)
+        value = _cast_like(node, value, required_input(node, 0), attr)
     _set_input(node, index, value)
 
 
 def _replace(node: ir.Node, tape: ir.tape.Tape, outputs: list[ir.Value]) -> None:
     """``node`` replaced by the nodes recorded on ``tape``, its outputs by ``outputs``."""
-    ir.convenience.replace_nodes_and_values(node.graph, node, [node], list(tape.nodes), list(node.outputs), outputs)
+    ir.convenience.replace_nodes_and_values(graph_of(node), node, [node], list(tape.nodes), list(node.outputs), outputs)
 
 
 def _reduce_axes(node: ir.Node) -> None:
@@ -100,7 +102,7 @@ def _pad(node: ir.Node) -> None:
     value = node.attributes.pop("value", None)
     if value is not None and value.value != 0.0:
         scalar = _const(node, np.array(value.value, np.float32), "value")
-        _set_input(node, 2, _cast_like(node, scalar, node.inputs[0], "value"))
+        _set_input(node, 2, _cast_like(node, scalar, required_input(node, 0), "value"))
 
 
 def _clip(node: ir.Node) -> None:
@@ -128,7 +130,7 @@ def _softmax_family(node: ir.Node) -> None:
     as Flatten(axis=a) -> op(axis=1) -> Reshape to the input's shape. A last axis needs no reshape."""
     attr = node.attributes.pop("axis", None)
     axis = 1 if attr is None else attr.value
-    x = node.inputs[0]
+    x = required_input(node, 0)
     rank = len(x.shape) if x.shape is not None else None
     if rank is not None and axis % max(rank, 1) == rank - 1:
         node.attributes["axis"] = ir.AttrInt64("axis", -1)
@@ -138,8 +140,8 @@ def _softmax_family(node: ir.Node) -> None:
     flat = tape.op("Flatten", [x], {"axis": axis}, name=f"{node.name}_flatten_upgrade")
     op = tape.op(node.op_type, [flat], {"axis": 1}, name=node.name)
     back = tape.op("Reshape", [op, shape], name=f"{node.name}_reshape_upgrade")
-    for value in (shape, flat, op):
-        value.name = f"{value.producer().name}_out"
+    for produced in tape.nodes[:3]:  # Shape, Flatten, the op
+        produced.outputs[0].name = f"{produced.name}_out"
     _replace(node, tape, [back])
 
 
@@ -165,7 +167,7 @@ def _resize_10(node: ir.Node) -> None:
     """Resize-10 (X, scales) -> (X, roi, scales). Nearest rounds down on enlarged axes and up on shrunk
     ones: one Resize when every axis goes one way, else one Resize per direction (``axes``, opset 18)."""
     mode = node.attributes.get_string("mode", "nearest")
-    x, scales = node.inputs[0], node.inputs[1]
+    x, scales = node.inputs[0], required_input(node, 1)
     known = scales.const_value.numpy().astype(np.float64) if scales.const_value is not None else None
     if mode != "nearest" or known is None or (known >= 1).all() or (known <= 1).all():
         if mode == "nearest" and known is None:
@@ -224,7 +226,7 @@ def _roi_align(node: ir.Node) -> None:
 def _chain(node: ir.Node, steps: list[tuple[str, np.ndarray | None]]) -> None:
     """Replace ``node`` by a chain of unary steps on its input: (op, None) or (op, constant operand
     cast like the input)."""
-    x = out = node.inputs[0]
+    x = out = required_input(node, 0)
     tape = ir.tape.Tape()
     for i, (op, operand) in enumerate(steps):
         inputs = [out]
@@ -242,7 +244,7 @@ def _experimental(node: ir.Node) -> None:
     op = node.op_type
     if op == "ImageScaler":
         bias = node.attributes.get_floats("bias", None)
-        steps = [("Mul", np.array(get("scale", 1.0)))]
+        steps: list[tuple[str, np.ndarray | None]] = [("Mul", np.array(get("scale", 1.0)))]
         if bias is not None:
             steps.append(("Add", np.array(bias).reshape(1, -1, 1, 1)))
     elif op == "Scale":
@@ -301,7 +303,7 @@ def _broadcast_7(node: ir.Node) -> None:
     axis = node.attributes.pop("axis", None)
     if node.op_type == "Gemm" or broadcast is None or not broadcast.value or axis is None:
         return
-    a, b = node.inputs[0], node.inputs[1]
+    a, b = required_input(node, 0), required_input(node, 1)
     if a.shape is None or b.shape is None:
         raise UpgradeError(
             f"{describe(node)} broadcasts B at axis {axis.value} (opset 6) and the ranks of its inputs are "
@@ -314,7 +316,7 @@ def _broadcast_7(node: ir.Node) -> None:
     tape = ir.tape.Tape()
     reshaped = tape.op("Reshape", [b, shape], name=f"{node.name}_broadcast_upgrade")
     reshaped.name = f"{node.name}_broadcast_upgrade"
-    node.graph.insert_before(node, tape.nodes)
+    graph_of(node).insert_before(node, tape.nodes)
     node.replace_input_with(1, reshaped)
 
 
@@ -325,7 +327,15 @@ def _refuse(reason: str) -> Callable[[ir.Node], None]:
     return adapter
 
 
-_REDUCE_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin")
+_REDUCE_18: tuple[str, ...] = (
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceMin",
+)
 _REDUCE_18 += ("ReduceProd", "ReduceSumSquare")
 # op -> [(opset where the new signature begins, adapter)], applied in order when the node is older
 ADAPTERS: dict[str, list[tuple[int, Callable[[ir.Node], None]]]] = {

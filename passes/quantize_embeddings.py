@@ -28,6 +28,10 @@ import onnx_ir as ir
 from ..numerics.formats import Fp8Format, quantize
 from ..numerics.scaling import amax_to_scale
 from .common import check_initializers, derived_tensor, initializer
+from .known import constant, dim
+from .known import dtype as dtype_of
+from .known import name as name_of
+from .known import shape as shape_of
 
 __all__ = ["EmbeddingsResult", "QuantizeEmbeddingsPass"]
 
@@ -50,16 +54,19 @@ def _lut(fmt: Fp8Format, dtype: ir.DataType) -> np.ndarray:
 def _tables(model: ir.Model, min_rows: int, dequantized: dict[str, ir.Value]):
     """(table value, its Gather nodes, why it stays as it is) for every constant 2-D float table
     read by a Gather; the Gathers are on axis 0 unless the table is in ``dequantized``."""
-    seen = {}
+    seen: dict[str, ir.Value] = {}
     for node in model.graph:
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or not node.inputs:
             continue
         table = node.inputs[0]
         if table is None or table.const_value is None or not table.is_initializer() or table.is_graph_input():
             continue
-        if table.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) or len(table.shape) != 2:
+        if (
+            table.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+            or len(shape_of(table)) != 2
+        ):
             continue
-        seen.setdefault(table.name, table)
+        seen.setdefault(name_of(table), table)
     for table in seen.values():
         uses = [u.node for u in table.uses()]
         other = next((n for n in uses if n.op_type != "Gather" or n.graph is not model.graph), None)
@@ -71,8 +78,8 @@ def _tables(model: ir.Model, min_rows: int, dequantized: dict[str, ir.Value]):
             yield table, uses, None
         elif axes != {0}:
             yield table, [], f"gathered along axis {sorted(axes)[-1]}, not 0"
-        elif int(table.shape[0]) < min_rows:
-            yield table, [], f"{table.shape[0]} rows, fewer than {min_rows}"
+        elif (rows := dim(table, 0)) < min_rows:
+            yield table, [], f"{rows} rows, fewer than {min_rows}"
         else:
             yield table, uses, None
 
@@ -119,8 +126,8 @@ class QuantizeEmbeddingsPass(ir.passes.InPlacePass):
         return result
 
     def _rewrite(self, graph: ir.Graph, table: ir.Value, gathers: list[ir.Node]) -> None:
-        fmt, dtype, name = self.fmt, table.dtype, table.name
-        source = table.const_value
+        fmt, dtype, name = self.fmt, dtype_of(table), name_of(table)
+        source = constant(table)
         amax = np.abs(source.numpy().astype(np.float32)).max(axis=1)
         scales = np.array(
             [amax_to_scale(float(a), fmt) if a > 0 else 1.0 for a in amax], dtype=dtype.numpy()

@@ -17,12 +17,16 @@ Rewrite cases, for a chosen node (the [1, N] copy is a main-graph initializer, v
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 
 import onnx_ir as ir
 
 from .common import initializer
+from .known import constant, required_input, tensor_shape
+from .known import dtype as dtype_of
+from .known import name as name_of
 
 __all__ = ["ShieldBiasPass", "bias_of"]
 
@@ -41,12 +45,14 @@ def bias_of(node: ir.Node) -> tuple[ir.Node, int] | None:
         holder, index = uses[0].node, 1 - uses[0].idx
     else:
         return None
-    if len(holder.inputs) <= index or holder.inputs[index] is None:
-        return None
-    bias = holder.inputs[index]
-    if bias.const_value is None or len(bias.const_value.shape) != 1:
+    bias = holder.inputs[index] if len(holder.inputs) > index else None
+    if bias is None or bias.const_value is None or len(bias.const_value.shape) != 1:
         return None
     return holder, index
+
+
+def _as_row(source: ir.TensorProtocol) -> ir.TensorProtocol:
+    return ir.tensor(source.numpy().reshape(1, -1))
 
 
 class ShieldBiasPass(ir.passes.InPlacePass):
@@ -75,13 +81,13 @@ class ShieldBiasPass(ir.passes.InPlacePass):
             if found is None:
                 continue
             holder, index = found
-            bias = holder.inputs[index]
-            source = bias.const_value
-            shape = ir.Shape([1, source.shape[0]])
-            tensor = ir.LazyTensor(lambda s=source: ir.tensor(s.numpy().reshape(1, -1)), dtype=bias.dtype, shape=shape)
-            holder.replace_input_with(index, initializer(graph, f"{bias.name}/row", tensor))
+            bias = required_input(holder, index)
+            source = constant(bias)
+            shape = ir.Shape([1, tensor_shape(source)[0]])
+            tensor = ir.LazyTensor(functools.partial(_as_row, source), dtype=dtype_of(bias), shape=shape)
+            holder.replace_input_with(index, initializer(graph, f"{name_of(bias)}/row", tensor))
             if not bias.uses() and not bias.is_graph_output() and not bias.is_graph_input():
-                graph.initializers.pop(bias.name, None)
+                graph.initializers.pop(name_of(bias), None)
             changed += 1
         if changed:
             logger.info("reshaped %d biases to [1, N] (onnxruntime BiasQuantization would clip them)", changed)

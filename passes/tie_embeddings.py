@@ -17,11 +17,16 @@ leaves it in float when the projection stays in float.
 from __future__ import annotations
 
 import logging
+from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
 
 from .common import check_initializers, release
+from .known import constant, required_input
+from .known import dtype as dtype_of
+from .known import name as name_of
+from .known import shape as shape_of
 
 __all__ = ["TieEmbeddingsPass"]
 
@@ -29,7 +34,7 @@ logger = logging.getLogger(__name__)
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-def _constant(value: ir.Value | None) -> bool:
+def _constant(value: ir.Value | None) -> TypeGuard[ir.Value]:
     return (
         value is not None
         and value.const_value is not None
@@ -44,20 +49,19 @@ def _constant(value: ir.Value | None) -> bool:
 
 def _gather_tables(graph: ir.Graph) -> dict[str, ir.Value]:
     """Tables read only by Gathers on axis 0 of the main graph, by name."""
-    tables = {}
+    tables: dict[str, ir.Value] = {}
     for node in graph:
-        if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and _constant(node.inputs[0]):
-            table = node.inputs[0]
+        if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and _constant(table := node.inputs[0]):
             readers = [u.node for u in table.uses()]
             if all(
                 n.op_type == "Gather" and n.attributes.get_int("axis", 0) == 0 and n.graph is graph for n in readers
             ):
-                tables[table.name] = table
+                tables[name_of(table)] = table
     return tables
 
 
 def _equal(a: ir.Value, b: ir.Value, transposed: bool) -> bool:
-    x, y = a.const_value.numpy(), b.const_value.numpy()
+    x, y = constant(a).numpy(), constant(b).numpy()
     same = x.dtype == y.dtype and np.array_equal(x, y.T if transposed else y)
     del x, y
     release(a.const_value)  # memory-mapped weights leave resident memory again
@@ -87,9 +91,9 @@ class TieEmbeddingsPass(ir.passes.InPlacePass):
             if not _constant(weight) or weight.name in tables:
                 continue
             transposed = node.op_type == "MatMul" or not node.attributes.get_int("transB", 0)
-            rows, cols = (int(d) if isinstance(d, int) else -1 for d in weight.shape)
+            rows, cols = (int(d) if isinstance(d, int) else -1 for d in shape_of(weight))
             for name, table in list(tables.items()):
-                v, d = (int(x) if isinstance(x, int) else -2 for x in table.shape)
+                v, d = (int(x) if isinstance(x, int) else -2 for x in shape_of(table))
                 shape = (cols, rows) if transposed else (rows, cols)
                 if shape != (v, d):
                     continue
@@ -100,7 +104,7 @@ class TieEmbeddingsPass(ir.passes.InPlacePass):
                 if not transposed:
                     for use in list(weight.uses()):
                         use.node.replace_input_with(use.idx, table)
-                del graph.initializers[weight.name if not transposed else table.name]
+                del graph.initializers[name_of(weight if not transposed else table)]
                 del tables[name]
                 tied += 1
                 logger.info("tied embedding table %r stored once (it equals %s's weight)", name, node.name)
@@ -112,17 +116,18 @@ class TieEmbeddingsPass(ir.passes.InPlacePass):
         """Every Gather of ``table`` rewritten to gather columns of ``weight``; False (nothing changed)
         when the rank of some Gather's indices is unknown."""
         gathers = [u.node for u in table.uses()]
-        ranks = [len(g.inputs[1].shape) if g.inputs[1].shape is not None else None for g in gathers]
-        if any(r is None for r in ranks):
+        ranks = [len(s) if (s := required_input(g, 1).shape) is not None else None for g in gathers]
+        known_ranks = [r for r in ranks if r is not None]
+        if len(known_ranks) != len(ranks):
             logger.info("tied table %r left as it is: the rank of its Gather indices is unknown", table.name)
             return False
-        for gather, rank in zip(gathers, ranks):
+        for gather, rank in zip(gathers, known_ranks):
             ids, out = gather.inputs[1], gather.outputs[0]
             tape = ir.tape.Tape()
             columns = tape.op("Gather", [weight, ids], {"axis": 1}, name=f"{gather.name}/tied")
-            columns.name, columns.dtype = f"{out.name}/tied_columns", weight.dtype
+            columns.name, columns.dtype = f"{out.name}/tied_columns", dtype_of(weight)
             new = tape.op("Transpose", [columns], {"perm": [*range(1, rank + 1), 0]}, name=f"{gather.name}/tied_rows")
-            new.dtype, new.shape = out.dtype or weight.dtype, out.shape
+            new.dtype, new.shape = out.dtype or dtype_of(weight), out.shape
             graph.insert_before(gather, tape.nodes)
             name = out.name
             out.replace_all_uses_with(new, replace_graph_outputs=True)
