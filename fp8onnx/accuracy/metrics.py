@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import warnings
 
 import numpy as np
 
@@ -46,27 +47,19 @@ class _OutputStats:
     def update(self, ref: np.ndarray, out: np.ndarray, logits: bool) -> None:
         if ref.shape != out.shape:
             raise Fp8OnnxError(f"Output shapes differ: reference {ref.shape}, candidate {out.shape}.")
-        r = ref.astype(np.float64).reshape(-1, ref.shape[-1] if ref.ndim else 1)
-        c = out.astype(np.float64).reshape(r.shape)
-        nr, nc = np.linalg.norm(r, axis=1), np.linalg.norm(c, axis=1)
-        dot = (r * c).sum(axis=1)
-        both_zero = (nr == 0) & (nc == 0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cos = np.where(both_zero, 1.0, dot / (nr * nc))
-        cos = np.nan_to_num(cos, nan=0.0)
+        r = ref.reshape(-1, ref.shape[-1] if ref.ndim else 1)
+        cos, err, energy, peak, hits = _row_stats(r, out.reshape(r.shape), logits)
         self.rows += len(cos)
         self.cos_sum += float(cos.sum())
         self.cos_min = min(self.cos_min, float(cos.min())) if len(cos) else self.cos_min
-        diff = c - r
-        self.err_sq += float(np.nansum(diff * diff))
-        self.ref_sq += float((r * r).sum())
-        self.max_abs = max(self.max_abs, float(np.nanmax(np.abs(diff))) if diff.size else 0.0)
-        hits = (r.argmax(axis=1) == c.argmax(axis=1)) if logits and len(r) else np.zeros(len(r), bool)
+        self.err_sq += float(np.nansum(err))
+        self.ref_sq += float(energy.sum())
+        self.max_abs = max(self.max_abs, float(np.nanmax(peak)) if peak.size else 0.0)
         if logits:
             self.top1_hits += int(hits.sum())
             self.top1_rows += r.shape[0]
         if len(cos):
-            columns = (cos, np.ones(len(cos)), np.nansum(diff * diff, axis=1), (r * r).sum(axis=1), hits, float(logits))
+            columns = (cos, np.ones(len(cos)), err, energy, hits, float(logits))
             self.per_sample.append(_by_sample(np.stack(np.broadcast_arrays(*columns), axis=1), samples_of(ref)))
 
     def merge(self, other: _OutputStats) -> None:
@@ -116,6 +109,35 @@ class _Score:
     def columns(self, output: str) -> dict[str, np.ndarray]:
         """The per-sample sums of ``output`` and, with labels, of the task: one entry per sample."""
         return {**self.outputs[output].columns(), **_columns(self.per_sample, LABEL_COLUMNS)}
+
+
+ROW_CHUNK = 1 << 22  # elements of one float64 slice of the outputs (32 MiB): a 262k-token vocabulary's logits
+# at 4 x 512 positions are 4 GB as float64, and the statistics took several such copies at once
+
+
+def _row_stats(ref: np.ndarray, out: np.ndarray, logits: bool):
+    """Per row of two [rows, width] outputs, in float64, a bounded slice at a time: cosine (1 where both
+    are zero, 0 where undefined), squared error (NaN-skipping), reference energy, largest absolute
+    difference (NaN-skipping; NaN for an all-NaN row) and top-1 agreement (False unless ``logits``)."""
+    rows = ref.shape[0]
+    cos, err, energy, peak = (np.empty(rows) for _ in range(4))
+    hits = np.zeros(rows, bool)
+    step = max(1, ROW_CHUNK // max(1, ref.shape[1]))
+    for s in range(0, rows, step):
+        r, c = ref[s : s + step].astype(np.float64), out[s : s + step].astype(np.float64)
+        nr, nc = np.linalg.norm(r, axis=1), np.linalg.norm(c, axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            part = np.where((nr == 0) & (nc == 0), 1.0, (r * c).sum(axis=1) / (nr * nc))
+        cos[s : s + step] = np.nan_to_num(part, nan=0.0)
+        diff = c - r
+        err[s : s + step] = np.nansum(diff * diff, axis=1)
+        energy[s : s + step] = (r * r).sum(axis=1)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN row: NaN, skipped by the caller's nanmax
+            peak[s : s + step] = np.nanmax(np.abs(diff), axis=1) if diff.shape[1] else 0.0
+        if logits:
+            hits[s : s + step] = r.argmax(axis=1) == c.argmax(axis=1)
+    return cos, err, energy, peak, hits
 
 
 def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out, classes=frozenset()) -> _Score:
