@@ -25,6 +25,7 @@ import math
 
 import onnx_ir as ir
 
+from fp8onnx.graph import known
 from fp8onnx.passes import InsertQDQPass
 from fp8onnx.passes.instrument import error_outputs, range_only, shadow_of
 from fp8onnx.pipeline.statistics import Statistic
@@ -86,7 +87,7 @@ class Budget(Statistic):
                 node_inputs += [(shadow, i) for i in picked]
         InsertQDQPass(node_inputs, self.quant)(model)  # one Q/DQ per tensor, shared by the shadows reading it
         for node, kind, shadow, picked in shadows:
-            names = self._names.setdefault(node.name, {})
+            names = self._names.setdefault(known.name(node), {})
             if kind == "range":
                 names.update(range_only(model.graph, node, shadow, picked, self.quant))
             names[kind], energy = error_outputs(model.graph, node, shadow, kind, "energy" not in names)
@@ -105,7 +106,7 @@ class Budget(Statistic):
             self.sums[name] = self.sums.get(name, 0.0) + float(value)
 
     def _static(self, node: ir.Node, picked: list[int]) -> bool:
-        return all(isinstance(self.quant[node.inputs[i].name].scale, float) for i in picked)
+        return all(isinstance(self.quant[known.name(known.required_input(node, i))].scale, float) for i in picked)
 
     def rows(self) -> list[NodeBudget]:
         """Per node, its budget; shares of the measured nodes' summed relative squared errors."""

@@ -40,6 +40,7 @@ from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.data.kv_cache import cache_sizes
+from fp8onnx.graph import known
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.graph.runtime import (
@@ -98,7 +99,7 @@ def compare(
     named = [pathlib.Path(c).name for c in candidates]  # an export folder is named by its folder
     reference, candidates = model_file(reference), [model_file(c) for c in candidates]  # export folders too
     ref_model = load_model(reference)
-    out_names = [v.name for v in ref_model.graph.outputs]
+    out_names = [known.name(v) for v in ref_model.graph.outputs]
     if metric not in METRICS:
         raise Fp8OnnxError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}.")
     classes = class_outputs(ref_model) | ({out_names[0]} if metric == "top1" else set())
@@ -214,7 +215,7 @@ def _generation(reference, models, rows, source, tokens: int, prompts: int, prov
     """Greedy generation of every model (fp8onnx.accuracy.generation) from the first ``prompts`` rows of the
     data's input_ids (their first PROMPT_TOKENS tokens), each row's agreement with FP32's tokens."""
 
-    rows_ids = []
+    rows_ids: list[np.ndarray] = []
     for batch in source.batches(prompts):
         rows_ids.extend(np.asarray(batch.feed["input_ids"]).reshape(-1, batch.feed["input_ids"].shape[-1]))
         if len(rows_ids) >= prompts:

@@ -95,7 +95,7 @@ class CompareResult:
     def table(self) -> str:
         first = next(iter(self.rows[0].outputs)) if self.rows and self.rows[0].outputs else None
         head = _COLUMNS
-        lines = [_cells(r, r.outputs.get(first, {})) for r in self.rows]
+        lines = [_cells(r, r.outputs.get(first, {}) if first is not None else {}) for r in self.rows]
         widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
         out = [f"{self.samples} samples from {self.data}, output {first!r} vs the FP32 reference ({self.provider})"]
         out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))

@@ -11,6 +11,7 @@ import gc
 import logging
 import pathlib
 import time
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from fp8onnx.accuracy.compare_results import _REFERENCE, _row
 from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score, labelled
 from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.progress import progress_bar
+from fp8onnx.data.datasource import DataSource
 from fp8onnx.graph.model_io import load_model
 from fp8onnx.graph.runtime import (
     RunOptions,
@@ -45,7 +47,7 @@ class _Evaluation:
 
     reference: pathlib.Path
     models: dict  # name -> (path or None, builder of its session)
-    source: object  # fp8onnx.data.datasource.as_data's data source
+    source: DataSource  # fp8onnx.data.datasource.as_data's data source
     out_names: list[str]
     total: int | None  # batches expected (progress bars)
     max_samples: int | None
@@ -65,6 +67,8 @@ def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
         _reference_pass(done, job)
     spill, scored, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
     feed_names = done.feed_names
+    if spill is None or done.score is None:
+        raise Fp8OnnxError(f"The reference run of {str(reference)!r} was closed; it has no outputs to compare.")
     try:
         rows = [_row(_REFERENCE, str(reference), done.score, scored)]
         rows[0].latency_ms, rows[0].session_mib = done.cost
@@ -80,7 +84,7 @@ def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
                     with cost.run():
                         outs = _run(session, name, feed, b)
                     total_score.merge(_score(ref, outs, out_names, labels, label_out, classes))
-                outs = None
+                outs = []
                 cost.release()
             except Fp8OnnxError as exc:
                 if name != "FP16":
@@ -138,7 +142,7 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
                 run.spill.save(f"out/{o}", b, r)
             for k, v in batch.feed.items():
                 run.spill.save(f"in/{k}", b, v)
-            if run.label_out is not None:
+            if run.label_out is not None and batch.labels is not None:  # labels: what label_out was found by
                 run.labelled += labelled(batch.labels)
                 run.spill.save("labels", b, batch.labels)
             run.samples += batch.size
@@ -220,7 +224,7 @@ def _evaluate_distributed(job: _Evaluation):
         label_out, refs = None, []
         results = pool.map(reference_batch, items(), keep=True)
         for (score, labelled_output), ref in progress_bar(
-            results, total=job.total, desc="FP32", unit="batch", enable=progress
+            _pairs(results), total=job.total, desc="FP32", unit="batch", enable=progress
         ):
             ref_score.merge(score)
             refs.append(ref)
@@ -240,6 +244,14 @@ def _evaluate_distributed(job: _Evaluation):
                 continue
             rows.append(_row(name, path, total_score, scored))
     return rows, samples, len(refs)
+
+
+def _pairs(results: Iterable[object]) -> Iterator[tuple]:
+    """The reference's results from the workers, each ((its score, the labelled output), its outputs)."""
+    for result in results:
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise Fp8OnnxError(f"A worker returned {type(result).__name__}, not the reference's (score, outputs).")
+        yield result
 
 
 def _candidate_score(pool, job: _Evaluation, name: str, load, path, batches: list, label_out) -> _Score:
@@ -263,10 +275,9 @@ def _candidate_score(pool, job: _Evaluation, name: str, load, path, batches: lis
 def _worker_session(model, provider: str, what: str, disabled: tuple[str, ...], threads: int):
     """A worker's session of a model given as a path, or as :func:`fp8onnx.graph.runtime.portable_model`'s
     (graph, weights)."""
-    options = {"arena": False, "threads": threads, "disabled_optimizers": disabled}
     if isinstance(model, tuple):
-        return session_from_portable(model, provider, what, **options)
-    return make_session(pathlib.Path(model), provider, what, **options)
+        return session_from_portable(model, provider, what, arena=False, threads=threads, disabled_optimizers=disabled)
+    return make_session(pathlib.Path(model), provider, what, arena=False, threads=threads, disabled_optimizers=disabled)
 
 
 def _session(path, provider: str):

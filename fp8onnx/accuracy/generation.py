@@ -129,8 +129,9 @@ class Generator:
             elif name == "position_ids":
                 feed[name] = np.broadcast_to(np.arange(state.length, total, dtype=spec.dtype), (batch, new)).copy()
             elif name == "use_cache_branch":
+                dims = tuple(d for d in spec.shape if d is not None)
                 feed[name] = np.full(
-                    spec.shape if spec.shape and None not in spec.shape else (1,), state.past is not None
+                    dims if spec.shape and len(dims) == len(spec.shape) else (1,), state.past is not None
                 )
             elif name in state.encoder:
                 feed[name] = state.encoder[name].astype(spec.dtype)

@@ -33,6 +33,7 @@ import os
 
 from fp8onnx.accuracy.budget import Budget, budget_rows
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph import known
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
@@ -75,13 +76,15 @@ class SensitivityResult:
 
     def ranked(self) -> list[NodeSensitivity]:
         """Measured nodes by SQNR, lowest first."""
-        return sorted((n for n in self.nodes if n.rank is not None), key=lambda n: n.rank)
+        measured = [(n.rank, n) for n in self.nodes if n.rank is not None]
+        return [n for _, n in sorted(measured, key=lambda pair: pair[0])]
 
     def order(self) -> list[NodeSensitivity]:
         """The order to leave nodes in float: refined nodes by end-metric gain (largest first), then
         the rest by SQNR. Without refinement, :meth:`ranked`."""
         ranked = self.ranked()
-        refined = sorted((n for n in ranked if n.metric_gain is not None), key=lambda n: (-n.metric_gain, n.rank))
+        gains = [(n.metric_gain, n.rank, n) for n in ranked if n.metric_gain is not None and n.rank is not None]
+        refined = [n for _, _, n in sorted(gains, key=lambda item: (-item[0], item[1]))]
         return refined + [n for n in ranked if n.metric_gain is None]
 
     def to_json(self) -> dict:
@@ -112,7 +115,7 @@ class SensitivityResult:
             f"{'rank':>4}  {'node':<{width}}  {'op':<13}  {'SQNR dB':>7}" + ("  gain if float" if refined else ""),
         ]
         for n in rows:
-            shown = "inf" if math.isinf(n.sqnr_db) else f"{n.sqnr_db:.2f}"
+            shown = "-" if n.sqnr_db is None else "inf" if math.isinf(n.sqnr_db) else f"{n.sqnr_db:.2f}"
             line = f"{n.rank:>4}  {n.name:<{width}}  {n.op_type:<13}  {shown:>7}"
             if refined:
                 noise = f" ±{n.gain_noise * 100:.2f}" if n.gain_noise else ""
@@ -170,9 +173,9 @@ def measure_sensitivity(
     measured, rows = [], []
     for d in decisions:
         if d.node.graph is not ir_model.graph:
-            rows.append(NodeSensitivity(d.node.name, d.node.op_type, None, reason="inside a subgraph"))
+            rows.append(NodeSensitivity(known.name(d.node), d.node.op_type, None, reason="inside a subgraph"))
             continue
-        rows.append(NodeSensitivity(d.node.name, d.node.op_type, None))
+        rows.append(NodeSensitivity(known.name(d.node), d.node.op_type, None))
         measured.append(d)
     source = data if data is not None else calib
     if source is None:
@@ -211,7 +214,8 @@ def _rank(rows: list[NodeSensitivity], sqnr_db: dict[str, float]) -> None:
             row.sqnr_db = sqnr_db[row.name]
         elif row.reason is None:
             row.reason = "its activation is not quantized (nothing to keep in float with --fallback activations)"
-    for rank, row in enumerate(sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db), 1):
+    scored = [(r.sqnr_db, r) for r in rows if r.sqnr_db is not None]
+    for rank, (_, row) in enumerate(sorted(scored, key=lambda pair: pair[0]), 1):
         row.rank = rank
 
 

@@ -57,13 +57,15 @@ logger = logging.getLogger(__name__)
 
 def technique_configs() -> list[tuple[str, str, QuantizeConfig]]:
     """(label, "techniques", config) for the accuracy techniques beyond plain amax (``--techniques``)."""
-    per_token = {"activations": "dynamic-per-token"}
     configs = [
         ("e4m3fn amax + smooth 0.5", QuantizeConfig(smooth=0.5)),
         ("e4m3fn amax + gptq", QuantizeConfig(weight_rounding="gptq")),
         ("e4m3fn amax + bias correction", QuantizeConfig(bias_correction=True)),
-        ("e4m3fn per-token + gptq", QuantizeConfig(weight_rounding="gptq", **per_token)),
-        ("e4m3fn per-token + smooth + gptq", QuantizeConfig(weight_rounding="gptq", smooth=0.5, **per_token)),
+        ("e4m3fn per-token + gptq", QuantizeConfig(weight_rounding="gptq", activations="dynamic-per-token")),
+        (
+            "e4m3fn per-token + smooth + gptq",
+            QuantizeConfig(weight_rounding="gptq", smooth=0.5, activations="dynamic-per-token"),
+        ),
         ("e4m3fn weight-only + gptq", QuantizeConfig(activations="none", weight_rounding="gptq")),
     ]
     configs += [(f"preset {name}", QuantizeConfig.for_preset(name)) for name in PRESETS]
@@ -214,7 +216,7 @@ def study(
         configs = study_configs([])
         # The constant sweep spans the scales amax scaling chose, so it needs one amax run first.
         first = _run_config(model, tmp, configs[0], stats, quiet, reports)
-        amaxes = [a for n in first.quantized for t in n.tensors for a in np.ravel(t.amax) if a is not None]
+        amaxes = [a for n in first.quantized for t in n.tensors if t.amax is not None for a in np.ravel(t.amax)]
         sweep = constant_scales or constant_sweep([float(a) for a in amaxes])
         for item in study_configs(sweep)[1:]:
             _run_config(model, tmp, item, stats, quiet, reports)
@@ -230,10 +232,10 @@ def study(
     listed = enumerate(reports.items())
     rows = [_row(label, group, config, by_file[f"{i}.onnx"]) for i, (label, (group, config, _)) in listed]
     rows.sort(key=lambda r: -math.inf if r.value is None else r.value, reverse=True)
-    unique = {t.name: t for n in first.quantized for t in n.tensors if isinstance(t.scale, float)}
-    scales = {"weights": [], "activations": []}
-    for t in unique.values():
-        scales["weights" if t.kind == "weight" else "activations"].append(math.log2(t.scale))
+    tensors = {t.name: (t.kind, t.scale) for n in first.quantized for t in n.tensors if isinstance(t.scale, float)}
+    scales: dict[str, list[float]] = {"weights": [], "activations": []}
+    for kind, scale in tensors.values():
+        scales["weights" if kind == "weight" else "activations"].append(math.log2(scale))
     fp16 = by_file.get("FP16")
     return StudyResult(
         str(model),

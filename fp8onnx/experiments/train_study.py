@@ -103,7 +103,7 @@ class TrainStudy:
         """(constant scale, seeds converged, seeds run) for the CSCALE sweep."""
         out: dict[float, list[bool]] = {}
         for r in self.runs:
-            if r.precision == "fp8-cscale" and r.converged is not None:
+            if r.precision == "fp8-cscale" and r.scale is not None and r.converged is not None:
                 out.setdefault(r.scale, []).append(r.converged)
         return [(s, sum(v), len(v)) for s, v in sorted(out.items())]
 
@@ -205,7 +205,7 @@ def train_study(
     plan = _runs(seeds, scales, grad_ratio, margin)
     start = time.perf_counter()
     runs: list[TrainRun] = []
-    fp32: dict[int, tuple[float, float]] = {}  # seed -> (held-out loss, metric) of its FP32 run
+    fp32: dict[int, tuple[float, float | None]] = {}  # seed -> (held-out loss, metric) of its FP32 run
     kept = {}  # the first seed's FP32 and FP8-AMAX models, for deploy
     for label, precision, scale, recipe, seed in plan:
         if max_minutes is not None and time.perf_counter() - start > 60 * max_minutes:
@@ -236,10 +236,15 @@ def train_study(
     return result
 
 
-def _runs(seeds, scales, grad_ratio: float, margin: int) -> list[tuple]:
+_Run = tuple[str, str, float | None, Recipe | None, int]  # label, precision, constant scale, FP8 recipe, seed
+
+
+def _runs(seeds, scales, grad_ratio: float, margin: int) -> list[_Run]:
     """The study's runs in order, each (label, precision, constant scale, FP8 recipe, seed): FP32, BF16,
     FP8-AMAX, then FP8-CSCALE at each constant scale, every one for each seed."""
-    plan = [("fp32", "fp32", None, None, s) for s in seeds] + [("bf16", "bf16", None, None, s) for s in seeds]
+    plan: list[_Run] = [("fp32", "fp32", None, None, s) for s in seeds] + [
+        ("bf16", "bf16", None, None, s) for s in seeds
+    ]
     plan += [("fp8-amax", "fp8-amax", None, Recipe("amax", margin=margin), s) for s in seeds]
     plan += [
         (f"fp8-cscale 2^{int(math.log2(c))}", "fp8-cscale", c, Recipe("cscale", scale=c, grad_scale=c * grad_ratio), s)

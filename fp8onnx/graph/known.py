@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
 
-__all__ = ["constant", "name", "required_input", "tensor_shape"]
+__all__ = ["constant", "name", "required_input", "tensor_shape", "value_shape"]
 
 
 def name(item: ir.Node | ir.Value) -> str:
@@ -39,6 +39,13 @@ def required_input(node: ir.Node, index: int) -> ir.Value:
     if value is None:
         raise Fp8OnnxError(f"{node.op_type} node {node.name!r} has no input {index} (a required one).")
     return value
+
+
+def value_shape(value: ir.Value) -> ir.Shape:
+    """The shape of ``value`` (inferred, or declared), one a step needs (its rank, its sizes)."""
+    if value.shape is None:
+        raise Fp8OnnxError(f"Tensor {value.name!r} has no shape (shape inference could not tell it).")
+    return value.shape
 
 
 def tensor_shape(tensor: ir.TensorProtocol) -> ir.Shape:

@@ -12,13 +12,15 @@ Layers without a bias, or whose bias another node also reads, are left as they a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.passes import TensorQuant, bias_of
-from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.pipeline.statistics import F32, Statistic, Sums
 from fp8onnx.techniques.base import Technique, stored_values
 
 __all__ = ["BiasCorrection"]
@@ -29,7 +31,9 @@ logger = logging.getLogger(__name__)
 def _bias(node: ir.Node) -> tuple[ir.Node, int] | None:
     if node.op_type == "Conv":
         bias = node.inputs[2] if len(node.inputs) > 2 else None
-        return (node, 2) if bias is not None and bias.const_value is not None and len(bias.shape) == 1 else None
+        if bias is None or bias.const_value is None:
+            return None
+        return (node, 2) if len(known.value_shape(bias)) == 1 else None
     return bias_of(node)
 
 
@@ -47,7 +51,7 @@ def _shift(node: ir.Node, w: np.ndarray, wq: np.ndarray, mean: np.ndarray) -> np
         spatial = delta.reshape(delta.shape[0], per, -1).sum(axis=2)  # [O, C/g]
         group_of = np.arange(delta.shape[0]) // (delta.shape[0] // groups)
         return (spatial * means[group_of]).sum(axis=1)
-    if node.op_type == "Gemm" and node.attributes.get_int("transB", 0):
+    if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0:
         delta = delta.T
     return mean @ delta  # [K] @ [K, N]
 
@@ -68,25 +72,26 @@ class BiasCorrection(Technique):
     def __init__(self, model: ir.Model, decisions: list[Decision], originals: dict | None = None):
         self.model = model
         self.originals = {} if originals is None else originals  # weight name -> float values (GPTQ's)
-        self.layers = []
+        self.layers: list[tuple[ir.Node, ir.Value, ir.Value, tuple[ir.Node, int]]] = []
         for d in decisions:
             node, kinds = d.node, dict(d.inputs)
             holder = _bias(node)
             x = node.inputs[0]
-            if kinds.get(1) != "weight" or holder is None or node.inputs[1].const_value is None:
+            if kinds.get(1) != "weight" or holder is None:
                 continue
-            if node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
+            w = known.required_input(node, 1)
+            if w.const_value is None or (node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0):
                 continue
-            bias = holder[0].inputs[holder[1]]
+            bias = known.required_input(*holder)
             if len(list(bias.uses())) != 1 or x is None or x.shape is None or not in_main_graph(x, model):
                 continue
-            self.layers.append((node, x, node.inputs[1], holder))
-        builders = {}
+            self.layers.append((node, x, w, holder))
+        builders: dict[str, Callable[[ir.Value, Callable], list[ir.Value]]] = {}
         for node, x, _, _ in self.layers:
-            builders.setdefault(x.name, _mean_of(node))
+            builders.setdefault(known.name(x), _mean_of(node))
         self.means = Sums(builders, "input means") if builders else None
 
-    def statistics(self) -> list[Sums]:
+    def statistics(self) -> list[Statistic]:
         return [self.means] if self.means else []
 
     def apply(self, quant: dict[str, TensorQuant]) -> str | None:
@@ -100,18 +105,19 @@ class BiasCorrection(Technique):
         sums = self.means.result
         corrected = []
         for node, x, w, (holder, index) in self.layers:
-            if w.name not in quant or not quant[w.name].format.deployable:
+            name = known.name(w)
+            if name not in quant or not quant[name].format.deployable:
                 continue
-            total, size = sums[x.name]
+            total, size = sums[known.name(x)]
             mean = total / (float(size) / total.shape[0])
-            stored = w.const_value.numpy().astype(np.float32)  # GPTQ's rounding, if it ran: on the grid
-            original = self.originals.get(w.name)
+            stored = known.constant(w).numpy().astype(np.float32)  # GPTQ's rounding, if it ran: on the grid
+            original = self.originals.get(name)
             weight = stored if original is None else original.numpy().astype(np.float32)
-            shift = _shift(node, weight, stored_values(stored, quant[w.name]), mean)
-            bias = holder.inputs[index]
-            values = bias.const_value.numpy()
+            shift = _shift(node, weight, stored_values(stored, quant[name]), mean)
+            bias = known.required_input(holder, index)
+            values = known.constant(bias).numpy()
             bias.const_value = ir.tensor((values.astype(np.float64) + shift).astype(values.dtype), name=bias.name)
-            corrected.append(node.name)
+            corrected.append(known.name(node))
         logger.info("bias correction shifted %d biases", len(corrected))
         return corrected
 
@@ -120,7 +126,7 @@ def _mean_of(node: ir.Node):
     """In-graph sum over every axis but the channel axis, and the element count."""
 
     def build(x: ir.Value, add) -> list[ir.Value]:
-        rank = len(x.shape)
+        rank = len(known.value_shape(x))
         axis = _channel_axis(node, rank)
         axes = np.array([i for i in range(rank) if i != axis], np.int64)
         x32 = add("Cast", [x], "f32", to=int(F32))

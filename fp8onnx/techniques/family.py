@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from fp8onnx.data.text import PAST as _PAST
 from fp8onnx.data.text import vocabulary_size
+from fp8onnx.graph import known
 from fp8onnx.graph.plan import vocabulary_projections
 from fp8onnx.settings.config import PRESETS
 
@@ -77,11 +78,11 @@ def detect_family(model: ir.Model, fp8_gemm: bool = False) -> Family:
     ops = [n.op_type for n in nodes]
     matmuls = [n for n in nodes if n.op_type in ("MatMul", "Gemm")]
     convs = [n for n in nodes if n.op_type in ("Conv", "ConvTranspose")]
-    tokens = [v.name for v in inputs if "input_ids" in v.name and v.dtype in _INTEGER]
+    tokens = [known.name(v) for v in inputs if "input_ids" in known.name(v) and v.dtype in _INTEGER]
     if tokens:
         vocab = vocabulary_projections(model, matmuls)
         signs = []
-        past = [v.name for v in inputs if _PAST.search(v.name)]
+        past = [known.name(v) for v in inputs if _PAST.search(known.name(v))]
         if past:
             signs.append(f"{len(past)} KV-cache inputs")
         if "Trilu" in ops or "GroupQueryAttention" in ops:
@@ -103,9 +104,8 @@ def detect_family(model: ir.Model, fp8_gemm: bool = False) -> Family:
             return Family("decoder LLM", None if fp8_gemm else "llm-weight-only", why + _gemm(fp8_gemm))
         why = f"token input {tokens[0]!r}, no vocabulary projection"
         return Family("encoder", None if fp8_gemm else "encoder", why + _gemm(fp8_gemm))
-    audio = [v.name for v in inputs if _AUDIO.search(v.name) and v.dtype not in _INTEGER]
-    conv1d = [n for n in convs if n.inputs[1] is not None and n.inputs[1].shape is not None]
-    conv1d = [n for n in conv1d if len(n.inputs[1].shape) == 3]
+    audio = [known.name(v) for v in inputs if _AUDIO.search(known.name(v)) and v.dtype not in _INTEGER]
+    conv1d = [n for n in convs if (w := n.inputs[1]) is not None and w.shape is not None and len(w.shape) == 3]
     if audio or (conv1d and len(conv1d) * 2 >= len(convs)):
         why = f"audio input {audio[0]!r}" if audio else f"{len(conv1d)} 1-D convolutions"
         return Family("speech", None, why)

@@ -15,6 +15,7 @@ import logging
 import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision
 from fp8onnx.graph.runtime import RunOptions
 from fp8onnx.pipeline.calibration import Stats, ranges_stats
@@ -48,8 +49,9 @@ def techniques_for(
         return techniques
     originals = None
     if config.weight_rounding == "gptq":
-        techniques.append(GPTQ(model, decisions))
-        originals = techniques[-1].originals
+        gptq = GPTQ(model, decisions)
+        techniques.append(gptq)
+        originals = gptq.originals
     if config.bias_correction:
         techniques.append(BiasCorrection(model, decisions, originals))
     return techniques
@@ -74,13 +76,18 @@ def measure_techniques(
     for technique in techniques:
         if technique.statistics() and data is None:
             raise Fp8OnnxError(f"{technique.option} needs --calib DATA ({technique.needs}).")
-    measuring = isinstance(ranges, Ranges)
-    if not statistics and not measuring:
+    if not isinstance(ranges, Ranges):
+        if not statistics:
+            return ranges
+        logger.info(
+            "one pass over the calibration data for %s", ", ".join(t.name for t in techniques if t.statistics())
+        )
+        measure(model, statistics, data, run, "calibration", settle, sequential)
         return ranges
-    what = ", ".join((["activation ranges"] if measuring else []) + [t.name for t in techniques if t.statistics()])
+    what = ", ".join(["activation ranges"] + [t.name for t in techniques if t.statistics()])
     logger.info("one pass over the calibration data for %s", what)
-    done = measure(model, ([ranges] if measuring else []) + statistics, data, run, "calibration", settle, sequential)
-    return ranges_stats(ranges, done) if measuring else ranges
+    done = measure(model, [ranges, *statistics], data, run, "calibration", settle, sequential)
+    return ranges_stats(ranges, done)
 
 
 def settling(decisions: list[Decision], quant: dict, techniques: list[Technique], sequential: bool):
@@ -95,7 +102,7 @@ def settling(decisions: list[Decision], quant: dict, techniques: list[Technique]
     is complete, so that the sums of a segment are dropped once it has run)."""
 
     layers = {
-        d.node.name: [d.node.inputs[i] for i, kind in d.inputs if kind == "weight"]
+        known.name(d.node): [known.required_input(d.node, i) for i, kind in d.inputs if kind == "weight"]
         for d in decisions
         if any(kind == "weight" for _, kind in d.inputs)
     }
@@ -113,19 +120,20 @@ def settling(decisions: list[Decision], quant: dict, techniques: list[Technique]
 
     def settle(names: list[str], measured: set[str]) -> dict:
         pending = [w for name in names for w in layers.get(name, ()) if w.name not in done and w.name in quant]
-        settled = [t.on_segment_end(quant, measured, [w.name for w in pending]) for t in techniques]
+        settled = [t.on_segment_end(quant, measured, [known.name(w) for w in pending]) for t in techniques]
         by_technique = {name: value for s in settled for name, value in s.stored.items()}
         waiting = set().union(*(s.waiting for s in settled))  # their statistics are still to come
         stored = {}
         for weight in pending:
-            if weight.name in waiting:
+            name = known.name(weight)
+            if name in waiting:
                 continue
-            rounded = by_technique.get(weight.name)
+            rounded = by_technique.get(name)
             if rounded is None:  # no technique rounds it: the nearest value on its grid
-                w = weight.const_value.numpy()
-                rounded = ir.tensor(stored_values(w, quant[weight.name]).astype(w.dtype), name=weight.name)
-            stored[weight.name] = rounded
-            done.add(weight.name)
+                w = known.constant(weight).numpy()
+                rounded = ir.tensor(stored_values(w, quant[name]).astype(w.dtype), name=name)
+            stored[name] = rounded
+            done.add(name)
         return stored
 
     return list(layers), settle

@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data
+from fp8onnx.graph import known
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
 from fp8onnx.graph.placement import placement_summary, predict_placement
@@ -129,7 +130,7 @@ def _dequantized_tensors(graph: ir.Graph) -> list[dict]:
         )
         kind = "weight" if src.const_value is not None else "activation"
         out, granularity = node.outputs[0], _granularity(node, scale)
-        if out.name.endswith("/block_rows") and src.shape is not None:  # the per-axis form of block scales
+        if known.name(out).endswith("/block_rows") and src.shape is not None:  # the per-axis form of block scales
             out, axis = _layout_ops_after(out)
             granularity = f"block {src.shape[1]} along axis {axis} (per-axis form, for the CUDA EP)" + (
                 granularity[granularity.index(",") :] if "," in granularity else ""
@@ -155,10 +156,12 @@ def _layout_ops_after(value: ir.Value) -> tuple[ir.Value, int]:
     """Past the Reshape/Transpose/Slice nodes that follow a per-axis block DequantizeLinear: the weight
     they rebuild, and its blocked axis (1 where a last Transpose turns [K, N] into [N, K])."""
     axis = 0
-    while len(value.uses()) == 1 and value.uses()[0].node.op_type in _LAYOUT_OPS:
-        node = value.uses()[0].node
+    uses = list(value.uses())
+    while len(uses) == 1 and uses[0].node.op_type in _LAYOUT_OPS:
+        node = uses[0].node
         axis = 1 if node.op_type == "Transpose" and list(node.attributes.get_ints("perm", [])) == [1, 0] else axis
         value = node.outputs[0]
+        uses = list(value.uses())
     return value, axis
 
 
@@ -166,9 +169,11 @@ def _fast_form_weights(model: ir.Model) -> list[dict]:
     """The float8 weights that ``com.microsoft.MatMulBlockQuantizedFp8Weight`` nodes read."""
     found = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.op_type != BLOCK_FP8_OP or node.inputs[1] is None or node.inputs[1].shape is None:
+        if node.op_type != BLOCK_FP8_OP:
             continue
         b, b_scale = node.inputs[1], node.inputs[2]
+        if b is None or b.shape is None:
+            continue
         block = node.attributes.get_int("block_size", 128)
         scale = b_scale.const_value.numpy() if b_scale is not None and b_scale.const_value is not None else None
         n, k = b.shape.numpy()

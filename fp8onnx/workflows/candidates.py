@@ -71,7 +71,8 @@ class Candidates:
 
     def __exit__(self, *exc) -> None:
         self._reference.close()
-        remove(self._tmp)
+        if self._tmp is not None:
+            remove(self._tmp)
 
     def config_keeping(self, keep) -> QuantizeConfig:
         return dataclasses.replace(self.config, keep_float=tuple(keep))
@@ -86,14 +87,19 @@ class Candidates:
             return quantize(self.model, path, self.calib, config=config, run=run)
         return quantize(self.model, path, config=config, stats=self.stats, run=run)
 
+    def _folder(self) -> pathlib.Path:
+        if self._tmp is None:
+            raise Fp8OnnxError("Candidates are written inside its with block only (its scratch folder).")
+        return pathlib.Path(self._tmp)
+
     def ratios(self, keeps: list[tuple[str, ...]]) -> list[float | None]:
         """Headline metric relative to FP16's for each variant (nodes kept in float)."""
         todo = list(dict.fromkeys(frozenset(k) for k in keeps if frozenset(k) not in self._cache))
         if todo:
             quiet = RunOptions.of(self.run, progress=False)
-            paths = []
+            paths: list[pathlib.Path] = []
             for keep in todo:
-                path = pathlib.Path(self._tmp) / f"variant{self.evaluated + len(paths)}.onnx"
+                path = self._folder() / f"variant{self.evaluated + len(paths)}.onnx"
                 self.write(sorted(keep), path, quiet)
                 paths.append(path)
             first = self.rounds == 0

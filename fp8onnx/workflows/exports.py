@@ -199,7 +199,8 @@ class _Recorder:
     def __call__(self, role: str, feed: dict) -> None:
         if role not in self.dirs:
             return
-        np.savez(self.dirs[role] / f"{self.counts[role]:06d}.npz", **{k: np.asarray(v)[None] for k, v in feed.items()})
+        arrays = {k: np.asarray(v)[None] for k, v in feed.items()}
+        np.savez(self.dirs[role] / f"{self.counts[role]:06d}.npz", allow_pickle=True, **arrays)  # numpy's default
         self.counts[role] += 1
 
 
@@ -298,12 +299,12 @@ def quantize_folder(
         reports = {}
         for model in export.models:
             logger.info("quantizing %s", model.name)
-            reports[model.name] = quantize(
+            report = reports[model.name] = quantize(
                 model, build / model.name, data.get(model, calib), config=config, run=run, calib_optional=optional
             )
-            reports[model.name].output = str(out / model.name)
-            if model in data and reports[model.name].calibration:  # not the feeds' temporary folder
-                reports[model.name].calibration["source"] = f"{calib}, run through the export"
+            report.output = str(out / model.name)
+            if model in data and report.calibration:  # not the feeds' temporary folder
+                report.calibration["source"] = f"{calib}, run through the export"
         copied = _copy_other_files(export, build)
         deploy = _deployment(build, genai, cuda, fold_at_load)
         given = None if calib is None else str(calib)

@@ -135,9 +135,10 @@ def search(sens: SensitivityResult, candidates: Candidates, accuracy_target: flo
                 tried[k] = ratio
 
     def passes(k: int) -> bool:
-        if tried[k] is None:
+        ratio = tried[k]
+        if ratio is None:
             return False
-        gap, se = accuracy_target / 100 - tried[k], candidates.noise(tuple(order[:k]))
+        gap, se = accuracy_target / 100 - ratio, candidates.noise(tuple(order[:k]))
         return gap <= 0 or (se is not None and gap <= Z * se)
 
     def stable() -> int | None:
@@ -154,8 +155,7 @@ def search(sens: SensitivityResult, candidates: Candidates, accuracy_target: flo
         if stable() is not None:
             break
         score(counts)
-    while stable() is not None:
-        best = stable()
+    while (best := stable()) is not None:
         below = max((k for k in tried if k < best), default=None)
         if below is None or best - below <= 1:
             break

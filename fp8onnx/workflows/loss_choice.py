@@ -28,6 +28,7 @@ import onnx_ir as ir
 from fp8onnx.accuracy.metrics import class_outputs
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.progress import progress_bar
+from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, last_layers
 from fp8onnx.graph.runtime import RunOptions, machine_memory, session_for_model, weight_bytes
 from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
@@ -70,14 +71,14 @@ def choose_w8a16(
     requires: ``quant`` holds every quantized tensor's TensorQuant; ``model`` is still the float graph.
     ensures: the W8A8 nodes' MACs are at least ``goal`` of the quantized MACs, or every node is W8A8."""
     candidates = [d for d in decisions if any(k == "activation" for _, k in d.inputs) and d.node.graph is model.graph]
-    macs = {d.node.name: _macs(d) for d in decisions}
+    macs = {known.name(d.node): _macs(d) for d in decisions}
     why = _cannot_measure(model, candidates, source)
     if why:
         names = _by_names(model, candidates)
         how = f"by names (the fallback: {why})"
     else:
         losses = _losses(model, decisions, candidates, quant, source, run)
-        names = _by_loss(losses, macs, [d.node.name for d in candidates], goal)
+        names = _by_loss(losses, macs, [known.name(d.node) for d in candidates], goal)
         how = f"by measured loss ({_loss_kind(model)} to FP32 on {LOSS_SAMPLES} calibration samples, a run per node)"
     chosen = set(names)
     out = [
@@ -85,7 +86,7 @@ def choose_w8a16(
         for d in decisions
     ]
     total = sum(macs.values()) or 1
-    w8a8 = sum(macs[d.node.name] for d in out if any(k == "activation" for _, k in d.inputs))
+    w8a8 = sum(macs[known.name(d.node)] for d in out if any(k == "activation" for _, k in d.inputs))
     choice = LossChoice(sorted(chosen), w8a8 / total, how, {} if why else losses)
     logger.info("%s", choice.line())
     return out, choice
@@ -96,7 +97,7 @@ def _macs(d: Decision) -> int:
     for index, kind in d.inputs:
         value = d.node.inputs[index]
         if kind == "weight" and value is not None and value.const_value is not None:
-            return int(np.prod(value.const_value.shape))
+            return int(np.prod(value.const_value.shape.numpy()))
     return 0
 
 
@@ -134,7 +135,7 @@ def _by_loss(losses: dict[str, float], macs: dict[str, int], names: list[str], g
 
 
 def _loss_kind(model: ir.Model) -> str:
-    first = model.graph.outputs[0].name
+    first = known.name(model.graph.outputs[0])
     return "KL of the output distribution" if first in class_outputs(model) or "logit" in first else "1 - cosine"
 
 

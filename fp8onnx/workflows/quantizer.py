@@ -310,14 +310,14 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     if sample is not None:
         logger.warning("no --calib: calibrating on %s", sample)
         return sample, config
-    extras = {"weight_rounding": "nearest", "bias_correction": False, "smooth": None}
-    if auto is not None and "activation statistics" not in reads and not set(extras) & set(auto):
+    extras = {"weight_rounding", "bias_correction", "smooth"}  # the settings that read the data
+    if auto is not None and "activation statistics" not in reads and not extras & set(auto):
         logger.warning(
             "no calibration data: %s of preset %s skipped (pass --calib DATA to have it)",
             ", ".join(reads),
             config.preset,
         )
-        return None, dataclasses.replace(config, **extras)
+        return None, dataclasses.replace(config, weight_rounding="nearest", bias_correction=False, smooth=None)
     if tokens:
         raise Fp8OnnxError(
             f"Model {str(model)!r} takes token ids and has no tokenizer.json beside it to calibrate on a bundled "

@@ -119,7 +119,7 @@ def _half_tables(model: ir.Model, tables: list[str], prepared: list) -> None:
     gemms = [n for n in graph if n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx")]
     by_name = {n.name: n for n in gemms}
     weights = [by_name[name].inputs[1] for name in vocabulary_projections(model, gemms)]
-    names = [w.name for w in weights if w is not None and w.name in graph.initializers] + tables
+    names = [w.name for w in weights if w is not None and w.name is not None and w.name in graph.initializers] + tables
     names = [n for n in dict.fromkeys(names) if graph.initializers[n].dtype == ir.DataType.FLOAT]
     if not names:
         return
