@@ -21,6 +21,7 @@ CHECKED_FLOORS = (
     "workflows",
     "experiments",
     "cli",
+    "techniques",
 )
 ROOT = HERE.parents[1]
 LIBRARY = ("fp8onnx", "passes")  # where the library's own modules sit (passes/: fp8onnx.passes)

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
 
-__all__ = ["constant", "name", "required_input", "tensor_shape", "value_shape"]
+__all__ = ["constant", "name", "required_input", "tensor_shape", "value_dtype", "value_shape"]
 
 
 def name(item: ir.Node | ir.Value) -> str:
@@ -46,6 +46,13 @@ def value_shape(value: ir.Value) -> ir.Shape:
     if value.shape is None:
         raise Fp8OnnxError(f"Tensor {value.name!r} has no shape (shape inference could not tell it).")
     return value.shape
+
+
+def value_dtype(value: ir.Value) -> ir.DataType:
+    """The element type of ``value`` (inferred, or declared), one a step needs (to write a tensor of it)."""
+    if value.dtype is None:
+        raise Fp8OnnxError(f"Tensor {value.name!r} has no element type (shape inference could not tell it).")
+    return value.dtype
 
 
 def tensor_shape(tensor: ir.TensorProtocol) -> ir.Shape:

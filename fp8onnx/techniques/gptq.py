@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.scratch import scratch_folder
+from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.passes import TensorQuant
 from fp8onnx.passes.common import derived_tensor, reduction_size, release
-from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.pipeline.statistics import F32, Statistic, Sums
 from fp8onnx.techniques.base import Settled, Technique
 from fp8onnx.techniques.gptq_rounding import gptq_factor, ordered, restored, round_stacked
 
@@ -58,7 +61,7 @@ def _readers(decisions: list[Decision], model: ir.Model) -> dict[str, list[tuple
         x = node.inputs[0]
         if x is None or not in_main_graph(x, model) or reduction_size(node) is None:  # e.g. a Gemm with transA
             continue
-        out.setdefault(x.name, []).append((node, 1))
+        out.setdefault(known.name(x), []).append((node, 1))
     return out
 
 
@@ -77,7 +80,7 @@ def _hessians(sizes: dict[str, int]) -> Sums:
     3 x 3 blocks, 50 ms as one product of the transposed X)."""
 
     def xtx(x: ir.Value, add) -> list[ir.Value]:
-        k = sizes[x.name]
+        k = sizes[known.name(x)]
         x2 = add("Cast", [add("Reshape", [x, np.array([-1, k], np.int64)], "2d")], "f32", to=int(F32))
         cols = _column_blocks(k)
         if len(cols) > 1:
@@ -123,20 +126,20 @@ class _Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        k, n = (int(d) for d in self.value.shape)
+        k, n = known.value_shape(self.value).numpy()
         return (n, k) if self.transposed else (k, n)
 
     @property
     def blocked(self) -> bool:
         return bool(self.quant.block_size)
 
-    def scale(self) -> np.ndarray:
+    def scale(self) -> np.ndarray | np.float32:
         """The scale as GPTQ sees the weight ([K, N], y = x @ w): scalar, [N] per output column, or [K, N]
         per element for block scales (computed here, when the weight's stack is rounded: a model's
         block scales at full size would take as much memory as its float32 weights)."""
         tq = self.quant
         if tq.block_size:
-            full = tq.full_scale(list(self.value.shape))
+            full = tq.full_scale(list(known.value_shape(self.value)))
             return full.T if self.transposed else full
         if tq.axis is not None:  # per output channel: axis 1 of [K, N] (axis 0 of a transposed Gemm's)
             return np.asarray(tq.scale, np.float32).reshape(-1)
@@ -161,16 +164,24 @@ class GPTQ(Technique):
         self.hessians = _hessians(self.sizes) if self.sizes else None
         self.originals: dict[str, ir.TensorProtocol] = {}  # weight name -> its float values
         self.folder: str | None = None  # where weights rounded during the pass wait to be written
-        self._plan_for, self._plan_cache = None, {}
+        self._plan_for: dict[str, TensorQuant] | None = None  # the scales _plan_cache was planned for
+        self._plan_cache: dict[str, _Weight] = {}
         self._waiting: dict[str, np.ndarray] = {}  # rounded with a stack, not yet read (lazy rounding)
         self._stacked: set[str] = set()  # activations whose weights a stack has rounded (lazy rounding)
+        self.settles = bool(self.readers)  # it rounds weights as a layer-by-layer pass goes
 
-    def statistics(self) -> list[Sums]:
+    def statistics(self) -> list[Statistic]:
         return [self.hessians] if self.hessians else []
 
+    def _xtx(self) -> Sums:
+        """The X^T X sums (measured whenever a weight is planned: :attr:`readers` names its input)."""
+        if self.hessians is None:
+            raise Fp8OnnxError("GPTQ has no X^T X sums: no quantized MatMul/Gemm weight has an input it can measure.")
+        return self.hessians
+
     def _hessian(self, x: str) -> np.ndarray:
-        *blocks, rows = self.hessians.value_of(x)
-        k, rows = self.sizes[x], int(rows.reshape(-1)[0])
+        *blocks, counted = self._xtx().value_of(x)
+        k, rows = self.sizes[x], int(counted.reshape(-1)[0])
         if rows < MIN_ROWS_PER_CHANNEL * k and rows not in _WARNED:
             _WARNED.add(rows)  # once for this data (its rows) in a process: an accuracy search rounds every candidate
             logger.warning(
@@ -194,16 +205,17 @@ class GPTQ(Technique):
         shared: dict[str, set] = {}
         for x, nodes in self.readers.items():
             for node, index in nodes:
-                shared.setdefault(node.inputs[index].name, set()).add(x)
-        plan = {}
+                shared.setdefault(known.name(known.required_input(node, index)), set()).add(x)
+        plan: dict[str, _Weight] = {}
         for x, nodes in self.readers.items():
             for node, index in nodes:
-                value = node.inputs[index]
-                tq = quant.get(value.name)
-                if tq is None or not tq.format.deployable or len(shared[value.name]) > 1 or value.name in plan:
+                value = known.required_input(node, index)
+                name = known.name(value)
+                tq = quant.get(name)
+                if tq is None or not tq.format.deployable or len(shared[name]) > 1 or name in plan:
                     continue
-                transposed = bool(node.op_type == "Gemm" and node.attributes.get_int("transB", 0))
-                plan[value.name] = _Weight(value, x, transposed, tq, tq.format)
+                transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0
+                plan[name] = _Weight(value, x, transposed, tq, tq.format)
         return plan
 
     def _stacks(self, inputs: list[str], plan: dict[str, _Weight]) -> list[tuple[list[str], dict[str, list[str]]]]:
@@ -258,7 +270,7 @@ class GPTQ(Technique):
         if x in self._stacked:
             ((xs, by_input),) = self._stacks([x], plan)  # one input: one stack
             return self._round_stack(xs, by_input, plan)[name]
-        dropped = self.hessians.dropped  # rounded during a layer-by-layer pass already (round_ready)
+        dropped = self._xtx().dropped  # rounded during a layer-by-layer pass already (round_ready)
         ready = [y for y in dict.fromkeys(w.x for w in plan.values()) if y not in self._stacked and y not in dropped]
         xs, by_input = next((xs, b) for xs, b in self._stacks(ready, plan) if x in xs)
         done = self._round_stack(xs, by_input, plan)
@@ -278,10 +290,10 @@ class GPTQ(Technique):
             if name in self.originals:
                 continue
             # Evaluated when the model is saved (a large model is never resident whole).
-            source = w.value.const_value
+            source = known.constant(w.value)
             self.originals[name] = source
             w.value.const_value = derived_tensor(
-                source, lambda _, name=name: self._lazy(name), w.value.dtype, source.shape, name
+                source, lambda _, name=name: self._lazy(name), known.value_dtype(w.value), source.shape, name
             )
         logger.info("GPTQ rounded %d weights on the FP8 grid", len(rounded))
         return rounded
@@ -297,14 +309,10 @@ class GPTQ(Technique):
             return Settled()
         plan = self._planned(quant)
         mine = [name for name in weights if name in plan]
-        if any(n not in self.originals and set(self.hessians.fetch[plan[n].x]) <= measured for n in mine):
+        if any(n not in self.originals and set(self._xtx().fetch[plan[n].x]) <= measured for n in mine):
             self.round_ready(quant, measured)
         stored = {n: plan[n].value.const_value for n in mine if n in self.originals}
         return Settled(stored, {n for n in mine if n not in self.originals})
-
-    @property
-    def settles(self) -> bool:
-        return bool(self.readers)
 
     def round_ready(self, quant: dict[str, TensorQuant], measured: set[str], last_when_written: bool = False) -> None:
         """Round every weight whose X^T X is complete (layer-by-layer calibration, after each segment),
@@ -314,7 +322,7 @@ class GPTQ(Technique):
         budget, one segment, never touches it)."""
         plan = self._planned(quant)
         waiting = list(dict.fromkeys(w.x for n, w in plan.items() if n not in self.originals))
-        ready = [x for x in waiting if set(self.hessians.fetch[x]) <= measured]
+        ready = [x for x in waiting if set(self._xtx().fetch[x]) <= measured]
         if not ready or (last_when_written and len(ready) == len(waiting)):
             return
         for xs, by_input in self._stacks(ready, plan):  # written a stack at a time: memory holds one stack
@@ -322,17 +330,17 @@ class GPTQ(Technique):
                 w = plan[name]
                 where = os.path.join(self._folder(), f"{len(self.originals)}.npy")
                 np.save(where, rounded, allow_pickle=False)
-                self.originals[name] = w.value.const_value
+                self.originals[name] = known.constant(w.value)
                 w.value.const_value = ir.LazyTensor(
-                    lambda where=where, name=name: ir.tensor(np.load(where, allow_pickle=False), name=name),
-                    dtype=w.value.dtype,
-                    shape=ir.Shape(w.value.shape),
+                    _saved(where, name),
+                    dtype=known.value_dtype(w.value),
+                    shape=ir.Shape(known.value_shape(w.value)),
                     name=name,
                 )
         for x in ready:
-            self.hessians.drop(x)  # every weight it rounds is rounded: free its K x K sums
+            self._xtx().drop(x)  # every weight it rounds is rounded: free its K x K sums
 
-    def _planned(self, quant):
+    def _planned(self, quant: dict[str, TensorQuant]) -> dict[str, _Weight]:
         if self._plan_for is not quant:
             self._plan_for, self._plan_cache = quant, (self._plan(quant) if self.readers else {})
             self._waiting, self._stacked = {}, set()
@@ -342,3 +350,8 @@ class GPTQ(Technique):
         if self.folder is None:
             self.folder = scratch_folder("fp8onnx-gptq-")
         return self.folder
+
+
+def _saved(where: str, name: str) -> Callable[[], ir.TensorProtocol]:
+    """Weight ``name``'s rounding, read back from ``where`` (a ``.npy`` file) when the model is written."""
+    return lambda: ir.tensor(np.load(where, allow_pickle=False), name=name)

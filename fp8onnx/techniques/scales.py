@@ -11,6 +11,7 @@ import onnx_ir.passes.common
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import check_calibration_source
+from fp8onnx.graph import known
 from fp8onnx.graph.guard import as_path
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.graph.runtime import RunOptions
@@ -54,23 +55,24 @@ def assign_scales(
     pow2 = _POW2_MODE.get(config.scaling, False)  # dynamic scales too
     for d in decisions:
         for index, kind in d.inputs:
-            value = d.node.inputs[index]
-            if value.name in quant:
+            value = known.required_input(d.node, index)
+            name = known.name(value)
+            if name in quant:
                 continue
             if kind == "weight":
-                known = weights.get(value.name)
-                quant[value.name], amax[value.name] = known or weight_quant(d.node, index, value, config)
+                computed = weights.get(name)
+                quant[name], amax[name] = computed or weight_quant(d.node, index, value, config)
             elif config.activations == "dynamic-per-token" and _per_token(value):
-                quant[value.name] = TensorQuant(config.activation_format, None, axis=-1, pow2=pow2)
-                amax[value.name] = None
+                quant[name] = TensorQuant(config.activation_format, None, axis=-1, pow2=pow2)
+                amax[name] = None
             elif config.activations == "dynamic-per-group" and _per_token(value):
                 group = config.group_size
-                quant[value.name] = TensorQuant(config.activation_format, None, -1, group, pow2=pow2)
-                amax[value.name] = None
+                quant[name] = TensorQuant(config.activation_format, None, -1, group, pow2=pow2)
+                amax[name] = None
             else:
                 visible = in_main_graph(value, model)
-                quant[value.name] = activation_quant(value.name, calibration, config, visible)
-                amax[value.name] = None if calibration is None else calibration.amax.get(value.name)
+                quant[name] = activation_quant(name, calibration, config, visible)
+                amax[name] = None if calibration is None else calibration.amax.get(name)
     return quant, amax
 
 
@@ -156,6 +158,8 @@ def activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, vis
         return TensorQuant(fmt, None, pow2=_POW2_MODE.get(config.scaling, False))
     if config.scaling is Scaling.CONSTANT:
         return TensorQuant(fmt, amax_to_scale(0.0, fmt, config.scaling, constant=config.scale))
+    if stats is None:
+        raise Fp8OnnxError(f"Tensor {name!r} needs a static scale, and no calibration statistics were given for it.")
     amax = stats.amax[name]
     clip = clipping_amax(
         amax,
@@ -177,7 +181,7 @@ def bias_overflows(decisions: list[Decision], quant: dict[str, TensorQuant]) -> 
         found = bias_of(node)
         if found is None or len(d.inputs) < 2:
             continue
-        a, b = (quant[node.inputs[i].name] for i in (0, 1))
+        a, b = (quant[known.name(known.required_input(node, i))] for i in (0, 1))
         if not (a.format.deployable and b.format.deployable):
             continue  # emulated: no DequantizeLinear for ORT to match
         if a.scale is None or b.scale is None:
@@ -197,10 +201,11 @@ def keep_conv_bias_in_int32_range(decisions: list[Decision], quant: dict[str, Te
     product is negligible next to the bias."""
     for d in decisions:
         node = d.node
-        if node.op_type != "Conv" or len(node.inputs) < 3 or node.inputs[2] is None or len(d.inputs) < 2:
+        if node.op_type != "Conv" or len(node.inputs) < 3 or (held := node.inputs[2]) is None or len(d.inputs) < 2:
             continue
-        bias = node.inputs[2].const_value
-        x, w = quant[node.inputs[0].name], quant[node.inputs[1].name]
+        bias = held.const_value
+        weight = known.name(known.required_input(node, 1))
+        x, w = quant[known.name(known.required_input(node, 0))], quant[weight]
         if bias is None or x.scale is None or w.scale is None or not w.format.deployable or w.block_size:
             continue  # a scale computed at run time is not constant, blocks are reshaped before the Conv:
             # no quantized Conv for onnxruntime to form, no int32 bias
@@ -211,7 +216,7 @@ def keep_conv_bias_in_int32_range(decisions: list[Decision], quant: dict[str, Te
             raised = max(float(w.scale), float(need.max(initial=0.0)))
         if np.any(np.asarray(raised) > np.asarray(w.scale)):
             logger.info("raised the weight scale of Conv %r to keep its bias representable as int32", node.name)
-            quant[node.inputs[1].name] = TensorQuant(w.format, raised, w.axis)
+            quant[weight] = TensorQuant(w.format, raised, w.axis)
 
 
 def block_axis(node: ir.Node, index: int, rank: int) -> int | None:
@@ -227,7 +232,7 @@ def block_axis(node: ir.Node, index: int, rank: int) -> int | None:
         return 1 if node.op_type == "Conv" else 0
     if rank != 2 or node.op_type not in ("MatMul", "Gemm"):
         return None
-    return 1 if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else 0
+    return 1 if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0 else 0
 
 
 def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeConfig):
@@ -236,12 +241,16 @@ def weight_quant(node: ir.Node, index: int, value: ir.Value, config: QuantizeCon
     fmt = config.weight_format
     # Weights know their every value: percentile/mse clip activations only, weights keep their max.
     method = config.scaling if config.scaling in (Scaling.POW2, Scaling.MX, Scaling.CONSTANT) else Scaling.AMAX
-    axis = block_axis(node, index, len(value.shape)) if config.weight_block_size else None
+    axis = block_axis(node, index, len(known.value_shape(value))) if config.weight_block_size else None
     if axis is not None:
         amax = block_amax(value, axis, config.weight_block_size)
         scales = amax_to_scales(amax, fmt, method, margin=config.margin)
         return TensorQuant(fmt, scales, axis, config.weight_block_size), amax
-    axis = output_channel_axis(node, index, len(value.shape)) if config.weight_per_channel(node.op_type) else None
+    axis = (
+        output_channel_axis(node, index, len(known.value_shape(value)))
+        if config.weight_per_channel(node.op_type)
+        else None
+    )
     amax = weight_amax(value, axis)
     if axis is None:
         return TensorQuant(fmt, amax_to_scale(amax, fmt, method, margin=config.margin, constant=config.scale)), amax
@@ -256,5 +265,7 @@ def tensor_report(name: str, kind: str, quant: dict[str, TensorQuant], amax: dic
 def node_report(decision: Decision, quant: dict[str, TensorQuant], amax: dict) -> NodeReport:
     """The report's line for a quantized node: each quantized input's format, scale and amax."""
     node = decision.node
-    tensors = [tensor_report(node.inputs[i].name, kind, quant, amax) for i, kind in decision.inputs]
-    return NodeReport(node.name, node.op_type, True, None, tensors)
+    tensors = [
+        tensor_report(known.name(known.required_input(node, i)), kind, quant, amax) for i, kind in decision.inputs
+    ]
+    return NodeReport(known.name(node), node.op_type, True, None, tensors)

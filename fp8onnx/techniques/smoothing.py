@@ -24,9 +24,10 @@ import numpy as np
 import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, in_main_graph
 from fp8onnx.passes.instrument import scaled
-from fp8onnx.pipeline.statistics import F32, Sums
+from fp8onnx.pipeline.statistics import F32, Statistic, Sums
 from fp8onnx.techniques.base import Technique
 
 __all__ = ["Smoothing"]
@@ -45,11 +46,12 @@ def _groups(decisions: list[Decision], model: ir.Model) -> dict[str, tuple[ir.Va
         x = node.inputs[0]
         if x is None or node.op_type not in ("MatMul", "Gemm") or not in_main_graph(x, model):
             continue
-        ok = kinds.get(1) == "weight" and not (node.op_type == "Gemm" and node.attributes.get_int("transA", 0))
-        ok = ok and x.shape is not None and len(node.inputs[1].shape) == 2  # K from the weight, not x
+        ok = kinds.get(1) == "weight" and not (node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0)
+        w = known.required_input(node, 1) if ok else None
+        ok = ok and x.shape is not None and w is not None and len(known.value_shape(w)) == 2  # K from w, not x
         if not ok:
-            bad.add(x.name)
-        groups.setdefault(x.name, (x, []))[1].append(node)
+            bad.add(known.name(x))
+        groups.setdefault(known.name(x), (x, []))[1].append(node)
     for name in bad:
         groups.pop(name, None)
     return groups
@@ -57,14 +59,14 @@ def _groups(decisions: list[Decision], model: ir.Model) -> dict[str, tuple[ir.Va
 
 def _weight_rows(node: ir.Node) -> np.ndarray:
     """|W| max per input row k, for y = x W (a transposed Gemm weight is [N, K])."""
-    w = np.abs(node.inputs[1].const_value.numpy().astype(np.float32))
-    return w.max(axis=0) if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) else w.max(axis=1)
+    w = np.abs(known.constant(known.required_input(node, 1)).numpy().astype(np.float32))
+    return w.max(axis=0) if node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0 else w.max(axis=1)
 
 
 def _scale_weight(node: ir.Node, s: np.ndarray) -> None:
-    w_value = node.inputs[1]
-    w = w_value.const_value.numpy()
-    transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+    w_value = known.required_input(node, 1)
+    w = known.constant(w_value).numpy()
+    transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0
     scaled = w * (s[None, :] if transposed else s[:, None]).astype(w.dtype)
     w_value.const_value = ir.tensor(scaled.astype(w.dtype), name=w_value.name)
 
@@ -74,16 +76,17 @@ def _fold_into_norm(x: ir.Value, inv: np.ndarray) -> bool:
     producer = x.producer()
     if producer is None or producer.op_type not in _NORMS or producer.outputs[0] is not x:
         return False
-    if producer.attributes.get_int("axis", -1) not in (-1, len(x.shape) - 1):
+    if producer.attributes.get_int("axis", -1) not in (-1, len(known.value_shape(x)) - 1):
         return False
     index = 2 if producer.op_type == "SkipSimplifiedLayerNormalization" else 1
     params = [producer.inputs[index]]
     if producer.op_type == "LayerNormalization" and len(producer.inputs) > 2 and producer.inputs[2] is not None:
         params.append(producer.inputs[2])
-    if any(p is None or p.const_value is None or len(list(p.uses())) != 1 for p in params):
+    own = [p for p in params if p is not None and p.const_value is not None and len(list(p.uses())) == 1]
+    if len(own) != len(params):
         return False
-    for p in params:
-        values = p.const_value.numpy()
+    for p in own:
+        values = known.constant(p).numpy()
         p.const_value = ir.tensor((values * inv.astype(values.dtype)).astype(values.dtype), name=p.name)
     return True
 
@@ -103,7 +106,7 @@ def _channel_const(value: ir.Value | None, node: ir.Node, k: int) -> bool:
 
 def _times(value: ir.Value, factor: np.ndarray, axis: int = -1) -> None:
     """Multiply a constant in place by ``factor`` along ``axis``."""
-    values = value.const_value.numpy()
+    values = known.constant(value).numpy()
     shape = [1] * values.ndim
     shape[axis] = -1
     value.const_value = ir.tensor(
@@ -131,9 +134,9 @@ def _fold(x: ir.Value, inv: np.ndarray, per_channel, depth: int = 0) -> str | No
         w = producer.inputs[1]
         if w is None or w.const_value is None or not w.is_initializer() or not _only_reader(w, producer):
             return None
-        if len(w.const_value.shape) != 2 or (op == "Gemm" and producer.attributes.get_int("transA", 0)):
+        if len(w.const_value.shape) != 2 or (op == "Gemm" and producer.attributes.get_int("transA", 0) != 0):
             return None
-        axis = 0 if op == "Gemm" and producer.attributes.get_int("transB", 0) else 1
+        axis = 0 if op == "Gemm" and producer.attributes.get_int("transB", 0) != 0 else 1
         if w.const_value.shape[axis] != k:
             return None
         bias = producer.inputs[2] if op == "Gemm" and len(producer.inputs) > 2 else None
@@ -146,7 +149,9 @@ def _fold(x: ir.Value, inv: np.ndarray, per_channel, depth: int = 0) -> str | No
     if op in ("Add", "Mul") and len(producer.inputs) == 2:
         a, b = producer.inputs
         for const, other in ((a, b), (b, a)):
-            if _channel_const(const, producer, k) and other is not None and other.const_value is None:
+            if const is None or other is None or other.const_value is not None:
+                continue
+            if _channel_const(const, producer, k):
                 if op == "Mul":  # (v * c) / s = v * (c / s)
                     _times(const, inv)
                     return where
@@ -168,7 +173,7 @@ def _fold(x: ir.Value, inv: np.ndarray, per_channel, depth: int = 0) -> str | No
 
 
 def _amax_per_channel(x: ir.Value, add) -> list[ir.Value]:
-    axes = np.array(list(range(len(x.shape) - 1)), np.int64)
+    axes = np.array(list(range(len(known.value_shape(x)) - 1)), np.int64)
     x32 = add("Cast", [add("Abs", [x], "abs")], "f32", to=int(F32))
     return [add("ReduceMax", [x32, axes], "amax", dtype=F32, keepdims=0)]
 
@@ -196,7 +201,7 @@ class Smoothing(Technique):
         self.amax = Sums(builders, "channel amax", combine=np.maximum) if builders else None
         self.done: dict[str, str] = {}  # activation name -> how (``"folded into <norm>"`` or ``"Mul inserted"``)
 
-    def statistics(self) -> list[Sums]:
+    def statistics(self) -> list[Statistic]:
         return [self.amax] if self.amax else []
 
     def apply(self, quant=None) -> str | None:
