@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import cast
+from typing import TypeVar
 
 import onnx_ir as ir
 
@@ -84,9 +84,8 @@ def rewrite(
         return Rewritten(False)
     if not config.wide_tables:
         _half_tables(model, left_float, prepared)
-    # a pass called as a whole (requires, call, ensures) returns its own result type
-    lowering = cast(LoweringResult, LowerGemmFloat8Pass()(model)) if config.gemm_op == "gemm-float8" else None
-    written = cast(BlockFp8Result, BlockFp8MatMulPass()(model)) if config.gemm_op == "block-fp8" else None
+    lowering = _run(LowerGemmFloat8Pass(), model, LoweringResult) if config.gemm_op == "gemm-float8" else None
+    written = _run(BlockFp8MatMulPass(), model, BlockFp8Result) if config.gemm_op == "block-fp8" else None
     model.metadata_props["fp8onnx"] = json.dumps({"version": __version__, **config.to_json()}, sort_keys=True)
     if config.emulated:
         model.metadata_props["fp8onnx_emulated"] = EMULATED_NOTE
@@ -97,7 +96,7 @@ def rewrite(
 def _quantize_embeddings(model: ir.Model, config: QuantizeConfig, dequantized, prepared: list) -> EmbeddingsResult:
     """Embedding tables in float8 with per-row scales (a tied table gathered from its projection's
     weight); ``prepared`` says which, and which stayed float and why."""
-    embedded = cast(EmbeddingsResult, QuantizeEmbeddingsPass(config.weight_format, dequantized=dequantized)(model))
+    embedded = _run(QuantizeEmbeddingsPass(config.weight_format, dequantized=dequantized), model, EmbeddingsResult)
     fmt = config.weight_format.value
     if embedded.quantized:
         prepared.append(
@@ -123,11 +122,23 @@ def _half_tables(model: ir.Model, tables: list[str], prepared: list) -> None:
     names = [n for n in dict.fromkeys(names) if graph.initializers[n].dtype == ir.DataType.FLOAT]
     if not names:
         return
-    stored = cast(HalfTablesResult, HalfTablesPass(names)(model)).stored
+    stored = _run(HalfTablesPass(names), model, HalfTablesResult).stored
     for name, dtype in stored.items():
         prepared.append(
             f"float table {name!r} stored as {dtype} (read through a Cast to float32; --wide-tables: 32 bits)"
         )
+
+
+R = TypeVar("R", bound=ir.passes.PassResult)
+
+
+def _run(pass_: ir.passes.PassBase, model: ir.Model, kind: type[R]) -> R:
+    """``pass_`` called as a whole on ``model`` (requires, call, ensures): onnx_ir types the result as a
+    PassResult; each of these passes returns its own subclass, checked here."""
+    result = pass_(model)
+    if not isinstance(result, kind):
+        raise TypeError(f"{type(pass_).__name__} returned {type(result).__name__}, not {kind.__name__}")
+    return result
 
 
 def _fast_form_weights(decisions, config: QuantizeConfig) -> set[str]:
