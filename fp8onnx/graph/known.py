@@ -14,16 +14,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.passes.known import name, tensor_shape  # the same narrowing as the passes'
 
 __all__ = ["constant", "name", "required_input", "tensor_shape", "value_dtype", "value_shape"]
-
-
-def name(item: ir.Node | ir.Value) -> str:
-    """The name of a node or value of a prepared model (every one has one), or of an initializer."""
-    if item.name is None:
-        kind = f"a {item.op_type} node" if isinstance(item, ir.Node) else "a tensor"
-        raise ir.passes.PreconditionError(f"{kind} has no name; fp8onnx.graph.prepare names every one.")
-    return item.name
 
 
 def constant(value: ir.Value) -> ir.TensorProtocol:
@@ -53,10 +46,3 @@ def value_dtype(value: ir.Value) -> ir.DataType:
     if value.dtype is None:
         raise Fp8OnnxError(f"Tensor {value.name!r} has no element type (shape inference could not tell it).")
     return value.dtype
-
-
-def tensor_shape(tensor: ir.TensorProtocol) -> ir.Shape:
-    """The shape of a tensor as an ``ir.Shape`` (onnx_ir's tensors hold one; its protocol promises less)."""
-    if isinstance(tensor.shape, ir.Shape):
-        return tensor.shape
-    return ir.Shape(tensor.shape.numpy())  # a tensor's shape is static
