@@ -69,3 +69,10 @@ def test_wrong_calls_are_refused(mypy_errors):
 def test_the_checked_floors_type_check(mypy_errors):
     found = {path: lines for path, lines in mypy_errors.items() if path.startswith(LIBRARY)}
     assert found == {}, mypy_errors["output"]
+
+
+def test_every_floor_is_checked():
+    """No floor left out of the mypy run: a new floor is typed from the start."""
+    from test_layout import LAYERS
+
+    assert {*CHECKED_FLOORS, "passes"} == set(LAYERS)
