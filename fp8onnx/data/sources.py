@@ -11,7 +11,7 @@ import os
 import pathlib
 import shutil
 import zipfile
-from typing import BinaryIO, cast
+from typing import BinaryIO
 
 import numpy as np
 import onnx_ir as ir
@@ -176,8 +176,9 @@ def make_data(
     )
     ir_model = load_model(path)
     if kind == "text":
-        text_tokenizer = cast("str | os.PathLike", tokenizer)  # _checked_sources gives text one
-        options = TextOptions(text_tokenizer, seq_len, pad, field, max_samples, seed, stride)
+        if tokenizer is None:  # _checked_sources gives text one, or says why not
+            raise Fp8OnnxError(f"Text source {str(source)!r} needs a tokenizer (--tokenizer).")
+        options = TextOptions(tokenizer, seq_len, pad, field, max_samples, seed, stride)
         summary = write_text_data(ir_model, source, out, options, progress=bar)
     else:
         specs = input_specs(ir_model)
