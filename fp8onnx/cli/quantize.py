@@ -124,6 +124,16 @@ class _QuantizeCommand(_Sectioned):
 )
 @click.option("--margin", type=int, default=0, show_default=True, help="pow2 only: exponent bias margin.")
 @click.option(
+    "--headroom",
+    type=click.FloatRange(min=1),
+    default=1.0,
+    show_default=True,
+    metavar="X",
+    help="Static activations: each scale covers X times the calibrated range, so that text or images the "
+    "calibration never saw do not clip (E4M3 keeps 3 mantissa bits over a range of 2^15; X costs only the "
+    "smallest values). [llm-w8a8: 4]",
+)
+@click.option(
     "--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99]."
 )
 @click.option(

@@ -55,6 +55,9 @@ class QuantizeConfig:
     activation_format: Normalised[Fp8Format, Fp8Format | str | None] = Normalised(None)  # None: format
     scaling: Normalised[Scaling, Scaling | str] = Normalised(Scaling.AMAX)
     margin: int = 0
+    # static activation scales cover this multiple of the calibrated range: text the calibration never saw
+    # may run past its absolute maximum, and E4M3 keeps its relative precision over a wide range
+    headroom: float = 1.0
     scale: float | None = None
     percentile: float | None = None
     activations: Normalised[Activations, Activations | str] = Normalised(Activations.STATIC)
@@ -147,6 +150,9 @@ class QuantizeConfig:
         last = self.float_last_layers
         if isinstance(last, bool) or not isinstance(last, int) or last < 0:
             raise Fp8OnnxError(f"--float-last-layers must be a non-negative integer, got {last!r}.")
+        room = self.headroom
+        if isinstance(room, bool) or not isinstance(room, (int, float)) or not 1 <= room < float("inf"):
+            raise Fp8OnnxError(f"--headroom must be a finite number of at least 1, got {room!r}.")
         share = self.w8a8_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise Fp8OnnxError(f"--w8a8-share must be a fraction in (0, 1], got {share!r}.")
@@ -161,6 +167,10 @@ class QuantizeConfig:
         object.__setattr__(self, "activations", parse_choice(Activations, self.activations, "--activations"))
         if self.activations is Activations.NONE:  # no activation to keep in float: the unit is the node
             object.__setattr__(self, "fallback", FallbackUnit.NODES)
+        if self.headroom != 1 and (self.activations is not Activations.STATIC or self.scaling is Scaling.CONSTANT):
+            constant = self.scaling is Scaling.CONSTANT
+            what = "--scaling constant" if constant else f"--activations {self.activations.value}"
+            raise Fp8OnnxError(f"--headroom widens calibrated static activation scales; {what} has none to widen.")
         if self.w8a8_share is not None and self.activations is not Activations.STATIC:
             raise Fp8OnnxError(
                 f"--w8a8-share chooses which static activations stay in float; --activations {self.activations.value} "
@@ -320,6 +330,7 @@ class QuantizeConfig:
             "float_activations": (list(self.float_activations), bool(self.float_activations)),
             "float_last_layers": (self.float_last_layers, bool(self.float_last_layers)),
             "w8a8_share": (self.w8a8_share, self.w8a8_share is not None),
+            "headroom": (self.headroom, self.headroom != 1),
             "fallback": (self.fallback.value, self.fallback is not FallbackUnit.NODES),
             "weight_rounding": (self.weight_rounding.value, self.weight_rounding is not WeightRounding.NEAREST),
             "smooth": (self.smooth, self.smooth is not None),

@@ -54,6 +54,9 @@ PRESETS: dict[str, Preset] = {
             # at least 2/3 of the quantized MACs W8A8; which nodes stay W8A16 comes from each one's measured share
             # of the output's KL to FP32 on calibration samples (names: the fallback, workflows.loss_choice)
             "w8a8_share": 0.67,
+            # static scales cover 4x the calibrated range: text the calibration never saw (LAMBADA's passages
+            # on pydoc-calibrated scales) clipped without it; E4M3 keeps its precision over 2^15
+            "headroom": 4,
             "fallback": "activations",
         },
         "why": "FP8 on both GEMM inputs in the form FP8 GEMMs take (one static E4M3 scale per activation; E4M3 "
@@ -94,8 +97,10 @@ def overruled(field: str, value, explicit: dict) -> bool:
     constant = given.get("scaling") == "constant"
     if field == "scaling" and dynamic:
         return True
-    if field == "w8a8_share" and given.get("activations") not in (None, "static"):
-        return True  # no static activations to choose W8A16 among
+    if field in ("w8a8_share", "headroom") and given.get("activations") not in (None, "static"):
+        return True  # no static activations to choose W8A16 among, or to widen
+    if field == "headroom" and constant:
+        return True
     # a scaling the user chose that reads calibration histograms (percentile, MSE) means calibrated
     # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
     if field == "activations" and given.get("scaling") in ("percentile", "mse") and "activations" not in given:

@@ -35,6 +35,8 @@ def describe_config(cfg: dict) -> str:
     elif scaling == "percentile":
         scaling += f" {cfg['percentile']:g}"
     how += f", {scaling} scaling"
+    if cfg.get("headroom", 1) != 1:
+        how += f", activation headroom {cfg['headroom']:g}x"
     activations = cfg.get("activations")
     if activations == "dynamic":
         how += ", dynamic activations"

@@ -168,7 +168,7 @@ def activation_quant(name: str, stats: Stats | None, config: QuantizeConfig, vis
         config.scaling,
         percentile=config.percentile if config.percentile is not None else DEFAULT_PERCENTILE,
     )
-    return TensorQuant(fmt, amax_to_scale(clip, fmt, config.scaling, margin=config.margin))
+    return TensorQuant(fmt, amax_to_scale(clip * config.headroom, fmt, config.scaling, margin=config.margin))
 
 
 def bias_overflows(decisions: list[Decision], quant: dict[str, TensorQuant]) -> list[ir.Node]:
