@@ -96,3 +96,26 @@ def test_the_held_out_part_is_every_third_sample_and_the_parts_are_disjoint():
         held, rest = seen(Part(Source(), held_out=True), size), seen(Part(Source(), held_out=False), size)
         assert held == [2, 5, 8] and rest == [0, 1, 3, 4, 6, 7, 9, 99]
     assert count_samples(Source(), 4) == 11
+
+
+def test_padded_positions_leave_the_row_statistics():
+    """A task's items padded to one length: the padded positions' outputs mean nothing (the mask hides
+    them), so cosine, top-1 agreement, errors and the per-sample rows count only attended positions."""
+    rng = np.random.default_rng(5)
+    ref = rng.standard_normal((2, 4, 6)).astype(np.float32)
+    out = ref + 0.01 * rng.standard_normal(ref.shape).astype(np.float32)
+    mask = np.ones((2, 4), np.int64)
+    mask[1, 2:] = 0  # item 1: two padded positions, where the candidate says the opposite
+    out[1, 2:] = -ref[1, 2:]
+    padded = _score([ref], [out], ["logits"], None, None, feed={"attention_mask": mask})
+    stats, cols = padded.outputs["logits"], padded.columns("logits")
+    assert stats.rows == 6 and list(cols["rows"]) == [4, 2] and list(cols["top1_rows"]) == [4, 2]
+    assert stats.cos_min > 0.99 and stats.top1_hits == stats.top1_rows == 6
+    assert stats.max_abs < 0.1 and cols["cos"].sum() == pytest.approx(stats.cos_sum)
+    unmasked = _score([ref], [out], ["logits"], None, None).outputs["logits"]
+    assert unmasked.rows == 8 and unmasked.cos_min < -0.99  # what the padded rows did before
+    # a KV cache's mask covers past and present: its last seq columns are the outputs' positions
+    past = np.concatenate([np.ones((2, 3), np.int64), mask], axis=1)
+    assert _score([ref], [out], ["logits"], None, None, feed={"attention_mask": past}).outputs["logits"].rows == 6
+    full = _score([ref], [out], ["logits"], None, None, feed={"attention_mask": np.ones((2, 4), np.int64)})
+    assert full.outputs["logits"].rows == 8  # nothing padded: every row, as before

@@ -83,7 +83,7 @@ def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
                     ref = [spill.load(f"out/{o}", b) for o in out_names]
                     with cost.run():
                         outs = _run(session, name, feed, b)
-                    total_score.merge(_score(ref, outs, out_names, labels, label_out, classes))
+                    total_score.merge(_score(ref, outs, out_names, labels, label_out, classes, feed))
                 outs = []
                 cost.release()
             except Fp8OnnxError as exc:
@@ -314,14 +314,14 @@ def reference_batch(
     with cost.run() if cost is not None else contextlib.nullcontext():
         ref = _run(session, _REFERENCE, feed, b)
     label_out = _label_output(ref, out_names, labels)
-    return (_score(ref, ref, out_names, labels, label_out, classes), label_out), ref
+    return (_score(ref, ref, out_names, labels, label_out, classes, feed), label_out), ref
 
 
 def candidate_batch(
     session, name: str, b: int, feed: dict, ref: list, labels, label_out, out_names, classes=frozenset()
 ) -> _Score:
     """Model ``name`` on batch ``b``, scored against the reference's outputs ``ref``."""
-    return _score(ref, _run(session, name, feed, b), out_names, labels, label_out, classes)
+    return _score(ref, _run(session, name, feed, b), out_names, labels, label_out, classes, feed)
 
 
 class _MallInfo2(ctypes.Structure):

@@ -44,22 +44,30 @@ class _OutputStats:
     # per sample: cosine sum, rows, squared error, reference energy, top-1 hits, top-1 rows (OUTPUT_COLUMNS)
     per_sample: list[np.ndarray] = dataclasses.field(default_factory=list, repr=False)
 
-    def update(self, ref: np.ndarray, out: np.ndarray, logits: bool) -> None:
+    def update(self, ref: np.ndarray, out: np.ndarray, logits: bool, keep: np.ndarray | None = None) -> None:
+        """Add one batch. ``keep``: which rows count (False: a padded position of a [batch, seq, width]
+        output, whose values mean nothing); None: every row."""
         if ref.shape != out.shape:
             raise Fp8OnnxError(f"Output shapes differ: reference {ref.shape}, candidate {out.shape}.")
         r = ref.reshape(-1, ref.shape[-1] if ref.ndim else 1)
         cos, err, energy, peak, hits = _row_stats(r, out.reshape(r.shape), logits)
-        self.rows += len(cos)
+        weight = np.ones(len(cos))
+        if keep is not None and keep.size == len(cos) and not keep.all():
+            weight = keep.reshape(-1).astype(np.float64)
+            cos, err, energy, hits = cos * weight, err * weight, energy * weight, hits & keep.reshape(-1)
+            peak = np.where(weight > 0, peak, 0.0)
+        kept = weight > 0
+        self.rows += int(kept.sum())
         self.cos_sum += float(cos.sum())
-        self.cos_min = min(self.cos_min, float(cos.min())) if len(cos) else self.cos_min
+        self.cos_min = min(self.cos_min, float(cos[kept].min())) if kept.any() else self.cos_min
         self.err_sq += float(np.nansum(err))
         self.ref_sq += float(energy.sum())
         self.max_abs = max(self.max_abs, float(np.nanmax(peak)) if peak.size else 0.0)
         if logits:
             self.top1_hits += int(hits.sum())
-            self.top1_rows += r.shape[0]
+            self.top1_rows += int(kept.sum())
         if len(cos):
-            columns = (cos, np.ones(len(cos)), err, energy, hits, float(logits))
+            columns = (cos, weight, err, energy, hits, float(logits) * weight)
             self.per_sample.append(_by_sample(np.stack(np.broadcast_arrays(*columns), axis=1), samples_of(ref)))
 
     def merge(self, other: _OutputStats) -> None:
@@ -140,10 +148,14 @@ def _row_stats(ref: np.ndarray, out: np.ndarray, logits: bool):
     return cos, err, energy, peak, hits
 
 
-def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out, classes=frozenset()) -> _Score:
+def _score(
+    ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, label_out, classes=frozenset(), feed=None
+) -> _Score:
+    """One batch's score; ``feed``'s ``attention_mask`` (when it has one) takes padded positions out of the
+    per-row statistics of outputs shaped [batch, seq, ...]."""
     score = _Score({o: _OutputStats() for o in out_names})
     for o, r, c in zip(out_names, ref, outs):
-        score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels, classes))
+        score.outputs[o].update(r, c, _looks_like_logits(o, r.shape, labels, classes), _rows_kept(feed, r))
     if label_out is not None:
         scored = labels >= 0  # a negative label marks a position not scored (padding, a sequence's end)
         hit = (outs[label_out].argmax(axis=-1) == labels) & scored
@@ -153,6 +165,18 @@ def _score(ref: list[np.ndarray], outs: list[np.ndarray], out_names, labels, lab
         columns = np.stack([hit.reshape(-1), scored.reshape(-1), nll], axis=1).astype(np.float64)
         score.per_sample.append(_by_sample(columns, samples))
     return score
+
+
+def _rows_kept(feed: dict | None, output: np.ndarray) -> np.ndarray | None:
+    """The attended positions of a [batch, seq, width] output (the mask's last ``seq`` columns: a KV
+    cache's mask covers the past too), or None where the feed has no such mask."""
+    mask = None if feed is None else feed.get("attention_mask")
+    if mask is None or output.ndim != 3:
+        return None
+    mask = np.asarray(mask)
+    if mask.ndim != 2 or mask.shape[0] != output.shape[0] or mask.shape[1] < output.shape[1]:
+        return None
+    return mask[:, mask.shape[1] - output.shape[1] :].astype(bool)
 
 
 OUTPUT_COLUMNS = ("cos", "rows", "err_sq", "ref_sq", "top1_hits", "top1_rows")
