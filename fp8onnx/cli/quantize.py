@@ -131,7 +131,7 @@ class _QuantizeCommand(_Sectioned):
     metavar="X",
     help="Static activations: each scale covers X times the calibrated range, so that text or images the "
     "calibration never saw do not clip (E4M3 keeps 3 mantissa bits over a range of 2^15; X costs only the "
-    "smallest values). [llm-w8a8: 4]",
+    "smallest values).",
 )
 @click.option(
     "--percentile", type=float, help="percentile only: which percentile of |x| maps to fmax [default: 99.99]."

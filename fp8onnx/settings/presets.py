@@ -54,9 +54,6 @@ PRESETS: dict[str, Preset] = {
             # at least 2/3 of the quantized MACs W8A8; which nodes stay W8A16 comes from each one's measured share
             # of the output's KL to FP32 on calibration samples (names: the fallback, workflows.loss_choice)
             "w8a8_share": 0.67,
-            # static scales cover 4x the calibrated range: text the calibration never saw (LAMBADA's passages
-            # on pydoc-calibrated scales) clipped without it; E4M3 keeps its precision over 2^15
-            "headroom": 4,
             "fallback": "activations",
         },
         "why": "FP8 on both GEMM inputs in the form FP8 GEMMs take (one static E4M3 scale per activation; E4M3 "
