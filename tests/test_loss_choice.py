@@ -44,6 +44,19 @@ def test_the_node_whose_fp8_activation_costs_the_loss_stays_w8a16(tmp_path):
     assert renamed.w8a16["nodes"] == [second]
 
 
+def test_the_loss_is_measured_on_enough_rows(tmp_path):
+    """One output row per sample (an encoder's pooled output): every calibration sample up to 64, not the
+    first 4; an LLM's windows of 128 positions: 4 windows (512 rows)."""
+    path, _, _ = _activation_outlier_chain(tmp_path)
+    x = np.abs(np.random.default_rng(3).standard_normal((80, 16))).astype(np.float32)
+    for n, measured in ((48, 48), (80, 64)):
+        np.savez(tmp_path / f"c{n}.npz", x=x[:n])
+        report = fp8onnx.quantize(
+            path, tmp_path / "q.onnx", tmp_path / f"c{n}.npz", activations="static", w8a8_share=0.1, provider="cpu"
+        )
+        assert f"to FP32 on {measured} calibration samples" in report.w8a16["how"]
+
+
 def test_without_data_to_measure_on_the_names_are_the_fallback(tmp_path):
     path, calib, _ = _activation_outlier_chain(tmp_path)
     stats = fp8onnx.calibrate(path, calib, provider="cpu")

@@ -37,7 +37,10 @@ __all__ = ["LOSS_SAMPLES", "W8A16_NAMES", "LossChoice", "choose_w8a16"]
 
 logger = logging.getLogger(__name__)
 
-LOSS_SAMPLES = 4  # calibration samples the loss is measured on (an LLM's windows: 512 tokens of 128)
+# The loss is measured on at least LOSS_SAMPLES calibration samples and LOSS_ROWS rows of the output (an LLM's
+# 4 windows of 128 tokens: 512 positions), at most LOSS_MAX_SAMPLES: an encoder's pooled output has one row per
+# sentence, and 4 sentences told its nodes apart by noise (MiniLM: 64 sentences)
+LOSS_SAMPLES, LOSS_ROWS, LOSS_MAX_SAMPLES = 4, 512, 64
 
 # The fallback: the attention projections (Llama names: torch, Optimum, genai's qkv_proj; fp8onnx's sample)
 # and the last decoder layer, as --preset llm-w8a8 chose them by name before the loss was measured.
@@ -77,9 +80,9 @@ def choose_w8a16(
         names = _by_names(model, candidates)
         how = f"by names (the fallback: {why})"
     else:
-        losses = _losses(model, decisions, candidates, quant, source, run)
+        losses, samples = _losses(model, decisions, candidates, quant, source, run)
         names = _by_loss(losses, macs, [known.name(d.node) for d in candidates], goal)
-        how = f"by measured loss ({_loss_kind(model)} to FP32 on {LOSS_SAMPLES} calibration samples, a run per node)"
+        how = f"by measured loss ({_loss_kind(model)} to FP32 on {samples} calibration samples, a run per node)"
     chosen = set(names)
     out = [
         Decision(d.node, [(i, k) for i, k in d.inputs if k == "weight"]) if d.node.name in chosen else d
@@ -139,8 +142,9 @@ def _loss_kind(model: ir.Model) -> str:
     return "KL of the output distribution" if first in class_outputs(model) or "logit" in first else "1 - cosine"
 
 
-def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> dict[str, float]:
-    """Per candidate: the output loss with only its activation quantized, less the loss with none."""
+def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> tuple[dict[str, float], int]:
+    """(per candidate: the output loss with only its activation quantized, less the loss with none; the
+    samples it was measured on)."""
     gated, gates = _gated_copy(model, decisions, candidates, quant)
     what = "the loss-measuring copy"
     reference = session_for_model(model, run.provider, "the float model", arena=False)
@@ -149,9 +153,10 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> dic
     output = model.graph.outputs[0].name
     kl = _loss_kind(model).startswith("KL")
     sums = np.zeros(len(gates) + 1)
-    seen = 0
+    seen = rows = 0
     for batch in source.batches(min(run.batch, LOSS_SAMPLES)):  # an LLM's logits: a few samples at a time
         ref = _Reference(reference.run([output], batch.feed)[0], kl)
+        rows += ref.shape[0] * ref.shape[1]
         runs = progress_bar(
             range(len(gates) + 1), total=len(gates) + 1, desc="loss per node", unit="run", enable=run.progress
         )
@@ -159,11 +164,11 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> dic
             feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
             sums[k] += ref.loss(session.run([output], {**batch.feed, **feed})[0])
         seen += batch.size
-        if seen >= LOSS_SAMPLES:
+        if seen >= LOSS_MAX_SAMPLES or (seen >= LOSS_SAMPLES and rows >= LOSS_ROWS):
             break
     if not seen:
         raise Fp8OnnxError("The calibration data gave no batch to measure the loss on.")
-    return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}
+    return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}, seen
 
 
 def _gated_copy(model, decisions, candidates, quant):
