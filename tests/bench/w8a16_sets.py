@@ -1,8 +1,8 @@
 """Which GEMMs ``--preset llm-w8a8`` keeps W8A16, for one model exported three ways (issue 50): SmolLM2-135M
 from torch's TorchScript exporter, torch's dynamo exporter (``node_linear_N`` names) and onnxruntime-genai's
-model builder (a KV cache, GroupQueryAttention, its own names), each quantized as a folder on the same
-calibration text. The choice is by measured loss, so it should not depend on the names; this script says
-whether it does.
+model builder (a KV cache, GroupQueryAttention, its own names), each model file quantized on the same
+windows of calibration text (``fp8onnx data`` fills each model's own inputs). The choice is by measured
+loss, so it should not depend on the names; this script says whether it does.
 
 Nodes are matched across exports by their weights, not their names: each output channel of a MatMul's
 constant weight (a column of the ``[K, N]`` matrix, or a row when the exporter stores it transposed) is
@@ -81,12 +81,18 @@ def build(out: pathlib.Path, n_calib: int) -> None:
             shutil.copy(f, dynamo / f.name)
 
 
-def quantize(out: pathlib.Path) -> dict:
+def quantize(out: pathlib.Path, windows: int) -> dict:
+    """Each export's model file quantized on the same windows of calib.txt (``fp8onnx data`` fills each
+    model's own inputs: a genai model's empty KV caches too)."""
     seconds = {}
+    cli = [sys.executable, "-m", "fp8onnx.cli"]
     for name in EXPORTS:
         start = time.perf_counter()
-        command = [sys.executable, "-m", "fp8onnx.cli", "quantize", str(out / name), "--calib", str(out / "calib.txt")]
-        command += ["--preset", "llm-w8a8", "--provider", "cpu", "-o", str(out / f"{name}-w8a8")]
+        data = out / f"{name}.calib.npz"
+        make = [*cli, "data", str(out / name), str(out / "calib.txt"), "-o", str(data), "--max-samples", str(windows)]
+        subprocess.run(make, check=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        command = [*cli, "quantize", str(_model_file(out / name)), "--calib", str(data), "--preset", "llm-w8a8"]
+        command += ["--provider", "cpu", "-o", str(out / f"{name}-w8a8.onnx")]
         command += ["--report", str(out / f"{name}.report.json")]
         subprocess.run(command, check=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
         seconds[name] = round(time.perf_counter() - start, 1)
@@ -195,7 +201,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.skip_build:
         build(args.out, args.calib)
-    seconds = {} if args.skip_quantize else quantize(args.out)
+    seconds = {} if args.skip_quantize else quantize(args.out, args.calib)
     result = {"quantize_seconds": seconds, **compare_sets(args.out)}
     (args.out / "w8a16_sets.json").write_text(json.dumps(result, indent=1))
     for name, row in result["exports"].items():
