@@ -104,3 +104,22 @@ def test_a_share_outside_zero_to_one_is_one_sentence(share):
     with pytest.raises(Fp8OnnxError, match=r"--w8a8-share must be a fraction in \(0, 1\]"):
         QuantizeConfig(w8a8_share=share)
     assert RunOptions  # the module's imports stay used
+
+
+def test_a_larger_recorded_batch_gives_only_its_first_samples():
+    """An export folder's recorded feeds hold 16 prompts a file: the loss takes the first 4 of them (every
+    array whose first axis is the batch's, an empty KV cache too), not all 16 at 4x the time."""
+    from fp8onnx.data.feeds import Batch
+    from fp8onnx.workflows.loss_choice import _first
+
+    feed = {
+        "input_ids": np.arange(16 * 5).reshape(16, 5),
+        "past_key_values.0.key": np.zeros((16, 2, 0, 8), np.float32),
+        "shared": np.ones(3, np.float32),  # no batch axis: as it is
+    }
+    head = _first(Batch(feed, np.arange(16 * 5).reshape(16, 5)), 4)
+    assert head.size == 4 and head.feed["past_key_values.0.key"].shape == (4, 2, 0, 8)
+    assert head.feed["shared"].shape == (3,) and head.labels.shape == (4, 5)
+    np.testing.assert_array_equal(head.feed["input_ids"], feed["input_ids"][:4])
+    small = Batch({"input_ids": feed["input_ids"][:2]})
+    assert _first(small, 4) is small

@@ -28,6 +28,7 @@ import onnx_ir as ir
 from fp8onnx.accuracy.metrics import class_outputs
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.progress import progress_bar
+from fp8onnx.data.feeds import Batch
 from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, last_layers
 from fp8onnx.graph.runtime import RunOptions, machine_memory, session_for_model, weight_bytes
@@ -154,7 +155,11 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> tup
     kl = _loss_kind(model).startswith("KL")
     sums = np.zeros(len(gates) + 1)
     seen = rows = 0
-    for batch in source.batches(min(run.batch, LOSS_SAMPLES)):  # an LLM's logits: a few samples at a time
+    cap = min(run.batch, LOSS_SAMPLES)  # an LLM's logits: a few samples at a time
+    for batch in source.batches(cap):
+        # a source whose files hold larger batches (an export folder's recorded feeds: 16 prompts) gives them
+        # whole: their first samples only, or every run measures 4x the samples asked for
+        size, batch = min(batch.size, cap), _first(batch, cap)
         ref = _Reference(reference.run([output], batch.feed)[0], kl)
         rows += ref.shape[0] * ref.shape[1]
         runs = progress_bar(
@@ -163,12 +168,22 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> tup
         for k in runs:  # k = 0: no gate open; k: gate k - 1 alone
             feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
             sums[k] += ref.loss(session.run([output], {**batch.feed, **feed})[0])
-        seen += batch.size
+        seen += size
         if seen >= LOSS_MAX_SAMPLES or (seen >= LOSS_SAMPLES and rows >= LOSS_ROWS):
             break
     if not seen:
         raise Fp8OnnxError("The calibration data gave no batch to measure the loss on.")
     return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}, seen
+
+
+def _first(batch: Batch, n: int) -> Batch:
+    """The batch's first ``n`` samples: every array whose first axis is the batch's, sliced (a prefill's
+    empty KV caches too); others as they are."""
+    size = batch.size
+    if size <= n:
+        return batch
+    feed = {k: v[:n] if v.ndim and v.shape[0] == size else v for k, v in batch.feed.items()}
+    return Batch(feed, None if batch.labels is None else batch.labels[:n])
 
 
 def _gated_copy(model, decisions, candidates, quant):
