@@ -308,8 +308,9 @@ def export(model, path: pathlib.Path, seq_len: int) -> None:
     onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
 
 
-def export_dynamo(model, path: pathlib.Path, seq_len: int) -> str | None:
-    """torch.onnx.export(dynamo=True) with dynamic batch and seq; None on success, else the error."""
+def export_dynamo(model, path: pathlib.Path, seq_len: int, wrap=None) -> str | None:
+    """torch.onnx.export(dynamo=True) of ``wrap(model)`` (default: this module's :func:`wrapper`) with dynamic
+    batch and seq; None on success, else the error."""
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +321,7 @@ def export_dynamo(model, path: pathlib.Path, seq_len: int) -> str | None:
     try:
         with torch.no_grad():
             torch.onnx.export(
-                wrapper(model),
+                (wrap or wrapper)(model),
                 (ids, mask),
                 str(path),
                 input_names=["input_ids", "attention_mask"],

@@ -97,14 +97,11 @@ def sanity(model, tokenizer) -> str:
     return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def export(model, path: pathlib.Path, seq_len: int) -> None:
-    """TorchScript export (opset 17, dynamic batch and seq), then re-saved with external data."""
-    import onnx
+def wrapper(model):
+    """input_ids, attention_mask -> logits; no KV cache; eager attention (MatMul/Softmax ops)."""
     import torch
 
     class Logits(torch.nn.Module):
-        """input_ids, attention_mask -> logits; no KV cache."""
-
         def __init__(self, lm):
             super().__init__()
             self.lm = lm
@@ -119,13 +116,21 @@ def export(model, path: pathlib.Path, seq_len: int) -> None:
             return self.lm(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
     model.config.use_cache = False
-    model.set_attn_implementation("eager")  # attention as MatMul/Softmax ops
+    model.set_attn_implementation("eager")
+    return Logits(model).eval()
+
+
+def export(model, path: pathlib.Path, seq_len: int) -> None:
+    """TorchScript export (opset 17, dynamic batch and seq), then re-saved with external data."""
+    import onnx
+    import torch
+
     ids = torch.ones((2, seq_len), dtype=torch.int64)
     mask = torch.ones((2, seq_len), dtype=torch.int64)
     axes = {0: "batch", 1: "seq"}
     with torch.no_grad():
         torch.onnx.export(
-            Logits(model),
+            wrapper(model),
             (ids, mask),
             str(path),
             input_names=["input_ids", "attention_mask"],

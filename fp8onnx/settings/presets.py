@@ -94,10 +94,8 @@ def overruled(field: str, value, explicit: dict) -> bool:
     constant = given.get("scaling") == "constant"
     if field == "scaling" and dynamic:
         return True
-    if field in ("w8a8_share", "headroom") and given.get("activations") not in (None, "static"):
-        return True  # no static activations to choose W8A16 among, or to widen
-    if field == "headroom" and constant:
-        return True
+    if field == "w8a8_share" and given.get("activations") not in (None, "static"):
+        return True  # no static activations to choose W8A16 among
     # a scaling the user chose that reads calibration histograms (percentile, MSE) means calibrated
     # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
     if field == "activations" and given.get("scaling") in ("percentile", "mse") and "activations" not in given:

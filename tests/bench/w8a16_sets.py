@@ -39,43 +39,16 @@ EXPORTS = ("torch", "dynamo", "genai")
 
 def build(out: pathlib.Path, n_calib: int) -> None:
     """torch/ and genai/ as deploy.py builds them (with calib.txt), and dynamo/ beside them."""
-    import torch
-    from build_smollm2 import find_gguf, load_model
+    from build_gemma3 import export_dynamo
+    from build_smollm2 import find_gguf, load_model, wrapper
     from deploy import build as build_torch_and_genai
 
     build_torch_and_genai(out, 128, n_calib, 4)
     model, _ = load_model(find_gguf())
     dynamo = out / "dynamo"
-    dynamo.mkdir(parents=True, exist_ok=True)
-
-    class Logits(torch.nn.Module):  # build_smollm2's wrapper: a 4D additive mask built here
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, attention_mask):
-            seq = input_ids.shape[1]
-            causal = torch.ones((seq, seq), dtype=torch.bool, device=input_ids.device).tril()
-            allowed = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()
-            mask = (~allowed).to(torch.float32) * torch.finfo(torch.float32).min
-            return self.lm(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
-
-    model.config.use_cache = False
-    model.set_attn_implementation("eager")
-    ids = torch.ones((2, 128), dtype=torch.int64)
-    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=4096)
-    with torch.no_grad():
-        torch.onnx.export(
-            Logits(model).eval(),
-            (ids, torch.ones_like(ids)),
-            str(dynamo / "model.onnx"),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["logits"],
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
-            opset_version=18,
-            external_data=True,
-            dynamo=True,
-        )
+    error = export_dynamo(model, dynamo / "model.onnx", 128, wrap=wrapper)  # opset 18, external data
+    if error:
+        raise SystemExit(f"dynamo export FAILED: {error}")
     for f in (out / "torch").iterdir():  # tokenizer and config beside the model, as in torch/
         if not f.name.startswith("model.onnx"):
             shutil.copy(f, dynamo / f.name)
