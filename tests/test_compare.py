@@ -48,7 +48,9 @@ def test_accuracy_with_labels_and_criteria(tmp_path):
     result = fp8onnx.compare(ref, [tmp_path / "q.onnx", noisy], tmp_path / "eval.npz", batch_size=64, provider="cpu")
     names = [r.name for r in result.rows]
     assert names == ["FP32 (reference)", "FP16", "q.onnx", "noisy.onnx"]
+    assert result.baseline == "FP16" and result.to_json()["baseline"] == "FP16"
     fp32, fp16, q, bad = result.rows
+    assert fp16.outputs["logits"]["nonfinite_rows"] == 0
     assert fp32.accuracy == pytest.approx(0.9)
     assert q.headline == "task accuracy" and q.ratio_to_fp16 == pytest.approx(q.accuracy / fp16.accuracy)
     assert q.accuracy > 0.87 and q.passes_llm == (q.ratio_to_fp16 >= 0.995)
@@ -72,6 +74,59 @@ def test_accuracy_with_labels_and_criteria(tmp_path):
     log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))
     assert fp32.perplexity == pytest.approx(np.exp(-log_softmax[np.arange(200), labels].mean()), rel=1e-6)
     assert bad.perplexity > fp32.perplexity and "ppl" in result.table()
+
+
+def _overflowing_classifier(path, w):
+    """(Reshape(x) * 1e-4) @ w with x past float16's 65,504: finite in float32, inf in the FP16 baseline (as
+    Gemma 3's residual stream passes 65,504 inside its graph). onnxruntime's CPU EP runs float16 nodes it has
+    no float16 kernel for (Mul, MatMul) in float32 and drops the Cast pairs between them, so the overflow
+    needs a node it runs in float16 (Reshape; in Gemma's genai folder, the skip-add norms)."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["xr"], name="rows"),
+            helper.make_node("Mul", ["xr", "small"], ["xs"], name="shrink"),
+            helper.make_node("MatMul", ["xs", "w"], ["logits"], name="fc"),
+        ],
+        "clf",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 4])],
+        [
+            numpy_helper.from_array(np.array([-1, 16], np.int64), "shape"),
+            numpy_helper.from_array(np.array(1e-4, np.float32), "small"),
+            numpy_helper.from_array(w, "w"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+def test_where_fp16_overflows_the_ratios_are_to_fp32_and_a_note_says_so(tmp_path):
+    """requires: a model whose FP16 baseline overflows (Gemma 3's residual stream passes 65,504 in float16:
+    its genai folder's FP16 logits are NaN); ensures: the FP16 row counts its non-finite rows, the headline
+    ratios (and an accuracy target's) are to FP32's, and the table, the JSON and a note say so."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 4)).astype(np.float32)
+    x = (rng.standard_normal((200, 16)) * 1e5).astype(np.float32)  # most rows hold a value past 65,504
+    ref = _overflowing_classifier(tmp_path / "ref.onnx", w)
+    labels = run_ort(ref, {"x": x})[0].argmax(-1)
+    labels[:20] = (labels[:20] + 1) % 4  # the reference is 90% accurate
+    np.savez(tmp_path / "eval.npz", x=x, labels=labels)
+    fp8onnx.quantize(ref, tmp_path / "q.onnx", tmp_path / "eval.npz", provider="cpu")
+    result = fp8onnx.compare(ref, [tmp_path / "q.onnx"], tmp_path / "eval.npz", batch_size=64, provider="cpu")
+    fp32, fp16, q = result.rows
+    assert fp32.accuracy == pytest.approx(0.9) and np.isfinite(run_ort(tmp_path / "q.onnx", {"x": x})[0]).all()
+    assert fp16.outputs["logits"]["nonfinite_rows"] > 100 and q.outputs["logits"]["nonfinite_rows"] == 0
+    assert result.baseline == "FP32 (reference)" and result.to_json()["baseline"] == "FP32 (reference)"
+    assert q.ratio_to_fp16 == pytest.approx(q.accuracy / fp32.accuracy) and 0.9 < q.ratio_to_fp16 <= 1.05
+    assert q.ratio_noise is not None and q.passes_llm == (q.ratio_to_fp16 >= 0.995)
+    note = next(n for n in result.notes if n.startswith("FP16 overflows"))
+    assert f"in {fp16.outputs['logits']['nonfinite_rows']} of 200 rows" in note
+    assert "relative to the FP32 reference's (FP16 overflows: note)" in result.table()
+    # an accuracy target measures against the same baseline instead of refusing "no FP16 baseline"
+    done = fp8onnx.quantize_to_target(
+        ref, tmp_path / "t.onnx", tmp_path / "eval.npz", tmp_path / "eval.npz", accuracy_target=90, provider="cpu"
+    )
+    assert done.met and (tmp_path / "t.onnx").is_file()
 
 
 def test_without_labels_a_linear_head_is_a_classifier_and_an_embedding_gets_cosine(tmp_path):

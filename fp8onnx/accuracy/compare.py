@@ -120,12 +120,15 @@ def compare(
             f"Labels: the next token of each position of {source._input!r} (padding and each row's last position "
             "not scored): next-token accuracy and perplexity without labels in the data."
         )
-    _headline(rows, out_names[0], fp16, metric)
+    overflow = _headline(rows, out_names[0], fp16, metric)
+    if overflow:
+        notes.append(overflow)
     generation = None
     if generate and _is_language_model(ref_model):
         generation = _generation(reference, models, rows, source, generate, prompts, provider, notes)
     named_data = str(data) if isinstance(data, (str, os.PathLike)) else "feeds"
-    return CompareResult(str(reference), named_data, samples, batches, provider, rows, notes, generation)
+    baseline = _REFERENCE if overflow else "FP16"
+    return CompareResult(str(reference), named_data, samples, batches, provider, rows, notes, generation, baseline)
 
 
 def _task_scores(rows, task) -> None:

@@ -41,6 +41,7 @@ class _OutputStats:
     max_abs: float = 0.0
     top1_hits: int = 0
     top1_rows: int = 0
+    nonfinite: int = 0  # rows of the candidate holding an inf or a NaN (a float16 overflow, say)
     # per sample: cosine sum, rows, squared error, reference energy, top-1 hits, top-1 rows (OUTPUT_COLUMNS)
     per_sample: list[np.ndarray] = dataclasses.field(default_factory=list, repr=False)
 
@@ -50,7 +51,7 @@ class _OutputStats:
         if ref.shape != out.shape:
             raise Fp8OnnxError(f"Output shapes differ: reference {ref.shape}, candidate {out.shape}.")
         r = ref.reshape(-1, ref.shape[-1] if ref.ndim else 1)
-        cos, err, energy, peak, hits = _row_stats(r, out.reshape(r.shape), logits)
+        cos, err, energy, peak, hits, bad = _row_stats(r, out.reshape(r.shape), logits)
         weight = np.ones(len(cos))
         if keep is not None and keep.size == len(cos) and not keep.all():
             weight = keep.reshape(-1).astype(np.float64)
@@ -58,11 +59,13 @@ class _OutputStats:
             peak = np.where(weight > 0, peak, 0.0)
         kept = weight > 0
         self.rows += int(kept.sum())
+        self.nonfinite += int((bad & kept).sum())
         self.cos_sum += float(cos.sum())
         self.cos_min = min(self.cos_min, float(cos[kept].min())) if kept.any() else self.cos_min
         self.err_sq += float(np.nansum(err))
         self.ref_sq += float(energy.sum())
-        self.max_abs = max(self.max_abs, float(np.nanmax(peak)) if peak.size else 0.0)
+        peak = peak[~np.isnan(peak)]  # an all-NaN row (an overflowed candidate's) has no difference to show
+        self.max_abs = max(self.max_abs, float(peak.max()) if peak.size else 0.0)
         if logits:
             self.top1_hits += int(hits.sum())
             self.top1_rows += int(kept.sum())
@@ -80,6 +83,7 @@ class _OutputStats:
         self.max_abs = max(self.max_abs, other.max_abs)
         self.top1_hits += other.top1_hits
         self.top1_rows += other.top1_rows
+        self.nonfinite += other.nonfinite
         self.per_sample.extend(other.per_sample)
 
     def columns(self) -> dict[str, np.ndarray]:
@@ -93,6 +97,7 @@ class _OutputStats:
             "rel_l2": float(np.sqrt(self.err_sq / self.ref_sq)) if self.ref_sq else None,
             "max_abs_err": self.max_abs,
             "top1_agreement": self.top1_hits / self.top1_rows if self.top1_rows else None,
+            "nonfinite_rows": self.nonfinite,
         }
 
 
@@ -126,10 +131,11 @@ ROW_CHUNK = 1 << 22  # elements of one float64 slice of the outputs (32 MiB): a 
 def _row_stats(ref: np.ndarray, out: np.ndarray, logits: bool):
     """Per row of two [rows, width] outputs, in float64, a bounded slice at a time: cosine (1 where both
     are zero, 0 where undefined), squared error (NaN-skipping), reference energy, largest absolute
-    difference (NaN-skipping; NaN for an all-NaN row) and top-1 agreement (False unless ``logits``)."""
+    difference (NaN-skipping; NaN for an all-NaN row), top-1 agreement (False unless ``logits``) and whether
+    the candidate's row holds an inf or a NaN."""
     rows = ref.shape[0]
     cos, err, energy, peak = (np.empty(rows) for _ in range(4))
-    hits = np.zeros(rows, bool)
+    hits, bad = np.zeros(rows, bool), np.zeros(rows, bool)
     step = max(1, ROW_CHUNK // max(1, ref.shape[1]))
     for s in range(0, rows, step):
         r, c = ref[s : s + step].astype(np.float64), out[s : s + step].astype(np.float64)
@@ -137,6 +143,7 @@ def _row_stats(ref: np.ndarray, out: np.ndarray, logits: bool):
         with np.errstate(invalid="ignore", divide="ignore"):
             part = np.where((nr == 0) & (nc == 0), 1.0, (r * c).sum(axis=1) / (nr * nc))
         cos[s : s + step] = np.nan_to_num(part, nan=0.0)
+        bad[s : s + step] = ~np.isfinite(nc)  # float64 sums of squares of float32 values do not overflow
         diff = c - r
         err[s : s + step] = np.nansum(diff * diff, axis=1)
         energy[s : s + step] = (r * r).sum(axis=1)
@@ -145,7 +152,7 @@ def _row_stats(ref: np.ndarray, out: np.ndarray, logits: bool):
             peak[s : s + step] = np.nanmax(np.abs(diff), axis=1) if diff.shape[1] else 0.0
         if logits:
             hits[s : s + step] = r.argmax(axis=1) == c.argmax(axis=1)
-    return cos, err, energy, peak, hits
+    return cos, err, energy, peak, hits, bad
 
 
 def _score(

@@ -298,6 +298,7 @@ def confirm_on(model, output, held_out, accuracy_target: float, metric: str, run
 
 def _with_noise(result: FallbackResult, noise: dict, candidates: Candidates) -> None:
     result.noise, result.samples, result.tokens = noise, candidates.samples, candidates.labelled
+    result.baseline = candidates.baseline
 
 
 def _ranked(model, config: QuantizeConfig, calib, eval_data, refine: int, metric: str, run: RunOptions):

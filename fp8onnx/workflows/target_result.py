@@ -32,6 +32,7 @@ class FallbackResult:
     tokens: int = 0  # labelled positions among them (a language model's tokens), 0 without labels
     unresolved: str = ""  # why the data could not tell the chosen count from the target, and what would
     held_out: dict | None = None  # the written model on the samples the choice did not see (confirm())
+    baseline: str = "FP16"  # what the percentages are of: FP32 where FP16 overflows (compare's baseline)
 
     def summary(self) -> str:
         lines = [self.report.summary()] if self.report else []
@@ -40,7 +41,7 @@ class FallbackResult:
             verdict = "within the noise of the tuning data"
         on = f" on {self.samples} samples" + (f" ({self.tokens} tokens)" if self.tokens else "") if self.samples else ""
         lines.append(
-            f"  accuracy target {self.accuracy_target:g}% of FP16 ({self.metric}{on}): {verdict}; "
+            f"  accuracy target {self.accuracy_target:g}% of {self.baseline} ({self.metric}{on}): {verdict}; "
             f"{self.evaluations} models evaluated"
         )
         for k, ratio in sorted(self.tried.items()):

