@@ -236,7 +236,7 @@ def study(
     scales: dict[str, list[float]] = {"weights": [], "activations": []}
     for kind, scale in tensors.values():
         scales["weights" if kind == "weight" else "activations"].append(math.log2(scale))
-    fp16 = by_file.get("FP16")
+    fp16 = by_file.get("FP16") if result.baseline == "FP16" else None  # FP16 overflowed: ratios are to FP32's
     return StudyResult(
         str(model),
         result.samples,
