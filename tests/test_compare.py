@@ -114,7 +114,7 @@ def test_where_fp16_overflows_the_ratios_are_to_fp32_and_a_note_says_so(tmp_path
     fp8onnx.quantize(ref, tmp_path / "q.onnx", tmp_path / "eval.npz", provider="cpu")
     result = fp8onnx.compare(ref, [tmp_path / "q.onnx"], tmp_path / "eval.npz", batch_size=64, provider="cpu")
     fp32, fp16, q = result.rows
-    assert fp32.accuracy == pytest.approx(0.9) and np.isfinite(run_ort(tmp_path / "q.onnx", {"x": x})[0]).all()
+    assert fp32.accuracy == pytest.approx(0.9)  # the FP8 model runs in float32 between its Q/DQ: finite
     assert fp16.outputs["logits"]["nonfinite_rows"] > 100 and q.outputs["logits"]["nonfinite_rows"] == 0
     assert result.baseline == "FP32 (reference)" and result.to_json()["baseline"] == "FP32 (reference)"
     assert q.ratio_to_fp16 == pytest.approx(q.accuracy / fp32.accuracy) and 0.9 < q.ratio_to_fp16 <= 1.05
