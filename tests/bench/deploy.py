@@ -73,7 +73,7 @@ def _texts(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int
         (out / f"{kind}.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
 
 
-def build(out: pathlib.Path, name: str, seq_len: int, n_calib: int, n_eval: int) -> None:
+def build(out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int, name: str = "smollm2") -> None:
     model, tokenizer, export = _load(name)
     torch_dir, hf_dir, genai_dir = out / "torch", out / "hf", out / "genai"
     for d in (torch_dir, hf_dir, genai_dir):
@@ -180,7 +180,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not args.skip_build:
-        build(args.out, args.model, args.seq_len, args.calib, args.eval)
+        build(args.out, args.seq_len, args.calib, args.eval, args.model)
     results = {"build_seconds": round(time.perf_counter() - t0, 1)}
     results |= measure(args.out, args.prompts, args.exports.split(","))
     text = json.dumps(results, indent=1)
