@@ -126,7 +126,10 @@ def test_where_fp16_overflows_the_ratios_are_to_fp32_and_a_note_says_so(tmp_path
     done = fp8onnx.quantize_to_target(
         ref, tmp_path / "t.onnx", tmp_path / "eval.npz", tmp_path / "eval.npz", accuracy_target=90, provider="cpu"
     )
-    assert done.met and (tmp_path / "t.onnx").is_file()
+    assert done.met and (tmp_path / "t.onnx").is_file() and done.baseline == "FP32"
+    summary = done.summary()
+    assert "accuracy target 90% of FP32 (FP16 overflows on this model)" in summary
+    assert "samples, not used to choose): " in summary and "of FP16" not in summary
 
 
 def test_without_labels_a_linear_head_is_a_classifier_and_an_embedding_gets_cosine(tmp_path):

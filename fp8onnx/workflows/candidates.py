@@ -60,7 +60,7 @@ class Candidates:
         self.rounds = 0  # compare runs
         self._cache: dict[frozenset[str], RowResult] = {}  # each variant's compare row (per-sample sums too)
         self._fp16: RowResult | None = None  # FP16's row (headline value, per-sample sums), from the first round
-        self.baseline = "FP16"  # or compare's FP32 reference where FP16 overflows
+        self.baseline = "FP16"  # or "FP32" where FP16 overflows (compare's baseline, its note says so)
         self.samples = 0  # samples of the evaluation data (the unit of the noise)
         self.labelled = 0  # labelled positions among them (a language model's tokens)
         self._tmp: str | None = None
@@ -117,8 +117,8 @@ class Candidates:
             )
             by_name = {r.name: r for r in result.rows}
             if first and "FP16" in by_name:
-                self._fp16 = by_name[result.baseline]  # FP32's where FP16 overflows (compare's note says so)
-                self.baseline = "FP16" if result.baseline == "FP16" else "FP32 (FP16 overflows on this model)"
+                self._fp16 = by_name[result.baseline]  # FP32's row where FP16 overflows
+                self.baseline = "FP16" if result.baseline == "FP16" else "FP32"
                 columns = self._fp16.columns
                 self.samples = len(next(iter(columns.values()))) if columns else result.samples
                 self.labelled = int(sum(columns.get("labelled", ())))

@@ -221,7 +221,18 @@ def quantize_to_target(
         metric, nodes, unit = candidates.metric, sens.to_json()["nodes"], ranked.fallback
         noise = {k: candidates.noise(tuple(order[:k])) for k in tried}
         if chosen is None:
-            error = not_met(accuracy_target, metric, tried, order, limit, as_path(eval_data), evaluations, nodes, unit)
+            error = not_met(
+                accuracy_target,
+                metric,
+                tried,
+                order,
+                limit,
+                as_path(eval_data),
+                evaluations,
+                nodes,
+                unit,
+                candidates.baseline,
+            )
             _with_noise(error.result, noise, candidates)
             raise error
         if order and chosen >= NEARLY_ALL * len(order) and max_float_nodes is None:
@@ -229,7 +240,7 @@ def quantize_to_target(
                 accuracy_target, metric, tried, order[:chosen], False, None, evaluations, nodes, unit
             )
             _with_noise(result, noise, candidates)
-            raise TargetNotMet(nearly_all(accuracy_target, metric, chosen, len(order)), result)
+            raise TargetNotMet(nearly_all(accuracy_target, metric, chosen, len(order), candidates.baseline), result)
         final = candidates.write(order[:chosen], output, run)
         if chosen_line:
             final.prepared.append(chosen_line)

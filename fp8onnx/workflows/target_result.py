@@ -32,7 +32,7 @@ class FallbackResult:
     tokens: int = 0  # labelled positions among them (a language model's tokens), 0 without labels
     unresolved: str = ""  # why the data could not tell the chosen count from the target, and what would
     held_out: dict | None = None  # the written model on the samples the choice did not see (confirm())
-    baseline: str = "FP16"  # what the percentages are of: FP32 where FP16 overflows (compare's baseline)
+    baseline: str = "FP16"  # what the percentages are of: "FP32" where FP16 overflows (compare's baseline)
 
     def summary(self) -> str:
         lines = [self.report.summary()] if self.report else []
@@ -41,7 +41,7 @@ class FallbackResult:
             verdict = "within the noise of the tuning data"
         on = f" on {self.samples} samples" + (f" ({self.tokens} tokens)" if self.tokens else "") if self.samples else ""
         lines.append(
-            f"  accuracy target {self.accuracy_target:g}% of {self.baseline} ({self.metric}{on}): {verdict}; "
+            f"  accuracy target {self.accuracy_target:g}% of {_of(self.baseline)} ({self.metric}{on}): {verdict}; "
             f"{self.evaluations} models evaluated"
         )
         for k, ratio in sorted(self.tried.items()):
@@ -57,13 +57,13 @@ class FallbackResult:
         if self.held_out:
             h = self.held_out
             noise = f" ±{h['noise']:.2%}" if h.get("noise") else ""
-            shown = "-" if h["ratio"] is None else f"{h['ratio']:.2%}{noise} of FP16"
+            shown = "-" if h["ratio"] is None else f"{h['ratio']:.2%}{noise} of {self.baseline}"
             lines.append(
                 f"  held out (every {EVERY}rd sample of the evaluation data, {h['samples']} samples, not used to "
                 f"choose): {shown}" + (f"; {h['verdict']}" if h.get("verdict") else "")
             )
         lines.append(
-            f"  ±: one standard error of the ratio, paired with FP16's samples; gaps within {Z:g} of them "
+            f"  ±: one standard error of the ratio, paired with {self.baseline}'s samples; gaps within {Z:g} of them "
             "keep no node in float"
         )
         return "\n".join(lines)
@@ -115,28 +115,38 @@ def unresolved(result: FallbackResult, chosen: int) -> str:
         )
     what = "no node was kept in float for it" if chosen == 0 else f"no node beyond these {chosen} was kept for it"
     return (
-        f"The tuning data cannot resolve the target: {ratio:.2%} ±{se:.2%} of FP16 is within {Z:g} standard errors "
+        f"The tuning data cannot resolve the target: {ratio:.2%} ±{se:.2%} of {result.baseline} is within {Z:g} "
+        "standard errors "
         f"of {result.accuracy_target:g}%, so {what}{more}."
     )
 
 
-def nearly_all(accuracy_target: float, metric: str, chosen: int, nodes: int) -> str:
+def _of(baseline: str) -> str:
+    """What an accuracy target's percentages are of, said where it is not FP16."""
+    return baseline if baseline == "FP16" else f"{baseline} (FP16 overflows on this model)"
+
+
+def nearly_all(accuracy_target: float, metric: str, chosen: int, nodes: int, baseline: str = "FP16") -> str:
     return (
-        f"Accuracy target {accuracy_target:g}% of FP16 ({metric}) holds only with {chosen} of {nodes} nodes in float: "
+        f"Accuracy target {accuracy_target:g}% of {_of(baseline)} ({metric}) holds only with {chosen} of {nodes} "
+        "nodes in float: "
         "that is hardly an FP8 model; nothing written (lower --accuracy-target, try a --preset, or allow it "
         f"with --max-float-nodes {chosen})."
     )
 
 
-def not_met(accuracy_target, metric, tried, order, limit, eval_path, evaluations, nodes, unit) -> TargetNotMet:
+def not_met(
+    accuracy_target, metric, tried, order, limit, eval_path, evaluations, nodes, unit, baseline: str = "FP16"
+) -> TargetNotMet:
     """No count within ``limit`` met the target: the error, naming the best count tried."""
     best = max(tried, key=lambda k: (tried[k] or 0.0, -k))
     result = FallbackResult(accuracy_target, metric, tried, order[:best], False, None, evaluations, nodes, unit)
-    shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of FP16"
+    shown = "no FP16 baseline" if tried[best] is None else f"{tried[best]:.2%} of {baseline}"
     if tried[best] is not None and tried[best] * 100 >= accuracy_target:
         shown += " (not confirmed: a count with more nodes in float missed the target)"
     return TargetNotMet(
-        f"Accuracy target {accuracy_target:g}% of FP16 ({metric}) not met on {eval_path or 'the evaluation data'} "
+        f"Accuracy target {accuracy_target:g}% of {_of(baseline)} ({metric}) not met on "
+        f"{eval_path or 'the evaluation data'} "
         f"with up to {limit} of {len(order)} nodes in float: the best was {shown} with {best} in float; "
         + (
             "nothing written (raise --max-float-nodes or lower --accuracy-target)."
