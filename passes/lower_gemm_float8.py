@@ -6,10 +6,11 @@ used by the CPU tests are in ``fp8onnx.numerics.gemm_float8_ref``.
 
 Rewrite cases, for a MatMul/Gemm whose input A is ``DequantizeLinear(QuantizeLinear(x))`` and whose
 weight is ``DequantizeLinear(W)`` of a per-tensor float8 initializer, both E4M3FN:
-  -> ``GemmFloat8(A8, W8t, "", scaleA, scaleB, 1)`` with transA=0, transB=1, rowMajor=0 (the TN
-     layout cuBLASLt needs for float8), float16 output; A8 is reshaped to 2-D when batched and the
-     result reshaped back; W8t is the float8 weight laid out [N, K]; a Gemm's bias becomes an Add
-     (times beta); a Cast restores the original output type. Scales are cast to float32.
+  -> ``GemmFloat8(A8, W8t, "", scaleA, scaleB, 1)`` with transA=0, transB=1 (A [M, K], B [N, K]: the
+     TN layout cuBLASLt needs for float8; onnxruntime's schema has no layout attribute besides), float16
+     output; A8 is reshaped to 2-D when batched and the result reshaped back; W8t is the float8 weight
+     laid out [N, K]; a Gemm's bias becomes an Add (times beta); a Cast restores the original output
+     type. Scales are cast to float32.
 Left as Q/DQ, with the reason in ``skipped`` (node name -> reason): per-channel weight scales,
 weights that are not 2-D, Gemm with transA=1, FNUZ or emulated formats (no CUDA kernel), mixed
 E4M3/E5M2 (onnxruntime issue 20869), E5M2 x E5M2 (not a cuBLASLt float8 combination), inputs not in
@@ -163,7 +164,6 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
             transB=1,
             alpha=float(alpha),
             dtype=int(ir.DataType.FLOAT16),
-            rowMajor=0,
         )
         if rank != 2:
             lead = op("Shape", [a8], "lead_dims", end=-1)

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.graph import providers, runtime
+from fp8onnx.graph import cpu_ep, providers, runtime
 
 from helpers import REPO, mlp_data, mlp_model
 
@@ -188,3 +188,19 @@ def test_without_onnxruntime_the_command_names_the_two_installs():
         "ModuleNotFoundError: fp8onnx needs onnxruntime, which is not installed: pip install 'fp8onnx[cpu]' for the "
         "CPU build, or 'fp8onnx[gpu]' for the CUDA one (not both)."
     )
+
+
+def test_an_emulated_model_over_protobufs_limit_loads_from_a_file(monkeypatch, tmp_path):
+    """requires: a CUDA-only form checked on the CPU EP; ensures: where its emulated copy holds more weights
+    than one serialized model may (a 1B LLM's fast form: "Failed to serialize proto" on the H200), it is
+    loaded from a temporary file with external data instead, with the same outputs, and the file is gone."""
+    path = _block_fp8_model(tmp_path / "fast.onnx")
+    feed = {"a": np.random.default_rng(1).standard_normal((2, 32)).astype(np.float16)}
+    in_memory = runtime.make_session(path.read_bytes(), "cpu", "The fast form").run(None, feed)[0]
+    monkeypatch.setattr(cpu_ep, "PROTO_BYTES", 0)
+    made = []
+    real_save = cpu_ep.ir.save
+    monkeypatch.setattr(cpu_ep.ir, "save", lambda model, p, **kw: (made.append(p), real_save(model, p, **kw))[1])
+    from_file = runtime.make_session(path.read_bytes(), "cpu", "The fast form").run(None, feed)[0]
+    assert len(made) == 1 and not os.path.exists(made[0])  # written, loaded, removed
+    np.testing.assert_array_equal(from_file, in_memory)

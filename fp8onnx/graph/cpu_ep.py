@@ -16,17 +16,24 @@ what is searched for.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import mmap
 import os
 
 import numpy as np
 import onnx_ir as ir
 
+from fp8onnx.base.errors import Fp8OnnxError, first_line
+from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.graph import known
 from fp8onnx.passes import EmulateBfloat16Pass, EmulateBlockFp8MatMulPass
 
-__all__ = ["BFLOAT16_COMPUTE", "BFLOAT16_MARK", "cuda_only_ops", "emulated", "float16_conv"]
+__all__ = ["BFLOAT16_COMPUTE", "BFLOAT16_MARK", "PROTO_BYTES", "cuda_only_ops", "emulated", "float16_conv"]
 
+logger = logging.getLogger(__name__)
+# An emulated model with more weights than this goes to onnxruntime as a file (protobuf's limit is 2 GiB).
+PROTO_BYTES = 1 << 30
 _CUDA_ONLY = (b"MatMulBlockQuantizedFp8Weight",)  # ops fp8onnx writes that only the CUDA EP runs
 # the metadata key of a graph fp8onnx converted to bfloat16 for the CUDA EP (--precision bf16)
 BFLOAT16_MARK = "fp8onnx_bfloat16"
@@ -75,10 +82,30 @@ def float16_conv(model: bytes | str | os.PathLike) -> bool:
     )
 
 
-def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | None, in_memory: str) -> bytes:
+@contextlib.contextmanager
+def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | None, in_memory: str, what: str):
     """``model`` (serialized, with ``weights`` handed over as arrays where its initializers point at the
-    external location ``in_memory``; or a file) with its CUDA-only ops lowered to standard ones, as one
-    self-contained serialized model."""
+    external location ``in_memory``; or a file) with its CUDA-only ops lowered to standard ones: one
+    self-contained serialized model, or where its weights pass :data:`PROTO_BYTES` (a 1B LLM's float8
+    weights: protobuf refuses "Failed to serialize proto"), a model file with a side file of weights in
+    a temporary folder, removed when the block ends (a session has read or mapped it by then). A model
+    that cannot be lowered is one sentence naming ``what``."""
+    try:
+        loaded = _lowered(model, weights, in_memory)
+    except Exception as exc:
+        raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from exc
+    logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
+    if sum(v.const_value.nbytes for v in loaded.graph.initializers.values() if v.const_value is not None) < PROTO_BYTES:
+        yield ir.to_proto(loaded).SerializeToString()
+        return
+    with temporary_dir("fp8onnx-emulated-") as folder:
+        path = os.path.join(folder, "model.onnx")
+        ir.save(loaded, path, external_data="model.onnx.data")
+        del loaded
+        yield path
+
+
+def _lowered(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | None, in_memory: str) -> ir.Model:
     import onnx
 
     if isinstance(model, bytes):
@@ -92,4 +119,4 @@ def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | 
     EmulateBlockFp8MatMulPass()(loaded)  # first: it writes the op's bfloat16 roundings as Casts
     EmulateBfloat16Pass()(loaded)
     ir.external_data.load_to_model(loaded)
-    return ir.to_proto(loaded).SerializeToString()
+    return loaded

@@ -219,19 +219,20 @@ def make_session(
     without a copy (the session keeps them alive); ``threads``: onnxruntime's intra-op threads (0: its
     default); ``disabled_optimizers``: onnxruntime graph transformers to leave out (by name)."""
     provider = resolve_provider(provider)
-    if provider == "cpu" and cuda_only_ops(model):  # lowered to standard ops, weights inline
-        try:
-            model, weights = emulated(model, weights, _IN_MEMORY), None
-        except Exception as exc:
-            raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from exc
-        logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
+    options = _options(provider, arena, optimize, instrumented, threads)
+    if provider == "cpu" and cuda_only_ops(model):  # lowered to standard ops, weights inline (or in a file)
+        with emulated(model, weights, _IN_MEMORY, what) as lowered:
+            return _session(lowered, provider, what, None, options, disabled_optimizers)
+    return _session(model, provider, what, weights, options, disabled_optimizers)
+
+
+def _session(model, provider, what, weights, options, disabled_optimizers) -> ort.InferenceSession:
     if provider == "cpu" and float16_conv(model):
         # onnxruntime 1.32's NchwcTransformer crashes the process (SIGSEGV) on float16 Conv graphs (the
         # corpus ViT's patch embedding at --precision fp16); it only changes the layout of float32 Convs
         disabled_optimizers = (*disabled_optimizers, "NchwcTransformer")
     providers = [_CUDA, _CPU] if provider == "cuda" else [_CPU]
     src = model if isinstance(model, bytes) else str(model)
-    options = _options(provider, arena, optimize, instrumented, threads)
     values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (weights or {}).values()]
     if weights:
         options.add_external_initializers(list(weights), values)

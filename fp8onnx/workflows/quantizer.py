@@ -28,6 +28,7 @@ from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_m
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.graph.runtime import RunOptions, make_session, qdq_fusion_warning, resolve_provider, weight_bytes
+from fp8onnx.graph.schemas import check_attributes
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES
 from fp8onnx.settings.config import QuantizeConfig
@@ -128,6 +129,8 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     lap("rewrite")
     # GemmFloat8 has only a CUDA kernel: such a model is loaded for checking on the CUDA EP, if any.
     check_on = "cpu" if not rewritten.lowered else ("cuda" if run.provider == "cuda" else None)
+    if check_on is None:  # not loaded here: its contrib ops' attributes are checked against onnxruntime's schemas
+        check_attributes(ir_model, "The output model")
     # Weights that came in a side file go out in one too: written tensor by tensor, never whole.
     try:
         save_model(ir_model, out, provider=check_on, external_data=ir_model.meta.get(EXTERNAL_META, False))

@@ -110,14 +110,18 @@ def save_tokenizer(folder: pathlib.Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
-def _run(command: list[str], what: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+def _run(command: list[str], what: str, cwd: pathlib.Path) -> None:
+    """``command`` in ``cwd``, not the checkout: ``python -m`` puts its folder first on the path, and the
+    checkout's fp8onnx/ lacks fp8onnx.passes (pyproject maps it from passes/)."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     if done.returncode:
         raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
 def build_folders(out: pathlib.Path, dims: dict, device: str = "cuda") -> dict:
     """{"fp16": folder, "fp8": folder, "seconds": {...}}; the Hugging Face folder is removed afterwards."""
+    out = out.resolve()  # the commands run in it
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
     start = time.perf_counter()
@@ -126,7 +130,7 @@ def build_folders(out: pathlib.Path, dims: dict, device: str = "cuda") -> dict:
     fp16, fp8 = out / "fp16", out / "fp8"
     start = time.perf_counter()
     builder = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(fp16)]
-    _run(builder + ["-p", "fp16", "-e", "cuda", "-c", str(out / "cache")], "onnxruntime-genai's builder")
+    _run(builder + ["-p", "fp16", "-e", "cuda", "-c", str(out / "cache")], "onnxruntime-genai's builder", out)
     seconds["builder"] = time.perf_counter() - start
     shutil.rmtree(source)
     shutil.rmtree(out / "cache", ignore_errors=True)
@@ -135,7 +139,7 @@ def build_folders(out: pathlib.Path, dims: dict, device: str = "cuda") -> dict:
     start = time.perf_counter()
     quantize = [sys.executable, "-m", "fp8onnx.cli", "quantize", str(fp16), "-o", str(fp8)]
     quantize += ["--target", "onnxruntime-cuda", "--provider", "cpu", "--weight-rounding", "nearest"]
-    _run(quantize + ["--calib", str(calib)], "fp8onnx quantize")
+    _run(quantize + ["--calib", str(calib)], "fp8onnx quantize", out)
     seconds["fp8onnx_quantize"] = time.perf_counter() - start
     return {"fp16": str(fp16), "fp8": str(fp8), "seconds": seconds, "dims": dims}
 
@@ -231,7 +235,7 @@ def main() -> None:
     ap.add_argument("--dims", type=json.loads, default=LLAMA_1B, help=f"the model's sizes (default {LLAMA_1B})")
     ap.add_argument("--device", default="cuda", help="where the random weights are made")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # after an installed fp8onnx (a source tree lacks fp8onnx.passes)
     built = build_folders(args.out, args.dims, args.device)
     (args.out / "folders.json").write_text(json.dumps(built, indent=1) + "\n")
     print(f"genai folders built: {json.dumps(built['seconds'])}", flush=True)

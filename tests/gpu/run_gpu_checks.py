@@ -42,7 +42,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path[:0] = [str(REPO), str(HERE)]
+sys.path[:0] = [str(HERE)]
+sys.path.append(str(REPO))  # after an installed fp8onnx (a source tree lacks fp8onnx.passes)
 
 import gemm_models  # noqa: E402
 import gemm_report  # noqa: E402
@@ -146,7 +147,7 @@ def start_genai_build(args) -> tuple[subprocess.Popen | None, pathlib.Path | Non
     where = pathlib.Path(tempfile.mkdtemp(prefix="fp8onnx-genai-"))
     command = ["nice", "-n", "10", sys.executable, str(HERE / "genai_tps.py"), "build", str(where)]
     command += ["--dims", json.dumps(args.genai_dims)] if args.genai_dims else []
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
     log = (where / "build.log").open("w")
     print(f"building the onnxruntime-genai folders in the background ({where})", flush=True)
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), where, None

@@ -17,7 +17,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-.}
 mkdir -p "$out"
-export PYTHONPATH="$PWD/.ortgpu/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# fp8onnx as pip installs it (pyproject's package-dir: passes/ and models/ are fp8onnx.passes and fp8onnx.models),
+# without installing (the machine reaches no index): a folder of links, first on the path.
+pkg=.ortgpu/pkg/fp8onnx
+rm -rf .ortgpu/pkg && mkdir -p "$pkg"
+for entry in fp8onnx/*; do ln -s "$PWD/$entry" "$pkg/"; done
+ln -s "$PWD/passes" "$pkg/passes" && ln -s "$PWD/models" "$pkg/models"
+export PYTHONPATH="$PWD/.ortgpu/site:$PWD/.ortgpu/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c 'import fp8onnx.passes, fp8onnx.models' || { echo "fp8onnx does not import from $PWD/.ortgpu/pkg" >&2; exit 2; }
 if [ -f .ortgpu/c2/unpack.py ] && [ ! -e .ortgpu/site/onnxruntime/capi/libonnxruntime_providers_cuda.so ]; then
   python3 .ortgpu/c2/unpack.py .ortgpu/site
 fi

@@ -24,7 +24,8 @@ BF16 = ml_dtypes.bfloat16
 
 def _run(model: onnx.ModelProto, feed: dict) -> list[np.ndarray]:
     """On the CPU EP, bfloat16 emulated (fp8onnx's sessions do it for models with the fast-form op)."""
-    return make_session(emulated(model.SerializeToString(), None, ""), "cpu").run(None, feed)
+    with emulated(model.SerializeToString(), None, "", "The model") as lowered:
+        return make_session(lowered, "cpu").run(None, feed)
 
 
 def test_weights_are_rounded_from_float32_and_the_interface_is_kept(tmp_path):

@@ -7,6 +7,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 import fp8onnx
+from fp8onnx.graph.schemas import unknown_attributes
 from fp8onnx.numerics.gemm_float8_ref import gemm_float8
 from fp8onnx.passes import LowerGemmFloat8Pass
 
@@ -31,8 +32,6 @@ class GemmFloat8(OpRun):
         alpha=1.0,
         beta=0.0,
         dtype=10,
-        rowMajor=1,
-        **_,
     ):
         out = onnx.helper.tensor_dtype_to_np_dtype(dtype)
         return (
@@ -99,7 +98,10 @@ def test_lowered_graph_matches_the_qdq_graph(tmp_path, gemm_trans_b, fmt="e4m3fn
     gf8 = [n for n in proto.graph.node if n.op_type == "GemmFloat8"]
     for n in gf8:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        assert (attrs["transA"], attrs["transB"], attrs["rowMajor"], attrs["dtype"]) == (0, 1, 0, TensorProto.FLOAT16)
+        assert attrs.keys() == {"transA", "transB", "alpha", "dtype"}  # alpha: the Gemm's own
+        assert (attrs["transA"], attrs["transB"], attrs["dtype"]) == (0, 1, TensorProto.FLOAT16)
+    # every attribute is one onnxruntime's own schema of GemmFloat8 has (a rowMajor once made the CUDA EP refuse it)
+    assert unknown_attributes(model) == []
     inits = {i.name: i for i in proto.graph.initializer}
     assert inits[gf8[0].input[1]].dims == [32, 16]  # the weight laid out [N, K]
     qdq = run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]
@@ -184,3 +186,31 @@ def test_native_gemm_end_to_end(tmp_path):
     fp32 = run_ort(onnx.load(SAMPLE / "decoder.onnx"), {"input_ids": ids})[0]
     out = run_lowered(proto, {"input_ids": ids})[0]
     assert out.dtype == np.float32 and (fp32.argmax(-1) == out.argmax(-1)).mean() > 0.9
+
+
+def test_a_cuda_only_node_with_an_attribute_onnxruntime_does_not_know_is_refused(tmp_path):
+    """requires: a GemmFloat8 graph, which loads on the CUDA EP only; ensures: its attributes are checked
+    against onnxruntime's own schema, and rowMajor (once fp8onnx's, and why the CUDA EP refused every
+    lowered model with "Unrecognized attribute") is one sentence naming the node; quantize runs that
+    check before it writes a lowered model it cannot load here."""
+    from fp8onnx.base.errors import Fp8OnnxError
+    from fp8onnx.graph.schemas import check_attributes
+
+    def model(**attrs):
+        a = helper.make_tensor_value_info("a", TensorProto.FLOAT8E4M3FN, [2, 16])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 8])
+        w8 = helper.make_tensor("w8", TensorProto.FLOAT8E4M3FN, [8, 16], [1.0] * 128)
+        s = numpy_helper.from_array(np.array(1.0, np.float32), "s")
+        node = helper.make_node(
+            "GemmFloat8", ["a", "w8", "", "s", "s", "s"], ["y"], "gf8", domain="com.microsoft", transB=1, **attrs
+        )
+        graph = helper.make_graph([node], "g", [a], [y], [w8, s])
+        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+        return ir.from_proto(helper.make_model(graph, opset_imports=opsets))
+
+    named = r"^The model would not load .* node 'gf8' \(com.microsoft.GemmFloat8\) sets rowMajor"
+    with pytest.raises(Fp8OnnxError, match=named):
+        check_attributes(model(rowMajor=0), "The model")
+    check_attributes(model(dtype=TensorProto.FLOAT16), "The model")
+    both = unknown_attributes(model(smCount=4, rowMajor=1))
+    assert both[0].startswith("node 'gf8' (com.microsoft.GemmFloat8) sets rowMajor, smCount")
