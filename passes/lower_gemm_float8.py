@@ -6,11 +6,12 @@ used by the CPU tests are in ``fp8onnx.numerics.gemm_float8_ref``.
 
 Rewrite cases, for a MatMul/Gemm whose input A is ``DequantizeLinear(QuantizeLinear(x))`` and whose
 weight is ``DequantizeLinear(W)`` of a per-tensor float8 initializer, both E4M3FN:
-  -> ``GemmFloat8(A8, W8t, "", scaleA, scaleB, 1)`` with transA=0, transB=1 (A [M, K], B [N, K]: the
-     TN layout cuBLASLt needs for float8; onnxruntime's schema has no layout attribute besides), float16
-     output; A8 is reshaped to 2-D when batched and the result reshaped back; W8t is the float8 weight
-     laid out [N, K]; a Gemm's bias becomes an Add (times beta); a Cast restores the original output
-     type. Scales are cast to float32.
+  -> ``GemmFloat8(A8, W8t, "", scaleA, scaleB)`` with transA=0, transB=1 (A [M, K], B [N, K]: the TN
+     layout cuBLASLt needs for float8; onnxruntime's schema has no layout attribute besides), float16
+     output and no scaleY (cuBLASLt takes an output scale only for a float8 output); A8 is reshaped to
+     2-D when batched and the result reshaped back; W8t is the float8 weight laid out [N, K]; a Gemm's
+     bias becomes an Add (times beta); a Cast restores the original output type. Scales are cast to
+     float32.
 Left as Q/DQ, with the reason in ``skipped`` (node name -> reason): per-channel weight scales,
 weights that are not 2-D, Gemm with transA=1, FNUZ or emulated formats (no CUDA kernel), mixed
 E4M3/E5M2 (onnxruntime issue 20869), E5M2 x E5M2 (not a cuBLASLt float8 combination), inputs not in
@@ -157,7 +158,7 @@ class LowerGemmFloat8Pass(ir.passes.InPlacePass):
         alpha = node.attributes.get_float("alpha", 1.0) if node.op_type == "Gemm" else 1.0
         y = op(
             "GemmFloat8",
-            [a2d, weight_nk, None, f32(a_scale), f32(w_scale), const("scale_y", np.array(1.0, np.float32))],
+            [a2d, weight_nk, None, f32(a_scale), f32(w_scale)],
             "gemm_float8",
             domain=MS_DOMAIN,
             transA=0,

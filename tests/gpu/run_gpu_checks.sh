@@ -24,7 +24,7 @@ rm -rf .ortgpu/pkg && mkdir -p "$pkg"
 for entry in fp8onnx/*; do ln -s "$PWD/$entry" "$pkg/"; done
 ln -s "$PWD/passes" "$pkg/passes" && ln -s "$PWD/models" "$pkg/models"
 export PYTHONPATH="$PWD/.ortgpu/site:$PWD/.ortgpu/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c 'import fp8onnx.passes, fp8onnx.models' || { echo "fp8onnx does not import from $PWD/.ortgpu/pkg" >&2; exit 2; }
+python3 -P -c 'import fp8onnx.passes, fp8onnx.models' || { echo "fp8onnx does not import from $PWD/.ortgpu/pkg" >&2; exit 2; }
 if [ -f .ortgpu/c2/unpack.py ] && [ ! -e .ortgpu/site/onnxruntime/capi/libonnxruntime_providers_cuda.so ]; then
   python3 .ortgpu/c2/unpack.py .ortgpu/site
 fi

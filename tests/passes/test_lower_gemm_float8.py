@@ -99,6 +99,7 @@ def test_lowered_graph_matches_the_qdq_graph(tmp_path, gemm_trans_b, fmt="e4m3fn
     for n in gf8:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs.keys() == {"transA", "transB", "alpha", "dtype"}  # alpha: the Gemm's own
+        assert len(n.input) == 5 and n.input[2] == ""  # no C, no scaleY (an output scale only for float8 output)
         assert (attrs["transA"], attrs["transB"], attrs["dtype"]) == (0, 1, TensorProto.FLOAT16)
     # every attribute is one onnxruntime's own schema of GemmFloat8 has (a rowMajor once made the CUDA EP refuse it)
     assert unknown_attributes(model) == []
