@@ -52,6 +52,10 @@ def test_the_gpu_check_dry_runs_on_the_cpu(tmp_path):
                 "gemv" if m <= 32 else "deepgemm" if on and form == "fast_w8a8" else "dequant+cublas"
             )
     assert "dry run builds no onnxruntime-genai folders" in results["genai"]["skipped"]
+    layers = results["layers"]["forms"]  # on the CPU the fast form is its own emulation: bit-equal
+    rows = [layers[f][m] for f in ("fast_w8a16", "fast_w8a8") for m in ("4", "256")]
+    assert all(r["vs_cpu"]["bit_equal"] == 1.0 and 0.01 < r["device_vs_fp16"]["rel_l2"] < 0.1 for r in rows)
+    assert "GemmFloat8" in layers["gemm_float8"]["4"]["error"]  # no CPU kernel
     table = (tmp_path / "gpu_checks_table.txt").read_text()
     assert all(f"K x N = {w}" in table and f"K x N = {w}" in stdout for w in widths)
 

@@ -5,8 +5,11 @@ On a lent H200 with onnxruntime-gpu staged (../shared/hooks/gpu/README.md): ``ba
 default 450 s: a time guard skips what would not fit, and says so). ``--dry-run`` runs the same steps on
 the CPU EP at tiny widths (the suite's tests/test_gpu_script.py).
 
-Steps (``--steps``, in this order; the GEMM timing first, the rest as time allows):
+Steps (``--steps``, in this order; the rest as time allows):
 
+layers   One GEMM (K = N = 1,024) at M = 4 and 256 in each CUDA form, its output on the CUDA EP against
+         fp8onnx's CPU side: the fast form's emulation, GemmFloat8's NumPy reference (about 10 s;
+         tests/gpu/layer_numerics.py).
 gemm     Single-GEMM models at Llama-7B widths (K x N = 4096x4096, 4096x11008, 11008x4096; float16
          activations, opset 21), one per form: FP16 MatMul (the baseline), the fast form
          ``MatMulBlockQuantizedFp8Weight`` W8A16 and W8A8 (block 128), GemmFloat8 and float8 Q/DQ, each
@@ -49,7 +52,7 @@ import gemm_models  # noqa: E402
 import gemm_report  # noqa: E402
 from gpu_common import ort_module, write_json  # noqa: E402
 
-STEPS = ("gemm", "genai", "decoder")
+STEPS = ("layers", "gemm", "genai", "decoder")
 GENAI_RESERVE_S = 60  # loading both folders and generating, after the build
 DECODER_NEEDS_S = 100
 
@@ -184,7 +187,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", "--cpu-dry-run", dest="dry_run", action="store_true", help="CPU EP, tiny widths")
-    ap.add_argument("--steps", default=None, help=f"comma-separated, of {','.join(STEPS)} (dry run: gemm,genai)")
+    ap.add_argument("--steps", default=None, help=f"comma-separated, of {','.join(STEPS)} (dry run: layers,gemm,genai)")
     ap.add_argument("--only", choices=STEPS, help="this step alone (the same as --steps STEP)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="the time guard: seconds for the whole check")
     ap.add_argument("--warmup", type=int, default=5)
@@ -193,7 +196,7 @@ def parse_args(argv=None):
     ap.add_argument("--genai-dims", type=json.loads, default=None, help="the on-machine model's sizes (JSON)")
     ap.add_argument("--genai-tokens", type=int, default=128)
     args = ap.parse_args(argv)
-    steps = args.only or args.steps or ("gemm,genai" if args.dry_run else ",".join(STEPS))
+    steps = args.only or args.steps or ("layers,gemm,genai" if args.dry_run else ",".join(STEPS))
     args.steps = [s for s in STEPS if s in steps.split(",")]
     return args
 
@@ -211,6 +214,11 @@ def main(argv=None) -> None:
     results: dict = {"onnxruntime": ort.__version__, "provider": provider, "dry_run": args.dry_run}
     results.update(budget_s=args.budget_s, steps=args.steps)
     build = start_genai_build(args) if "genai" in args.steps else (None, None, None)
+    if "layers" in args.steps:
+        from layer_numerics import layer_numerics
+
+        results["layers"] = layer_numerics(provider)
+        write_json(results, out)
     if "gemm" in args.steps:
         gemm_step(results, args, clock, out)
         write_json(results, out)  # kept if a later step takes the process down

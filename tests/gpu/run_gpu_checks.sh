@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check on a lent H200 (../shared/hooks/gpu/README.md), from the repo root, two device calls back to back:
-#   1. run(command="ls -la .ortgpu/c1", carry=[".ortgpu/c1"], timeout_s=60)               # starts the machine
+#   1. run(command="mkdir -p ~/ortgpu && cp -r .ortgpu/c1 ~/ortgpu/", carry=[".ortgpu/c1"], timeout_s=60)
 #   2. run(command="bash tests/gpu/run_gpu_checks.sh", carry=[".ortgpu/c2", ".ortgpu/genai"], timeout_s=600)
+# Call 1 starts the machine and keeps the first part outside the tree: a call that carries .ortgpu/c2 removes
+# every other path under .ortgpu/ there (seen on 2026-12-04), .ortgpu/c1 and an unpacked .ortgpu/site too.
 # Call 2 unpacks onnxruntime-gpu into .ortgpu/site (unless there already), installs next to it the
 # onnxruntime-genai-cuda wheel staged in .ortgpu/genai/ (the genai step is skipped, saying so, without it),
 # and runs tests/gpu/run_gpu_checks.py (about 7.5 minutes: its --budget-s time guard, default 450 s), its
@@ -25,6 +27,7 @@ for entry in fp8onnx/*; do ln -s "$PWD/$entry" "$pkg/"; done
 ln -s "$PWD/passes" "$pkg/passes" && ln -s "$PWD/models" "$pkg/models"
 export PYTHONPATH="$PWD/.ortgpu/site:$PWD/.ortgpu/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -P -c 'import fp8onnx.passes, fp8onnx.models' || { echo "fp8onnx does not import from $PWD/.ortgpu/pkg" >&2; exit 2; }
+if [ ! -e .ortgpu/c1/cuda.so.xz ] && [ -e ~/ortgpu/c1/cuda.so.xz ]; then mkdir -p .ortgpu && cp -r ~/ortgpu/c1 .ortgpu/; fi
 if [ -f .ortgpu/c2/unpack.py ] && [ ! -e .ortgpu/site/onnxruntime/capi/libonnxruntime_providers_cuda.so ]; then
   python3 .ortgpu/c2/unpack.py .ortgpu/site
 fi
