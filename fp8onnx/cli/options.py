@@ -66,7 +66,9 @@ _DEPLOYMENT = [
         "--native-gemm",
         is_flag=True,
         help="Lower quantized MatMul/Gemm to com.microsoft.GemmFloat8 (CUDA EP, compute capability >= 8.9); "
-        "the same as --gemm-op gemm-float8.",
+        "the same as --gemm-op gemm-float8. Measured on an H200 with onnxruntime-gpu 1.31.1: 99.6% of FP16's "
+        "accuracy on the sample decoder, but slower than FP16 in wall time (the op sets cuBLASLt up in every run; "
+        "docs/gpu.md).",
     ),
 ]
 

@@ -222,7 +222,7 @@ class FolderReport:
         ``fp8onnx.json`` keeps: settings, counts and sizes (a preset's per-node report runs to MBs)."""
 
         def brief(report) -> dict:
-            return {
+            kept = {
                 "config": report.config,
                 "opset": [report.opset_from, report.opset_to],
                 "quantized_nodes": len(report.quantized),
@@ -232,6 +232,9 @@ class FolderReport:
                 "input_bytes": report.input_bytes,
                 "output_bytes": report.output_bytes,
             }
+            if report.w8a16 is not None:  # --w8a8-share's choice: which nodes, how, each one's loss
+                kept["w8a16"] = report.w8a16
+            return kept
 
         return {
             "version": __version__,
