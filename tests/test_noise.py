@@ -98,6 +98,38 @@ def test_the_held_out_part_is_every_third_sample_and_the_parts_are_disjoint():
     assert count_samples(Source(), 4) == 11
 
 
+def test_a_spread_takes_few_samples_from_all_over_the_data_each_once():
+    """requires: a source read the same way twice; ensures: Spread's samples sit at evenly spaced positions
+    over all of it, the first few already spread (not the first windows, often one document), each once,
+    in batches of one shape up to the size asked; a feed that cannot be cut is one sample, alone."""
+    from fp8onnx.data.feeds import Batch
+    from fp8onnx.data.split import Spread
+
+    class Source:
+        def __init__(self, n, tail=False):
+            self.n, self.tail = n, tail
+
+        def batches(self, batch_size):
+            ids = np.arange(self.n)
+            for s in range(0, self.n, batch_size):
+                x = ids[s : s + batch_size, None] * np.ones((1, 4), np.int64)
+                yield Batch({"x": x}, ids[s : s + batch_size])
+            if self.tail:
+                yield Batch({"x": np.asarray(99)})
+
+    for size in (1, 3, 16):
+        got = list(Spread(Source(256), 64).batches(size))
+        order = [int(v) for b in got for v in b.labels]
+        assert order[:4] == [0, 130, 65, 194] and len(order) == len(set(order)) == 64
+        assert sorted(order) == np.linspace(0, 255, 64).round().astype(int).tolist()
+        assert all(b.size <= size and (b.feed["x"][:, 0] == b.labels).all() for b in got)
+    assert [int(v) for b in Spread(Source(3), 64).batches(4) for v in b.labels] == [0, 2, 1]  # fewer: all of them
+    whole = list(Spread(Source(4, tail=True), 64).batches(8))  # 5 samples: the last one a feed with no batch axis
+    assert [b.size for b in whole] == [1, 1, 3] and whole[1].labels is None  # 0 | the uncut feed | 2, 1, 3
+    assert whole[2].labels.tolist() == [2, 1, 3]
+    assert not list(Spread(Source(0), 64).batches(4))
+
+
 def test_padded_positions_leave_the_row_statistics():
     """A task's items padded to one length: the padded positions' outputs mean nothing (the mask hides
     them), so cosine, top-1 agreement, errors and the per-sample rows count only attended positions."""

@@ -2,7 +2,8 @@
 
 Each node with a quantized activation is measured by its share of the model's output loss: the loss
 with only that activation in FP8 (every weight FP8, as the recipe has it) less the loss with none,
-on a few calibration samples. The loss is the KL divergence of the output's distribution from FP32's
+on a few calibration samples, spread over all of the data (:class:`fp8onnx.data.split.Spread`: the first
+four of an LLM's windows are often one document). The loss is the KL divergence of the output's distribution from FP32's
 where the output is class scores (an LLM's next-token distribution), else one minus the cosine of its
 rows. One onnxruntime session serves every measurement: the quantized inputs are gated
 (:class:`fp8onnx.passes.GateInputsPass`) and each run opens one gate.
@@ -29,6 +30,7 @@ from fp8onnx.accuracy.metrics import class_outputs
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.progress import progress_bar
 from fp8onnx.data.feeds import Batch
+from fp8onnx.data.split import Spread
 from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, last_layers
 from fp8onnx.graph.runtime import RunOptions, machine_memory, session_for_model, weight_bytes
@@ -156,7 +158,7 @@ def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> tup
     sums = np.zeros(len(gates) + 1)
     seen = rows = 0
     cap = min(run.batch, LOSS_SAMPLES)  # an LLM's logits: a few samples at a time
-    for batch in source.batches(cap):
+    for batch in Spread(source, LOSS_MAX_SAMPLES).batches(cap):  # a few samples, from all over the data
         # a source whose files hold larger batches (an export folder's recorded feeds: 16 prompts) gives them
         # whole: their first samples only, or every run measures 4x the samples asked for
         size, batch = min(batch.size, cap), _first(batch, cap)
