@@ -96,6 +96,11 @@ def overruled(field: str, value, explicit: dict) -> bool:
         return True
     if field == "w8a8_share" and given.get("activations") not in (None, "static"):
         return True  # no static activations to choose W8A16 among
+    # the preset's weight blocks yield to a weight granularity the user chose, and to what takes none: TensorRT
+    # and GemmFloat8 (one scale per tensor or channel), one constant scale
+    native = given.get("native_gemm") or given.get("gemm_op") == "gemm-float8"
+    if field == "weight_block_size" and ("per_channel" in given or given.get("target") == "tensorrt" or native):
+        return True
     # a scaling the user chose that reads calibration histograms (percentile, MSE) means calibrated
     # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
     if field == "activations" and given.get("scaling") in ("percentile", "mse") and "activations" not in given:
@@ -103,7 +108,8 @@ def overruled(field: str, value, explicit: dict) -> bool:
     # one constant scale: the preset's per-batch (dynamic) activation scales yield (static, at that scale)
     if field == "activations" and constant and "activations" not in given:
         return str(getattr(value, "value", value)).startswith("dynamic")
-    return constant and (field in ("bias_correction", "smooth") or (field == "weight_rounding" and value == "gptq"))
+    techniques = ("bias_correction", "smooth", "weight_block_size")
+    return constant and (field in techniques or (field == "weight_rounding" and value == "gptq"))
 
 
 # --format mxfp8: the OCP Microscaling MXFP8 recipe as settings: E4M3 elements, one power-of-two (E8M0)
