@@ -90,8 +90,8 @@ class Spread:
 
     def batches(self, batch_size: int) -> Iterator[Batch]:
         total = count_samples(self._source, batch_size)
-        picks = np.unique(np.linspace(0, total - 1, min(total, self.most)).round().astype(int)) if total else []
-        rank = {int(picks[j]): r for r, j in enumerate(_prefix_spread(len(picks)))}  # position -> turn
+        picks: list[int] = np.unique(np.linspace(0, total - 1, min(total, self.most)).round()).astype(int).tolist()
+        rank = {picks[j]: r for r, j in enumerate(_prefix_spread(len(picks)))}  # position -> turn
         taken: dict[int, Batch] = {}
         start = 0
         for batch in self._source.batches(batch_size):
@@ -128,7 +128,9 @@ def _joinable(a: Batch, b: Batch) -> bool:
     if _cuttable(a) != 1 or _cuttable(b) != 1 or a.feed.keys() != b.feed.keys():
         return False
     same = all(a.feed[k].shape == b.feed[k].shape for k in a.feed)
-    return same and (a.labels is None) == (b.labels is None) and (a.labels is None or a.labels.shape == b.labels.shape)
+    if a.labels is None or b.labels is None:
+        return same and a.labels is b.labels
+    return same and a.labels.shape == b.labels.shape
 
 
 def _joined(group: list[Batch]) -> Batch:
