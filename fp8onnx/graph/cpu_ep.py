@@ -90,19 +90,20 @@ def emulated(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | 
     weights: protobuf refuses "Failed to serialize proto"), a model file with a side file of weights in
     a temporary folder, removed when the block ends (a session has read or mapped it by then). A model
     that cannot be lowered is one sentence naming ``what``."""
-    try:
-        loaded = _lowered(model, weights, in_memory)
-    except Exception as exc:
-        raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from exc
-    logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
-    if sum(v.const_value.nbytes for v in loaded.graph.initializers.values() if v.const_value is not None) < PROTO_BYTES:
-        yield ir.to_proto(loaded).SerializeToString()
-        return
     with temporary_dir("fp8onnx-emulated-") as folder:
-        path = os.path.join(folder, "model.onnx")
-        ir.save(loaded, path, external_data="model.onnx.data")
-        del loaded
-        yield path
+        try:
+            loaded = _lowered(model, weights, in_memory)
+            held = sum(v.const_value.nbytes for v in loaded.graph.initializers.values() if v.const_value is not None)
+            if held < PROTO_BYTES:
+                source: bytes | str = ir.to_proto(loaded).SerializeToString()
+            else:
+                source = os.path.join(folder, "model.onnx")
+                ir.save(loaded, source, external_data="model.onnx.data")
+            del loaded
+        except Exception as exc:
+            raise Fp8OnnxError(f"{what} does not load in onnxruntime (cpu, emulated): {first_line(exc)}") from exc
+        logger.info("%s: CUDA-only ops emulated on the CPU EP (standard ops, the CUDA kernel's numerics)", what)
+        yield source
 
 
 def _lowered(model: bytes | str | os.PathLike, weights: dict[str, np.ndarray] | None, in_memory: str) -> ir.Model:
