@@ -144,3 +144,14 @@ def test_a_folders_manifest_keeps_the_choice(tmp_path):
     assert r.exit_code == 0, r.output
     kept = json.loads((tmp_path / "out" / MANIFEST).read_text())["models"]["model.onnx"]["w8a16"]
     assert kept["nodes"] == ["second"] and kept["how"].startswith("by measured loss") and "first" in kept["losses"]
+
+
+def test_feeds_given_as_a_one_shot_iterator_still_measure_the_loss(tmp_path):
+    """requires: calibration feeds as a generator (read once), static activations and --w8a8-share without
+    GPTQ; ensures: the choice is still made by measured loss on the same node, not refused for want of data
+    (the statistics and the choice read the data: it is kept in memory, as for any recipe reading it twice)."""
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    x = np.load(calib)["x"]
+    feeds = ({"x": x[i : i + 8]} for i in range(0, len(x), 8))
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", feeds, activations="static", w8a8_share=0.1, provider="cpu")
+    assert report.w8a16["nodes"] == ["second"] and report.w8a16["how"].startswith("by measured loss")

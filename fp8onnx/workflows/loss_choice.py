@@ -2,10 +2,10 @@
 
 Each node with a quantized activation is measured by its share of the model's output loss: the loss
 with only that activation in FP8 (every weight FP8, as the recipe has it) less the loss with none,
-on a few calibration samples, spread over all of the data (:class:`fp8onnx.data.split.Spread`: the first
-four of an LLM's windows are often one document). The loss is the KL divergence of the output's distribution from FP32's
-where the output is class scores (an LLM's next-token distribution), else one minus the cosine of its
-rows. One onnxruntime session serves every measurement: the quantized inputs are gated
+on a few calibration samples, spread over all of the data (:class:`fp8onnx.data.split.Spread`: the
+first four of an LLM's windows are often one document). The loss is the KL divergence of the output's
+distribution from FP32's where the output is class scores (an LLM's next-token distribution), else one
+minus the cosine of its rows. One onnxruntime session serves every measurement: the quantized inputs are gated
 (:class:`fp8onnx.passes.GateInputsPass`) and each run opens one gate.
 
 The choice: nodes go W8A8 cheapest first (loss share per multiply-accumulate, a node's MACs counted by

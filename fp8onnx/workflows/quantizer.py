@@ -287,11 +287,13 @@ def _data_reads(config: QuantizeConfig, stats=None) -> list[str]:
 def _data_source(calib, ir_model, config: QuantizeConfig, stats):
     """``calib`` as the one data source every step reads (``as_data``: a path, text, images, audio or
     feeds), converted here once; feeds given as an iterator are kept in memory when the recipe reads
-    the data more than once (:func:`_data_reads`)."""
+    the data more than once (:func:`_data_reads`, and ``--w8a8-share``'s choice, which reads what it has
+    and needs none)."""
     if calib is None:
         return None
     source = as_data(calib, input_specs(ir_model), ir_model)
-    return source.readable_again() if len(_data_reads(config, stats)) > 1 and isinstance(source, FeedData) else source
+    reads = len(_data_reads(config, stats)) + (config.w8a8_share is not None)
+    return source.readable_again() if reads > 1 and isinstance(source, FeedData) else source
 
 
 def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool, auto=None):
