@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gemm_float8", "matmul_block_quantized_fp8_weight"]
+__all__ = ["gemm_float8", "matmul_block_quantized_fp8_weight", "run_with_gemm_float8"]
 
 
 def gemm_float8(
@@ -43,6 +43,27 @@ def gemm_float8(
     if out_dtype.itemsize == 1:  # a float8 output is scaled into its range
         y = y * np.float32(scale_y)
     return y.astype(out_dtype)
+
+
+def run_with_gemm_float8(model, feed: dict) -> list[np.ndarray]:
+    """``model`` (a ModelProto) on onnx.reference, with :func:`gemm_float8` standing in for the CUDA-only
+    ``com.microsoft.GemmFloat8``: what the CPU tests and the GPU check compare the op's graph with."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    class GemmFloat8(OpRun):
+        op_domain = "com.microsoft"
+
+        def _run(self, a, b, c=None, scale_a=None, scale_b=None, scale_y=None, transA=0, transB=0, alpha=1.0,
+                 beta=0.0, dtype=1, **_):  # fmt: skip
+            y_scale = 1.0 if scale_y is None else scale_y
+            out = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+            y = gemm_float8(a, b, c, scale_a, scale_b, y_scale, trans_a=transA, trans_b=transB, alpha=alpha,
+                            beta=beta, out_dtype=out)  # fmt: skip
+            return (y,)
+
+    return list(ReferenceEvaluator(model, new_ops=[GemmFloat8]).run(None, feed))  # outputs in the graph's order
 
 
 def matmul_block_quantized_fp8_weight(a, b, b_scale, a_scale=None, bias=None, *, block_size: int = 128) -> np.ndarray:

@@ -33,22 +33,10 @@ K, N = 1024, 1024
 def _reference(path: str, x: np.ndarray) -> np.ndarray:
     """GemmFloat8's graph on onnx.reference with the NumPy reference as the op."""
     import onnx
-    from onnx.reference import ReferenceEvaluator
-    from onnx.reference.op_run import OpRun
 
-    from fp8onnx.numerics.gemm_float8_ref import gemm_float8
+    from fp8onnx.numerics.gemm_float8_ref import run_with_gemm_float8
 
-    class GemmFloat8(OpRun):
-        op_domain = "com.microsoft"
-
-        def _run(self, a, b, c=None, scale_a=None, scale_b=None, scale_y=None, transA=0, transB=0, alpha=1.0,
-                 beta=0.0, dtype=10, **_):  # fmt: skip
-            out = onnx.helper.tensor_dtype_to_np_dtype(dtype)
-            y = gemm_float8(a, b, c, scale_a, scale_b, 1.0 if scale_y is None else scale_y, trans_a=transA,
-                            trans_b=transB, alpha=alpha, beta=beta, out_dtype=out)  # fmt: skip
-            return (y,)
-
-    return ReferenceEvaluator(onnx.load(path), new_ops=[GemmFloat8]).run(None, {"x": x})[0]
+    return run_with_gemm_float8(onnx.load(path), {"x": x})[0]
 
 
 def _compare(got: np.ndarray, want: np.ndarray) -> dict:

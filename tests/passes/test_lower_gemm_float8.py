@@ -3,56 +3,13 @@ import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
-from onnx.reference.op_run import OpRun
 
 import fp8onnx
 from fp8onnx.graph.schemas import unknown_attributes
-from fp8onnx.numerics.gemm_float8_ref import gemm_float8
+from fp8onnx.numerics.gemm_float8_ref import run_with_gemm_float8
 from fp8onnx.passes import LowerGemmFloat8Pass
 
 from helpers import SAMPLE, op_types, run_ort, sqnr_db
-
-
-class GemmFloat8(OpRun):
-    """onnx.reference stand-in for the CUDA kernel: the NumPy reference."""
-
-    op_domain = "com.microsoft"
-
-    def _run(
-        self,
-        a,
-        b,
-        c=None,
-        scale_a=None,
-        scale_b=None,
-        scale_y=None,
-        transA=0,
-        transB=0,
-        alpha=1.0,
-        beta=0.0,
-        dtype=10,
-    ):
-        out = onnx.helper.tensor_dtype_to_np_dtype(dtype)
-        return (
-            gemm_float8(
-                a,
-                b,
-                c,
-                scale_a,
-                scale_b,
-                scale_y,
-                trans_a=transA,
-                trans_b=transB,
-                alpha=alpha,
-                beta=beta,
-                out_dtype=out,
-            ),
-        )
-
-
-def run_lowered(proto, feed):
-    return ReferenceEvaluator(proto, new_ops=[GemmFloat8]).run(None, feed)
 
 
 def model_3d(path, gemm_trans_b=1):
@@ -106,7 +63,7 @@ def test_lowered_graph_matches_the_qdq_graph(tmp_path, gemm_trans_b, fmt="e4m3fn
     inits = {i.name: i for i in proto.graph.initializer}
     assert inits[gf8[0].input[1]].dims == [32, 16]  # the weight laid out [N, K]
     qdq = run_ort(onnx.load(tmp_path / "q.onnx"), {"x": x})[0]
-    lowered = run_lowered(proto, {"x": x})[0]
+    lowered = run_with_gemm_float8(proto, {"x": x})[0]
     assert lowered.dtype == np.float32 and lowered.shape == qdq.shape
     # same float8 products; the only difference is the float16 output of each GEMM
     assert sqnr_db(qdq, lowered) > 45
@@ -147,7 +104,7 @@ def test_every_matmul_shape_of_the_sample_decoder(tmp_path):
     ids = np.load(SAMPLE / "eval.npz")["input_ids"][:4]
     fp32 = run_ort(onnx.load(SAMPLE / "decoder.onnx"), {"input_ids": ids})[0]
     qdq = run_ort(onnx.load(tmp_path / "q.onnx"), {"input_ids": ids})[0]
-    lowered = run_lowered(ir.to_proto(model), {"input_ids": ids})[0]
+    lowered = run_with_gemm_float8(ir.to_proto(model), {"input_ids": ids})[0]
     # Within the FP8 error: float16 GEMM outputs re-quantized downstream cost no more than 1 dB
     # against FP32 than the Q/DQ graph's own error.
     assert sqnr_db(fp32, lowered) > sqnr_db(fp32, qdq) - 1.0
@@ -185,7 +142,7 @@ def test_native_gemm_end_to_end(tmp_path):
     assert {o.domain: o.version for o in proto.opset_import}["com.microsoft"] == 1
     ids = np.load(SAMPLE / "eval.npz")["input_ids"][:4]
     fp32 = run_ort(onnx.load(SAMPLE / "decoder.onnx"), {"input_ids": ids})[0]
-    out = run_lowered(proto, {"input_ids": ids})[0]
+    out = run_with_gemm_float8(proto, {"input_ids": ids})[0]
     assert out.dtype == np.float32 and (fp32.argmax(-1) == out.argmax(-1)).mean() > 0.9
 
 
