@@ -201,7 +201,8 @@ class QuantizeReport:
                 )
         if self.runtime_checked is None:
             lines.append(
-                "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker only)"
+                "  not loaded in onnxruntime here: GemmFloat8 needs the CUDA EP (checked with onnx.checker and "
+                "onnxruntime's op schemas)"
             )
         return lines
 
