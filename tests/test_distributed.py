@@ -19,6 +19,7 @@ from fp8onnx.pipeline.statistics import reduce_batch as summarize
 from helpers import SAMPLE, mlp_data, mlp_model
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # Ray workers: left out of the default suite, CI's own step (-m ray)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,7 @@ from fp8onnx.pipeline import distributed
 from helpers import SAMPLE
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # Ray workers: left out of the default suite, CI's own step (-m ray)
 CALIB = SAMPLE / "calib.npz"
 SLOW = pytest.mark.slow  # the default suite removes one node mid-run; the rest run with -m slow
 

@@ -20,6 +20,7 @@ import pytest
 from helpers import SAMPLE
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # Ray workers: left out of the default suite, CI's own step (-m ray)
 
 
 def _run(tmp: pathlib.Path, when: str) -> tuple[int | None, str]:
