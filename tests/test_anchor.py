@@ -1,0 +1,107 @@
+"""The torch FP8-dynamic anchor (tests/bench/fp8_anchor.py) and fp8onnx's per-token recipe are the same
+arithmetic: on a small torch block exported by torch, fp8onnx's graph (per-channel E4M3 weights rounded to
+nearest, per-token dynamic E4M3 activations) and the anchor's fake quantization agree far more closely than
+either agrees with the float model, and the anchor's static recipe reads its calibration's amax.
+
+requires: torch; ensures: a gap between the anchor and ``--preset llm`` on a real model is not the harness."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import fp8onnx
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "bench"))
+fp8_anchor = pytest.importorskip("fp8_anchor")
+
+
+class Block(torch.nn.Module):
+    """A Llama-style block's projections, named as the anchor finds them."""
+
+    def __init__(self, width: int = 64, hidden: int = 160):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.q_proj = torch.nn.Linear(width, width, bias=False)
+        self.o_proj = torch.nn.Linear(width, width, bias=False)
+        self.gate_proj = torch.nn.Linear(width, hidden, bias=False)
+        self.up_proj = torch.nn.Linear(width, hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, width, bias=False)
+        for lin in (self.q_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj):
+            lin.weight.data = torch.randn(lin.weight.shape, generator=g) / lin.in_features**0.5
+            # a few outlier channels, as trained LLMs have: per-channel and per-token scales must matter
+            lin.weight.data[:3] *= 20
+
+    def forward(self, x):
+        h = x + self.o_proj(torch.tanh(self.q_proj(x)))
+        return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_the_anchor_and_fp8onnx_per_token_recipe_compute_the_same_numbers(tmp_path):
+    block = Block().eval()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 7, 64)).astype(np.float32)
+    x[:, 0] *= 30  # one token far larger than the others (an attention sink's row)
+    path = tmp_path / "block.onnx"
+    with torch.no_grad():
+        torch.onnx.export(
+            block,
+            (torch.from_numpy(x),),
+            str(path),
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "b", 1: "s"}},
+            opset_version=17,
+            dynamo=False,
+        )
+        ref = block(torch.from_numpy(x)).numpy()
+    out = tmp_path / "block.fp8.onnx"
+    fp8onnx.quantize(
+        path,
+        out,
+        preset="none",
+        activations="dynamic-per-token",
+        per_channel=True,
+        weight_rounding="nearest",
+    )
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    fakes = fp8_anchor.quantized(block, "fp8-dynamic", set(fp8_anchor.GROUPS), set(fp8_anchor.GROUPS))
+    assert len(fakes) == 5
+    with torch.no_grad():
+        anchor = block(torch.from_numpy(x)).numpy()
+    quant_error = _rel(anchor, ref)
+    assert 1e-3 < quant_error < 0.1  # FP8 moved the output, by what E4M3 rounding moves it
+    # Same arithmetic: only the last bits of float32 sums (and an amax * 1/448 one ulp off amax / 448) differ.
+    # onnxruntime's and torch's GEMMs differ in the last bits across CPUs (SPEC 11): a tolerance, not bits.
+    assert _rel(got, anchor) < 0.02 * quant_error
+
+
+def test_the_static_recipe_takes_its_scale_from_the_calibration_amax(tmp_path):
+    block = Block().eval()
+    fakes = fp8_anchor.quantized(block, "w8a8-static", {"down"}, set())
+    assert [f.activations for f in fakes.values()].count("static") == 1
+    for f in fakes.values():
+        f.observing = True
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        block(x)
+        for f in fakes.values():
+            f.observing = False
+        down = fakes["down_proj"]
+        # the down projection saw the block's hidden activations: its amax is theirs; float weights
+        h = x + block.o_proj(torch.tanh(block.q_proj(x)))
+        hidden = torch.nn.functional.silu(block.gate_proj(h)) * block.up_proj(h)
+        assert torch.isclose(down.amax, hidden.abs().max())
+        y = down(hidden)
+    scale = hidden.abs().max() / 448
+    assert torch.equal(y, torch.nn.functional.linear(fp8_anchor.e4m3(hidden, scale), down.weight))
+    assert not torch.equal(y, torch.nn.functional.linear(hidden, down.weight))
