@@ -105,3 +105,46 @@ def test_the_static_recipe_takes_its_scale_from_the_calibration_amax(tmp_path):
     scale = hidden.abs().max() / 448
     assert torch.equal(y, torch.nn.functional.linear(fp8_anchor.e4m3(hidden, scale), down.weight))
     assert not torch.equal(y, torch.nn.functional.linear(hidden, down.weight))
+
+
+def test_the_yardstick_table_pairs_rows_with_fp16_and_the_anchor(tmp_path):
+    """yardstick_table.py: a row's ratio to FP16 and its gap to the anchor, with paired standard errors
+    computed as compare computes them, on columns written as llm_yardstick/fp8_anchor write them."""
+    import json
+
+    import yardstick_table
+
+    from fp8onnx.accuracy.metrics import difference_se, gain_se
+
+    rng = np.random.default_rng(1)
+    n = 50
+    fp16 = {"correct": rng.integers(0, 2, n).astype(float), "labelled": np.ones(n), "nll": rng.gamma(2.0, 1.0, n)}
+    model = {k: v.copy() for k, v in fp16.items()}
+    model["correct"][:5] = 0.0
+    model["nll"] += 0.05
+    anchor = {k: v.copy() for k, v in fp16.items()}
+    anchor["correct"][:10] = 0.0
+    arrays = {f"lambada/{row}/{k}": v for row, cols in (("FP16", fp16), ("m.onnx", model)) for k, v in cols.items()}
+    onnx_file, anchor_file = tmp_path / "onnx.npz", tmp_path / "anchor.npz"
+    np.savez(onnx_file, meta=np.array(json.dumps({"sets": ["lambada"], "fp8onnx": "x"})), **arrays)
+    np.savez(
+        anchor_file,
+        meta=np.array(json.dumps({"family": "smollm2"})),
+        **{f"lambada/fp8-dynamic/{k}": v[:40] for k, v in anchor.items()},  # fewer items: rows are cut to 40
+    )
+    rows, _ = yardstick_table.load(onnx_file)
+    theirs, _ = yardstick_table.load(anchor_file, prefix="torch ")
+    rows["lambada"].update(theirs["lambada"])
+    records = {r["recipe"]: r for r in yardstick_table.figures(rows["lambada"], "lambada", "torch fp8-dynamic")}
+    cut = {name: {k: v[:40] for k, v in cols.items()} for name, cols in (("f", fp16), ("m", model), ("a", anchor))}
+    m = records["m.onnx"]
+    assert m["units"] == 40
+    assert m["ratio_to_fp16"] == pytest.approx(cut["m"]["correct"].sum() / cut["f"]["correct"].sum())
+    assert m["ratio_se"] == pytest.approx(difference_se("accuracy", cut["m"], cut["f"], ratio=True))
+    assert m["vs_anchor"] == pytest.approx(
+        (cut["m"]["correct"].sum() - cut["a"]["correct"].sum()) / cut["f"]["correct"].sum()
+    )
+    assert m["vs_anchor_se"] == pytest.approx(gain_se("accuracy", cut["m"], cut["a"], cut["f"]))
+    assert m["ppl_change"] > 0 and m["ppl_change_se"] > 0
+    table = yardstick_table.markdown(list(records.values()), ["lambada"])
+    assert "lambada (40) acc. vs FP16" in table and "torch fp8-dynamic" in table

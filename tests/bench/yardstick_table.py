@@ -8,8 +8,10 @@ perplexity), and, for every row against the anchor, the difference of the two ra
 its standard error, paired over the three models' samples. The anchor's torch FP32 row is checked against
 compare's FP32 reference row (the harness: same items, same scoring) and printed.
 
-Usage: python tests/bench/yardstick_table.py ONNX_COLUMNS.npz [--anchor ANCHOR.npz ...] [--model-name smollm2]
-       [--json results.json]
+A file of the anchor's alone (``fp8_anchor.py``'s, for a diagnosis) is put against its own torch FP32 rows.
+
+Usage: python tests/bench/yardstick_table.py ONNX_COLUMNS.npz|ANCHOR.npz [--anchor ANCHOR.npz ...]
+       [--model-name smollm2] [--json results.json]
 Writes ``--json``: a list of records (model, recipe, set, metric, value, se, units, machine, date,
 onnxruntime, torch), one per figure.
 """
@@ -52,23 +54,24 @@ def _aligned(rows: dict) -> dict:
     return {r: {k: v[:n] for k, v in c.items()} for r, c in rows.items()}
 
 
-def figures(rows: dict, set_name: str, anchor: str | None) -> list[dict]:
-    """The records of one set: value, ratio to FP16 and its SE, perplexity change, the gap to the anchor."""
+def figures(rows: dict, set_name: str, anchor: str | None, base_name: str = "FP16") -> list[dict]:
+    """The records of one set: value, ratio to the base (FP16; torch's FP32 in a file of torch rows alone)
+    and its SE, perplexity change, the gap to the anchor."""
     rows = _aligned(rows)
-    base = rows["FP16"]
+    base = rows[base_name]
     out = []
     has_ppl = set_name != "hellaswag"
     for row, cols in rows.items():
         units = len(cols["correct"])
-        rec = {"set": set_name, "recipe": row, "units": units}
+        rec = {"set": set_name, "recipe": row, "units": units, "base": base_name}
         rec["accuracy"] = _value("accuracy", cols)
         rec["ratio_to_fp16"] = rec["accuracy"] / _value("accuracy", base)
-        rec["ratio_se"] = difference_se("accuracy", cols, base, ratio=True) if row != "FP16" else None
+        rec["ratio_se"] = difference_se("accuracy", cols, base, ratio=True) if row != base_name else None
         if has_ppl:
             rec["perplexity"] = _value("perplexity", cols)
             rec["ppl_change"] = rec["perplexity"] / _value("perplexity", base) - 1
-            rec["ppl_change_se"] = difference_se("perplexity", cols, base, ratio=True) if row != "FP16" else None
-        if anchor and anchor in rows and row not in (anchor, "FP16", REFERENCE):
+            rec["ppl_change_se"] = difference_se("perplexity", cols, base, ratio=True) if row != base_name else None
+        if anchor and anchor in rows and row not in (anchor, base_name, REFERENCE):
             rec["vs_anchor"] = rec["ratio_to_fp16"] - _value("accuracy", rows[anchor]) / _value("accuracy", base)
             rec["vs_anchor_se"] = gain_se("accuracy", cols, rows[anchor], base)
             if has_ppl:
@@ -93,7 +96,8 @@ def markdown(records: list[dict], sets: list[str]) -> str:
     head = ["model"]
     for s in sets:
         units = next((r["units"] for r in records if r["set"] == s), 0)
-        head.append(f"{s} ({units}) acc. vs FP16")
+        base = next((r["base"] for r in records if r["set"] == s), "FP16")
+        head.append(f"{s} ({units}) acc. vs {base}")
         if s != "hellaswag":
             head.append(f"{s} ppl")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -104,12 +108,12 @@ def markdown(records: list[dict], sets: list[str]) -> str:
             if r is None:
                 cells += ["-"] * (1 if s == "hellaswag" else 2)
                 continue
-            if recipe in ("FP16", REFERENCE):
+            if recipe in (r["base"], REFERENCE):
                 cells.append(f"{r['accuracy']:.4f}")
             else:
                 cells.append(_pct(r["ratio_to_fp16"], r["ratio_se"]))
             if s != "hellaswag":
-                change = "" if recipe == "FP16" else f" ({_pct(r['ppl_change'], r['ppl_change_se'], sign=True)})"
+                change = "" if recipe == r["base"] else f" ({_pct(r['ppl_change'], r['ppl_change_se'], sign=True)})"
                 cells.append(f"{r['perplexity']:.2f}{change}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -142,7 +146,8 @@ def main() -> None:
     parser.add_argument("--model-name", default="")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
-    rows, meta = load(args.onnx)
+    torch_only = "family" in json.loads(str(np.load(args.onnx)["meta"]))
+    rows, meta = load(args.onnx, prefix="torch " if torch_only else "")
     metas = {"onnx": meta}
     anchor_name = None
     for path in args.anchor:
@@ -154,13 +159,14 @@ def main() -> None:
         anchor_name = anchor_name or "torch fp8-dynamic"
     records = []
     for s, r in rows.items():
-        if "FP16" not in r:
+        base = "FP16" if "FP16" in r else "torch fp32" if "torch fp32" in r else None
+        if base is None:
             continue
         if "torch fp32" in r and REFERENCE in r:
             cut = _aligned({k: r[k] for k in ("torch fp32", REFERENCE)})
             same = float(np.mean(cut["torch fp32"]["correct"] == cut[REFERENCE]["correct"]))
             print(f"{s}: torch fp32 vs ONNX FP32, samples with the same hits: {same:.4f}")
-        records += figures(r, s, anchor_name)
+        records += figures(r, s, anchor_name, base)
     sets = list(dict.fromkeys(r["set"] for r in records))
     for rec in records:
         rec.update(model=args.model_name, **{k: meta.get(k) for k in ("machine", "date", "onnxruntime")})
