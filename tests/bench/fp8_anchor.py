@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 import torch
-from llm_yardstick import machine, save_columns
+from llm_yardstick import _sets, machine, save_columns
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
@@ -186,21 +186,12 @@ def sources(args, reference: pathlib.Path) -> dict:
     import onnx_ir as ir
 
     from fp8onnx.accuracy.compare import _source
-    from fp8onnx.data.feeds import TextSource
 
-    corpora = pathlib.Path(args.corpora)
-    text = {"tokenizer": args.tokenizer, "seq_len": args.seq_len}
-    sets = {
-        "ptb": (TextSource(corpora / "ptb.test.txt", **text), args.windows),
-        "c4": (TextSource(corpora / "c4.txt", **text), args.windows),
-        "code": (TextSource(corpora / "code.txt", **text), args.windows),
-        "lambada": (TextSource(corpora / "lambada.jsonl", args.tokenizer), args.lambada),
-        "hellaswag": (TextSource(corpora / "hellaswag.jsonl", args.tokenizer), 4 * args.hellaswag),
-    }
+    args.eval = None  # the yardstick's pydoc set is its own; the anchor scores the field's sets
+    sets = _sets(args)
     ref = ir.load(str(reference))
     out = {}
-    for name in args.only.split(","):
-        data, limit = sets[name]
+    for name, (data, limit) in sets.items():
         source, _ = _source(data, ref, args.batch, limit)
         out[name] = (source, limit)
     return out
