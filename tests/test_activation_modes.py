@@ -155,16 +155,20 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     assert set(PRESETS) == {"llm", "llm-weight-only", "llm-w8a8", "encoder", "cnn"}
     assert all(p["why"] for p in PRESETS.values())
     w8a8 = QuantizeConfig.for_preset("llm-w8a8", target="onnxruntime-cuda")
-    assert (w8a8.activations, w8a8.weight_block_size, w8a8.gemm_op) == ("static", 32, "block-fp8")
+    # per-channel weights (blocks of 32 cost LAMBADA +10% target perplexity): the fast form's b_scale [N, 1]
+    assert (w8a8.activations, w8a8.per_channel, w8a8.weight_block_size) == ("static", True, 0)
+    assert w8a8.gemm_op == "block-fp8"
     assert w8a8.w8a8_share == 0.67 and w8a8.float_activations == () and w8a8.float_last_layers == 0  # by loss
     assert w8a8.float_vocab and w8a8.weight_rounding == "gptq" and w8a8.fallback == "activations"
     assert QuantizeConfig.for_preset("llm-w8a8", activations="dynamic").w8a8_share is None  # yields to it
-    # its weight blocks yield to a granularity chosen and to what takes none (never "drop --weight-block-size",
-    # a flag the user did not give)
-    for given in ({"per_channel": True}, {"per_channel": False}, {"target": "tensorrt"}, {"native_gemm": True}):
+    # its per-channel weights yield to a granularity the user chose and to one constant scale (never "drop
+    # --per-channel", a flag the user did not give)
+    for given in ({"per_channel": False}, {"target": "tensorrt"}, {"native_gemm": True}):
         assert QuantizeConfig.for_preset("llm-w8a8", **given).weight_block_size == 0, given
-    assert QuantizeConfig.for_preset("llm-w8a8", scaling="constant", activations="static").weight_block_size == 0
-    assert QuantizeConfig.for_preset("llm-w8a8", weight_block_size=64).weight_block_size == 64
+    assert QuantizeConfig.for_preset("llm-w8a8", per_channel=False).per_channel is False
+    assert QuantizeConfig.for_preset("llm-w8a8", scaling="constant", activations="static").per_channel is False
+    blocks = QuantizeConfig.for_preset("llm-w8a8", weight_block_size=64)  # blocks asked for: its channels yield
+    assert (blocks.weight_block_size, blocks.per_channel) == (64, None)
     with pytest.raises(Fp8OnnxError, match="--w8a8-share chooses which static activations"):
         QuantizeConfig(activations="dynamic", w8a8_share=0.5)
     # a preset's part that contradicts an explicit option yields to it

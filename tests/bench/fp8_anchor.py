@@ -19,7 +19,11 @@ Recipes (``--recipe``, several at once):
 * ``w8a8-static``: E4M3 per-channel weights and one static E4M3 scale per activation tensor from the amax of
   ``--calib`` (an ``.npz`` of ``input_ids``/``attention_mask``): fp8onnx's ``llm-w8a8`` arithmetic with every
   node W8A8 and weights rounded to nearest (for diagnosis, not a preset).
-A recipe may name where it quantizes, ``RECIPE@ACTS@WEIGHTS``, each a ``+``-joined list of the projection
+``w8a8-static/H`` widens every static scale to H times the calibration's amax (headroom: inputs beyond the
+calibrated range saturate less; E4M3's range costs only the smallest values); ``w8a8-static/auto`` takes, per
+tensor, the widest of 1, 2, 4, 8, 16 whose mean row-relative rounding error on ``--calib`` stays within 5% of the
+tight scale's (``HEADROOM_TOL``). A recipe may name where it quantizes, ``RECIPE@ACTS@WEIGHTS``, each a
+``+``-joined list of the projection
 groups ``qkv``, ``o``, ``gate_up``, ``down`` (``-``: none; left out: all): ``w8a8-static@down@-`` is static
 FP8 on the inputs of the down projections alone, every weight in float (what each group costs).
 
@@ -49,6 +53,8 @@ from llm_yardstick import _sets, machine, save_columns
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
+CANDIDATES = (1, 2, 4, 8, 16)  # headroom "auto": the widenings tried
+TOLERANCE = float(__import__("os").environ.get("HEADROOM_TOL", "0.05"))
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -71,22 +77,30 @@ class FakeFp8Linear(torch.nn.Module):
     """A ``Linear`` whose weight is E4M3 per output channel (or float) and whose input is E4M3 per token
     (``dynamic``), per tensor at a calibrated scale (``static``), or float (``none``)."""
 
-    def __init__(self, linear: torch.nn.Linear, activations: str, weights: bool):
+    def __init__(self, linear: torch.nn.Linear, activations: str, weights: bool, headroom: float = 1.0):
         super().__init__()
+        self.headroom = headroom
         w = linear.weight.detach().float()
         self.weight = e4m3(w, _scale(w.abs().amax(dim=1, keepdim=True))) if weights else w
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.activations = activations
         self.amax = torch.zeros(())  # static: the calibration's running amax
         self.observing = False
+        self.errors = None  # headroom "auto": per candidate, the calibration's summed row-relative errors
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.observing:
+        if self.observing and self.errors is not None:
+            rows = x.detach().reshape(-1, x.shape[-1])
+            energy = (rows**2).sum(-1).clamp_min(1e-30)
+            for i, k in enumerate(CANDIDATES):
+                err = ((e4m3(rows, _scale(self.amax * k)) - rows) ** 2).sum(-1) / energy
+                self.errors[i] += err.sum()
+        elif self.observing:
             self.amax = torch.maximum(self.amax, x.detach().abs().max())
         elif self.activations == "dynamic":
             x = e4m3(x, _scale(x.abs().amax(dim=-1, keepdim=True)))
         elif self.activations == "static":
-            x = e4m3(x, _scale(self.amax))
+            x = e4m3(x, _scale(self.amax * self.headroom))
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -97,14 +111,16 @@ def _group(name: str) -> str | None:
 
 def quantized(model, recipe: str, act_groups: set[str], weight_groups: set[str]) -> dict[str, FakeFp8Linear]:
     """Replace the model's projection ``Linear``s in place (``lm_head`` and anything outside GROUPS stay)."""
+    recipe, _, room = recipe.partition("/")
     activations = {"fp8-dynamic": "dynamic", "w8a8-static": "static"}[recipe]
+    headroom = room if room == "auto" else float(room or 1.0)
     swapped = {}
     for name, module in list(model.named_modules()):
         group = _group(name)
         if not isinstance(module, torch.nn.Linear) or group is None:
             continue
         parent, _, leaf = name.rpartition(".")
-        fake = FakeFp8Linear(module, activations if group in act_groups else "none", group in weight_groups)
+        fake = FakeFp8Linear(module, activations if group in act_groups else "none", group in weight_groups, headroom)
         setattr(model.get_submodule(parent), leaf, fake)
         swapped[name] = fake
     if not swapped:
@@ -181,6 +197,25 @@ def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, bat
     cache.write_text(json.dumps({name: float(f.amax) for name, f in fakes.items()}))
 
 
+def choose_headroom(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, batch: int) -> None:
+    """headroom "auto": each fake's widest candidate whose mean row-relative rounding error on ``calib`` is
+    at most (1 + TOLERANCE) times the tight scale's."""
+    data = np.load(calib)
+    for f in fakes.values():
+        f.observing, f.errors = True, torch.zeros(len(CANDIDATES), dtype=torch.float64)
+    with torch.no_grad():
+        for s in range(0, len(data["input_ids"]), batch):
+            ids = torch.from_numpy(data["input_ids"][s : s + batch])
+            wrapped(ids, torch.from_numpy(data["attention_mask"][s : s + batch]))
+    chosen = {}
+    for name, f in fakes.items():
+        e = f.errors.numpy()
+        f.headroom = max(k for k, v in zip(CANDIDATES, e) if v <= (1 + TOLERANCE) * e[0])
+        f.observing, f.errors = False, None
+        chosen[name] = (f.headroom, [float(v / e[0]) for v in e])
+    print(json.dumps(chosen))
+
+
 def sources(args, reference: pathlib.Path) -> dict:
     """The data sources compare builds for ``llm_yardstick.py``'s sets (the same windows and items)."""
     import onnx_ir as ir
@@ -233,10 +268,12 @@ def main() -> None:
         model = copy.deepcopy(pristine)
         fakes = {} if kind == "fp32" else quantized(model, kind, act_groups, weight_groups)
         wrapped = wrap(model)
-        if kind == "w8a8-static":
+        if kind.startswith("w8a8-static"):
             if args.calib is None:
                 sys.exit("--recipe w8a8-static needs --calib")
             calibrate(wrapped, fakes, args.calib, args.batch)
+            if kind.endswith("/auto"):
+                choose_headroom(wrapped, fakes, args.calib, args.batch)
         for name, (source, limit) in data.items():
             start = time.perf_counter()
             cols = score(wrapped, source, args.batch, limit)

@@ -10,7 +10,11 @@ compare's FP32 reference row (the harness: same items, same scoring) and printed
 
 A file of the anchor's alone (``fp8_anchor.py``'s, for a diagnosis) is put against its own torch FP32 rows.
 
-Usage: python tests/bench/yardstick_table.py ONNX_COLUMNS.npz|ANCHOR.npz [--anchor ANCHOR.npz ...]
+Several ``llm_yardstick.py --columns`` files of one model join into one table when their FP32 reference rows
+are the same (the same items, scored the same): each later file adds the rows the first lacks.
+
+Usage: python tests/bench/yardstick_table.py ONNX_COLUMNS.npz|ANCHOR.npz [MORE_COLUMNS.npz ...]
+       [--anchor ANCHOR.npz ...]
        [--model-name smollm2] [--json results.json]
 Writes ``--json``: a list of records (model, recipe, set, metric, value, se, units, machine, date,
 onnxruntime, torch), one per figure.
@@ -41,6 +45,19 @@ def load(path: pathlib.Path, prefix: str = "") -> tuple[dict, dict]:
         name, row, column = key.split("/")
         rows.setdefault(name, {}).setdefault(prefix + row, {})[column] = data[key]
     return rows, meta
+
+
+def joined(rows: dict, theirs: dict, path: pathlib.Path) -> None:
+    """``theirs``'s rows added to ``rows`` where ``rows`` lacks them, set by set, after checking that both
+    files scored the same items: their FP32 reference rows must be equal."""
+    for name, their_rows in theirs.items():
+        mine = rows.setdefault(name, {})
+        if REFERENCE in mine and REFERENCE in their_rows:
+            a, b = mine[REFERENCE], their_rows[REFERENCE]
+            if len(a["nll"]) != len(b["nll"]) or not np.allclose(a["nll"], b["nll"], rtol=1e-6, atol=1e-6):
+                raise SystemExit(f"{path}: its {name} FP32 reference differs from the first file's (other items).")
+        for row, cols in their_rows.items():
+            mine.setdefault(row, cols)
 
 
 def _value(kind: str, cols: dict) -> float:
@@ -141,14 +158,18 @@ def anchor_gaps(records: list[dict], sets: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("onnx", type=pathlib.Path)
+    parser.add_argument("onnx", type=pathlib.Path, nargs="+")
     parser.add_argument("--anchor", type=pathlib.Path, action="append", default=[])
     parser.add_argument("--model-name", default="")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
-    torch_only = "family" in json.loads(str(np.load(args.onnx)["meta"]))
-    rows, meta = load(args.onnx, prefix="torch " if torch_only else "")
+    first, *more = args.onnx
+    torch_only = "family" in json.loads(str(np.load(first)["meta"]))
+    rows, meta = load(first, prefix="torch " if torch_only else "")
     metas = {"onnx": meta}
+    for path in more:
+        theirs, metas[str(path)] = load(path)
+        joined(rows, theirs, path)
     anchor_name = None
     for path in args.anchor:
         theirs, ameta = load(path, prefix="torch ")

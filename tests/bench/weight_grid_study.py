@@ -1,0 +1,143 @@
+"""Where the weights' FP8 rounding costs, in torch: E4M3 weights per output channel or in blocks of 32 along K,
+rounded to nearest or by GPTQ (X^T X of each Linear's input from ``--calib``), activations in float, scored on
+``llm_yardstick.py``'s own items (a diagnosis of ``--preset llm-w8a8``'s weights, not a preset).
+
+Each variant is ``ROUNDING-GRID`` (``rtn``/``gptq``, ``pc``/``blk``: per channel, blocks of 32), optionally
+``@GROUP=GRID,...`` to give some projection groups (``q k v o gate up down``) another grid (``float``: left in
+float): ``gptq-blk@down=pc`` is GPTQ everywhere, blocks of 32 but per-channel down projections. The rounding is
+fp8onnx's own GPTQ algebra (``fp8onnx.techniques.gptq_rounding.gptq_round``: the ONNX path's) on the torch
+model's weights; the scales are ``amax / 448`` of each channel or block; lm_head and the embedding stay float.
+The ONNX ``llm-w8a8 --activations none`` model and ``gptq-blk`` here score the same target perplexity on
+SmolLM2's LAMBADA items (43.92 both, 2026-12-05), so a group swapped here is a group swapped there.
+
+Writes ``--out`` (``.npz``, ``fp8_anchor.py``'s layout: ``{set}/{variant}/{column}`` beside ``meta``), with
+``fp32`` the torch model as it is; ``tests/bench/yardstick_table.py --`` renders it against ``torch fp32``.
+
+Usage: python tests/bench/weight_grid_study.py --reference models/smollm2/model.onnx
+       --tokenizer models/smollm2/tokenizer.json --calib models/smollm2/calib.npz --only lambada --lambada 300
+       --variant "gptq-pc;gptq-blk;rtn-pc;rtn-blk" --out grid.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import time
+
+import numpy as np
+import torch
+from fp8_anchor import ROOT, load, score, sources
+from llm_yardstick import machine, save_columns
+
+from fp8onnx.numerics.formats import Fp8Format, round_to_grid
+from fp8onnx.techniques.gptq_rounding import gptq_round
+
+FMT = Fp8Format.E4M3FN
+BLOCK = 32
+GROUPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _grid_scale(w: np.ndarray, grid: str) -> np.ndarray:
+    """``w`` [K, N]'s scales: [N] per output channel, [K, N] (blocks of 32 along K, repeated) per block."""
+    if grid == "pc":
+        return (np.abs(w).max(axis=0) / FMT.fmax).astype(np.float32)
+    k, n = w.shape
+    if k % BLOCK:
+        raise SystemExit(f"blocks of {BLOCK} need K divisible by {BLOCK}, got {k}")
+    blocks = np.abs(w).reshape(k // BLOCK, BLOCK, n).max(axis=1) / FMT.fmax
+    return np.repeat(blocks.astype(np.float32), BLOCK, axis=0)
+
+
+def hessians(wrapped, linears: dict, calib: pathlib.Path, batch: int) -> dict[str, np.ndarray]:
+    """X^T X (float64 sums) of every Linear's input over ``calib``'s windows."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.T @ x
+
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    data = np.load(calib)
+    with torch.no_grad():
+        for s in range(0, len(data["input_ids"]), batch):
+            wrapped(
+                torch.from_numpy(data["input_ids"][s : s + batch]),
+                torch.from_numpy(data["attention_mask"][s : s + batch]),
+            )
+    for h in handles:
+        h.remove()
+    return {n: v.numpy().astype(np.float32) for n, v in sums.items()}
+
+
+def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
+    """A copy of ``pristine`` with its Linears' weights rounded as ``spec`` says."""
+    base, _, over = spec.partition("@")
+    rounding, grid = base.split("-")
+    overrides = dict(kv.split("=") for kv in over.split(",") if kv)
+    model = copy.deepcopy(pristine)
+    modules = dict(model.named_modules())
+    for name, linear in linears.items():
+        group = next(g.split("_")[0] for g in GROUPS if g in name)
+        g = overrides.get(group, grid)
+        if g == "float":
+            continue
+        key = (name, rounding, g)
+        if key not in cache:
+            w = linear.weight.detach().numpy().T.astype(np.float32)  # [K, N]: y = x @ w
+            scale = _grid_scale(w, g)
+            if rounding == "rtn":
+                q = round_to_grid(np.clip(w / scale, -FMT.fmax, FMT.fmax), FMT) * scale
+            else:
+                q = gptq_round(w, h[name], scale, FMT)
+            cache[key] = torch.from_numpy(np.ascontiguousarray(q.T))
+        modules[name].weight.data = cache[key]
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=["smollm2", "gemma3", "qwen"], default="smollm2")
+    parser.add_argument("--reference", type=pathlib.Path, required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--corpora", default=str(ROOT / "models" / "corpora"))
+    parser.add_argument("--calib", type=pathlib.Path, required=True)
+    parser.add_argument("--only", default="lambada")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=48)
+    parser.add_argument("--lambada", type=int, default=300)
+    parser.add_argument("--hellaswag", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--variant", required=True, help="';'-separated ROUNDING-GRID[@GROUP=GRID,...]")
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    data = sources(args, args.reference)
+    pristine, wrap = load(args.family, args.reference.parent)
+    linears = {n: m for n, m in pristine.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+    h = hessians(wrap(pristine), linears, args.calib, 8)
+    meta = {"family": args.family, "reference": str(args.reference), "calib": str(args.calib), **machine()}
+    meta.update(torch=torch.__version__, threads=torch.get_num_threads(), seconds={})
+    arrays: dict[str, np.ndarray] = {}
+    cache: dict = {}
+    for spec in ["fp32", *args.variant.split(";")]:
+        model = pristine if spec == "fp32" else variant_model(pristine, linears, spec, h, cache)
+        wrapped = wrap(model)
+        for name, (source, limit) in data.items():
+            start = time.perf_counter()
+            named = dict(zip(("correct", "labelled", "nll"), score(wrapped, source, args.batch, limit).T))
+            task = getattr(source, "task", None)
+            if task is not None:
+                named = task.rescore(named)
+            for column, values in named.items():
+                arrays[f"{name}/{spec}/{column}"] = np.asarray(values)
+            meta["seconds"][f"{name}/{spec}"] = time.perf_counter() - start
+            ppl = np.exp(named["nll"].sum() / named["labelled"].sum())
+            print(f"{name} {spec}: accuracy {named['correct'].sum() / named['labelled'].sum():.4f}, ppl {ppl:.3f}")
+            save_columns(args.out, arrays, meta)
+
+
+if __name__ == "__main__":
+    main()
