@@ -163,8 +163,8 @@ def test_a_preset_sets_its_options_and_explicit_options_win(tmp_path):
     assert QuantizeConfig.for_preset("llm-w8a8", activations="dynamic").w8a8_share is None  # yields to it
     # its per-channel weights yield to a granularity the user chose and to one constant scale (never "drop
     # --per-channel", a flag the user did not give)
-    for given in ({"per_channel": False}, {"target": "tensorrt"}, {"native_gemm": True}):
-        assert QuantizeConfig.for_preset("llm-w8a8", **given).weight_block_size == 0, given
+    for given in ({"target": "tensorrt"}, {"native_gemm": True}):  # both take one scale per channel
+        assert QuantizeConfig.for_preset("llm-w8a8", **given).per_channel is True, given
     assert QuantizeConfig.for_preset("llm-w8a8", per_channel=False).per_channel is False
     assert QuantizeConfig.for_preset("llm-w8a8", scaling="constant", activations="static").per_channel is False
     blocks = QuantizeConfig.for_preset("llm-w8a8", weight_block_size=64)  # blocks asked for: its channels yield

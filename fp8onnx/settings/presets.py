@@ -103,12 +103,7 @@ def overruled(field: str, value, explicit: dict) -> bool:
     if field == "w8a8_share" and given.get("activations") not in (None, "static"):
         return True  # no static activations to choose W8A16 among
     # the preset's per-channel weights yield to weight blocks the user chose and to one constant scale
-    if field == "per_channel" and (given.get("weight_block_size") or given.get("scaling") == "constant"):
-        return True
-    # the preset's weight blocks yield to a weight granularity the user chose, and to what takes none: TensorRT
-    # and GemmFloat8 (one scale per tensor or channel), one constant scale
-    native = given.get("native_gemm") or given.get("gemm_op") == "gemm-float8"
-    if field == "weight_block_size" and ("per_channel" in given or given.get("target") == "tensorrt" or native):
+    if field == "per_channel" and (given.get("weight_block_size") or constant):
         return True
     # a scaling the user chose that reads calibration histograms (percentile, MSE) means calibrated
     # activations: the preset's dynamic or weight-only activations yield to static ones (its weights' stay)
@@ -117,7 +112,7 @@ def overruled(field: str, value, explicit: dict) -> bool:
     # one constant scale: the preset's per-batch (dynamic) activation scales yield (static, at that scale)
     if field == "activations" and constant and "activations" not in given:
         return str(getattr(value, "value", value)).startswith("dynamic")
-    techniques = ("bias_correction", "smooth", "weight_block_size")
+    techniques = ("bias_correction", "smooth")
     return constant and (field in techniques or (field == "weight_rounding" and value == "gptq"))
 
 

@@ -43,6 +43,7 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import pathlib
 import sys
 import time
@@ -54,7 +55,7 @@ from llm_yardstick import _sets, machine, save_columns
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
 CANDIDATES = (1, 2, 4, 8, 16)  # headroom "auto": the widenings tried
-TOLERANCE = float(__import__("os").environ.get("HEADROOM_TOL", "0.05"))
+TOLERANCE = float(os.environ.get("HEADROOM_TOL", "0.05"))
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -113,7 +114,7 @@ def quantized(model, recipe: str, act_groups: set[str], weight_groups: set[str])
     """Replace the model's projection ``Linear``s in place (``lm_head`` and anything outside GROUPS stay)."""
     recipe, _, room = recipe.partition("/")
     activations = {"fp8-dynamic": "dynamic", "w8a8-static": "static"}[recipe]
-    headroom = room if room == "auto" else float(room or 1.0)
+    headroom = 1.0 if room == "auto" else float(room or 1.0)  # auto: choose_headroom sets each one
     swapped = {}
     for name, module in list(model.named_modules()):
         group = _group(name)
@@ -175,6 +176,36 @@ def score(wrapped, source, batch: int, limit: int | None) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def run_windows(wrapped, calib: pathlib.Path, batch: int) -> None:
+    """``wrapped`` run over ``calib``'s windows (an ``.npz`` of ``input_ids``/``attention_mask``), ``batch`` at a
+    time, for what its modules observe."""
+    data = np.load(calib)
+    with torch.no_grad():
+        for s in range(0, len(data["input_ids"]), batch):
+            ids = torch.from_numpy(data["input_ids"][s : s + batch])
+            wrapped(ids, torch.from_numpy(data["attention_mask"][s : s + batch]))
+
+
+def score_sets(wrapped, data: dict, batch: int, recipe: str, arrays: dict, meta: dict, out: pathlib.Path) -> None:
+    """``wrapped`` scored on every set of ``data`` (:func:`sources`), its columns added to ``arrays`` as
+    ``{set}/{recipe}/{column}`` and written with ``meta`` to ``out`` after each set."""
+    for name, (source, limit) in data.items():
+        start = time.perf_counter()
+        cols = score(wrapped, source, batch, limit)
+        task = getattr(source, "task", None)
+        named = dict(zip(("correct", "labelled", "nll"), cols.T))
+        if task is not None:
+            named = task.rescore(named)
+        for column, values in named.items():
+            arrays[f"{name}/{recipe}/{column}"] = np.asarray(values)
+        seconds = time.perf_counter() - start
+        meta["seconds"][f"{name}/{recipe}"] = seconds
+        acc = named["correct"].sum() / named["labelled"].sum()
+        ppl = np.exp(named["nll"].sum() / named["labelled"].sum())
+        print(f"{name} {recipe}: {len(named['correct'])} units, accuracy {acc:.4f}, ppl {ppl:.3f}, {seconds:.0f} s")
+        save_columns(out, arrays, meta)
+
+
 def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, batch: int) -> None:
     """Each fake's static amax from ``calib``'s windows, kept in ``calib``'s folder (``<name>.amax.json``:
     the float model's activations, the same for every recipe)."""
@@ -185,13 +216,9 @@ def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, bat
             for name, f in fakes.items():
                 f.amax = torch.tensor(known[name])
             return
-    data = np.load(calib)
     for f in fakes.values():
         f.observing = True
-    with torch.no_grad():
-        for s in range(0, len(data["input_ids"]), batch):
-            ids = torch.from_numpy(data["input_ids"][s : s + batch])
-            wrapped(ids, torch.from_numpy(data["attention_mask"][s : s + batch]))
+    run_windows(wrapped, calib, batch)
     for f in fakes.values():
         f.observing = False
     cache.write_text(json.dumps({name: float(f.amax) for name, f in fakes.items()}))
@@ -200,13 +227,9 @@ def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, bat
 def choose_headroom(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, batch: int) -> None:
     """headroom "auto": each fake's widest candidate whose mean row-relative rounding error on ``calib`` is
     at most (1 + TOLERANCE) times the tight scale's."""
-    data = np.load(calib)
     for f in fakes.values():
         f.observing, f.errors = True, torch.zeros(len(CANDIDATES), dtype=torch.float64)
-    with torch.no_grad():
-        for s in range(0, len(data["input_ids"]), batch):
-            ids = torch.from_numpy(data["input_ids"][s : s + batch])
-            wrapped(ids, torch.from_numpy(data["attention_mask"][s : s + batch]))
+    run_windows(wrapped, calib, batch)
     chosen = {}
     for name, f in fakes.items():
         e = f.errors.numpy()
@@ -274,21 +297,7 @@ def main() -> None:
             calibrate(wrapped, fakes, args.calib, args.batch)
             if kind.endswith("/auto"):
                 choose_headroom(wrapped, fakes, args.calib, args.batch)
-        for name, (source, limit) in data.items():
-            start = time.perf_counter()
-            cols = score(wrapped, source, args.batch, limit)
-            task = getattr(source, "task", None)
-            named = dict(zip(("correct", "labelled", "nll"), cols.T))
-            if task is not None:
-                named = task.rescore(named)
-            for column, values in named.items():
-                arrays[f"{name}/{recipe}/{column}"] = np.asarray(values)
-            seconds = time.perf_counter() - start
-            meta["seconds"][f"{name}/{recipe}"] = seconds
-            acc = named["correct"].sum() / named["labelled"].sum()
-            ppl = np.exp(named["nll"].sum() / named["labelled"].sum())
-            print(f"{name} {recipe}: {len(named['correct'])} units, accuracy {acc:.4f}, ppl {ppl:.3f}, {seconds:.0f} s")
-            save_columns(args.out, arrays, meta)
+        score_sets(wrapped, data, args.batch, recipe, arrays, meta, args.out)
         del model, wrapped
 
 

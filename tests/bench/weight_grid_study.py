@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import copy
 import pathlib
-import time
 
 import numpy as np
 import torch
-from fp8_anchor import ROOT, load, score, sources
-from llm_yardstick import machine, save_columns
+from fp8_anchor import ROOT, load, run_windows, score_sets, sources
+from llm_yardstick import machine
 
 from fp8onnx.numerics.formats import Fp8Format, round_to_grid
 from fp8onnx.techniques.gptq_rounding import gptq_round
@@ -61,13 +60,7 @@ def hessians(wrapped, linears: dict, calib: pathlib.Path, batch: int) -> dict[st
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
-    data = np.load(calib)
-    with torch.no_grad():
-        for s in range(0, len(data["input_ids"]), batch):
-            wrapped(
-                torch.from_numpy(data["input_ids"][s : s + batch]),
-                torch.from_numpy(data["attention_mask"][s : s + batch]),
-            )
+    run_windows(wrapped, calib, batch)
     for h in handles:
         h.remove()
     return {n: v.numpy().astype(np.float32) for n, v in sums.items()}
@@ -124,19 +117,7 @@ def main() -> None:
     cache: dict = {}
     for spec in ["fp32", *args.variant.split(";")]:
         model = pristine if spec == "fp32" else variant_model(pristine, linears, spec, h, cache)
-        wrapped = wrap(model)
-        for name, (source, limit) in data.items():
-            start = time.perf_counter()
-            named = dict(zip(("correct", "labelled", "nll"), score(wrapped, source, args.batch, limit).T))
-            task = getattr(source, "task", None)
-            if task is not None:
-                named = task.rescore(named)
-            for column, values in named.items():
-                arrays[f"{name}/{spec}/{column}"] = np.asarray(values)
-            meta["seconds"][f"{name}/{spec}"] = time.perf_counter() - start
-            ppl = np.exp(named["nll"].sum() / named["labelled"].sum())
-            print(f"{name} {spec}: accuracy {named['correct'].sum() / named['labelled'].sum():.4f}, ppl {ppl:.3f}")
-            save_columns(args.out, arrays, meta)
+        score_sets(wrap(model), data, args.batch, spec, arrays, meta, args.out)
 
 
 if __name__ == "__main__":
