@@ -1,0 +1,53 @@
+"""The docs' measured tables and the README's figures are what their result files render
+(``tests/bench/docs_tables.py``): a figure typed by hand, or a result file re-measured without its table
+re-rendered, fails here."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "bench"))
+
+import docs_tables  # noqa: E402
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_every_marked_table_is_its_render():
+    marked = sum(len(docs_tables.tables(p.read_text())) for p in DOCS)
+    assert marked >= 8  # the result-file tables of docs/benchmarks.md: the check is not vacuous
+    assert [problem for p in DOCS for problem in docs_tables.check(p)] == []
+
+
+def test_an_altered_figure_fails_and_write_restores_it(tmp_path):
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    start, end, result, _ = docs_tables.tables(text)[0]
+    line = next(row for row in text.split("\n")[start:end] if "±" in row)  # a model's row
+    figure = docs_tables.FIGURE.findall(line)[0]  # 12.34%
+    altered = f"{figure[:-2]}{(int(figure[-2]) + 1) % 10}%"  # its last digit changed
+    copy = tmp_path / "benchmarks.md"
+    copy.write_text(text.replace(line, line.replace(figure, altered, 1), 1))
+    problems = docs_tables.check(copy)
+    assert len(problems) == 1 and result in problems[0] and altered in problems[0]
+    docs_tables.check(copy, write=True)
+    assert copy.read_text() == text
+
+
+def test_readme_figures_come_from_its_result_files():
+    text = (REPO / "README.md").read_text()
+    assert docs_tables.LINK.findall(text)  # it links the files its figures come from
+    assert docs_tables.unbacked(text) == []
+    invented = text.replace("96.88% ±3.42%", "97.88% ±3.42%")
+    assert docs_tables.unbacked(invented) == ["97.88%"]
+
+
+def test_a_marker_that_names_no_result_file_is_one_sentence(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- table: docs/results/no_such.json -->\n| a |\n")
+    (problem,) = docs_tables.check(page)
+    assert "no_such.json cannot be read" in problem
+    page.write_text("<!-- table: docs/results/smollm2_lambada300_grid.json sets=hellaswag -->\n| a |\n")
+    (problem,) = docs_tables.check(page)
+    assert "has no set 'hellaswag'" in problem
