@@ -29,7 +29,7 @@ from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.version import __version__
 from fp8onnx.data.datasource import Data, DataSource
 from fp8onnx.experiments.study import study
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling, amax_to_scale
 from fp8onnx.settings.config import QuantizeConfig

@@ -6,7 +6,7 @@ import pytest
 
 import fp8onnx
 from fp8onnx.base.errors import Fp8OnnxError
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.pipeline.calibration import Stats, collect_amax
 
 from helpers import assert_same_histogram, mlp_data, mlp_model

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
+from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.workflows.exports import MANIFEST, describe_export, quantize_folder
 
 from helpers import mlp_data, mlp_model
@@ -67,6 +68,17 @@ def test_a_one_model_folder_gives_a_folder_with_every_other_file(tmp_path, expor
     # a second run replaces its own earlier output
     quantize_folder(export, out, mlp_data(tmp_path / "d.npz"), provider="cpu")
     assert (out / "model.onnx").is_file()
+
+
+def test_api_options_reach_every_model_of_the_folder(tmp_path, export):
+    """quantize_folder's keyword options are quantize's: a preset is applied (not only recorded) and a
+    recipe field beside a config is refused (tests/test_runtime.py: the default is preset auto)."""
+    out = tmp_path / "out"
+    report = quantize_folder(export, out, mlp_data(tmp_path / "d.npz"), provider="cpu", preset="cnn")
+    (config,) = [r.config for r in report.reports.values()]
+    assert config["preset"] == "cnn" and config["bias_correction"] is True  # the preset's, not only its name
+    with pytest.raises(Fp8OnnxError, match="per_channel given beside config="):
+        quantize_folder(export, out, mlp_data(tmp_path / "d.npz"), config=QuantizeConfig(), per_channel=True)
 
 
 @pytest.mark.parametrize(

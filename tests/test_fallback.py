@@ -132,7 +132,7 @@ def test_later_rounds_reuse_the_fp16_baseline_and_match_a_fresh_compare(tmp_path
     """FP16 runs in the first round only, the FP32 reference once for all rounds (its outputs kept)."""
     import sys
 
-    from fp8onnx.graph.runtime import RunOptions
+    from fp8onnx.graph.run_settings import RunOptions
     from fp8onnx.settings.config import QuantizeConfig
     from fp8onnx.workflows.candidates import Candidates
 

@@ -10,7 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fp8onnx
 from fp8onnx.base.errors import Fp8OnnxError
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import input_specs
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.formats import Fp8Format, dequantize, quantize
 from fp8onnx.pipeline import statistics
 from fp8onnx.techniques.gptq import _column_blocks, _hessians, assembled
@@ -111,7 +113,8 @@ def test_x_t_x_is_measured_by_blocks_on_and_above_the_diagonal(tmp_path, k):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
     feeds = [{"x": rng.standard_normal((2, 4, k)).astype(np.float32)} for _ in range(3)]
     sums = _hessians({"x": k})
-    statistics.measure(ir.load(tmp_path / "m.onnx"), [sums], feeds, RunOptions(batch_size=2), "hessians")
+    m = ir.load(tmp_path / "m.onnx")
+    statistics.measure(m, [sums], as_data(feeds, input_specs(m)), RunOptions(batch_size=2), "hessians")
     *blocks, rows = sums.value_of("x")
     assert rows.reshape(-1).tolist() == [3 * 2 * 4]  # the rows X^T X summed: 3 batches of 2 x 4
     h = assembled(blocks, k)

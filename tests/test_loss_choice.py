@@ -13,7 +13,7 @@ import pytest
 from test_fallback import _activation_outlier_chain
 
 import fp8onnx
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
 from fp8onnx.workflows.loss_choice import _by_loss

@@ -6,7 +6,9 @@ import onnx_ir as ir
 import pytest
 
 import fp8onnx
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import input_specs
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.pipeline import executors, statistics
 from fp8onnx.techniques import recipe
 
@@ -72,10 +74,10 @@ def test_one_pass_gives_what_separate_passes_give(tmp_path):
             statistics.Ranges(["h", "r"], histograms=True),
             statistics.Sums({"r": square_sum}, "sq"),
         )
-        statistics.measure(model, [alone_ranges], feeds, run, "ranges")
-        statistics.measure(model, [alone_sums], feeds, run, "sums")
+        statistics.measure(model, [alone_ranges], as_data(feeds, input_specs(model)), run, "ranges")
+        statistics.measure(model, [alone_sums], as_data(feeds, input_specs(model)), run, "sums")
         ranges, sums = statistics.Ranges(["h", "r"], histograms=True), statistics.Sums({"r": square_sum}, "sq")
-        done = statistics.measure(model, [ranges, sums], feeds, run, "both")
+        done = statistics.measure(model, [ranges, sums], as_data(feeds, input_specs(model)), run, "both")
         assert done.num_batches == 3 and done.num_samples == 12
         assert done.executor == ("in process" if weight_memory > 64 else "layer by layer")
         # the same nodes in two instrumented graphs: onnxruntime may plan them differently (SPEC §11)

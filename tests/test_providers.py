@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.cli import main
-from fp8onnx.graph import cpu_ep, providers, runtime
+from fp8onnx.graph import cpu_ep, providers, run_settings, runtime
 
 from helpers import REPO, mlp_data, mlp_model
 
@@ -66,7 +66,7 @@ def gpu_build(monkeypatch):
 
 def test_asked_for_cuda_and_got_cpu_is_one_sentence_with_the_reason_and_the_fix(gpu_build, capfd):
     with pytest.raises(Fp8OnnxError) as info:
-        runtime.resolve_provider("cuda")
+        run_settings.resolve_provider("cuda")
     text = str(info.value)
     assert "\n" not in text and text.startswith("Provider 'cuda' was asked for, but onnxruntime")
     assert "(libonnxruntime_providers_cuda.so: libcublasLt.so.13: cannot open shared object file" in text
@@ -91,8 +91,8 @@ def test_the_cli_exits_2_on_cuda_it_cannot_start(gpu_build, tmp_path):
 
 def test_auto_says_once_that_it_runs_on_the_cpu(gpu_build, caplog, tmp_path):
     with caplog.at_level(logging.INFO, logger="fp8onnx.graph.providers"):
-        assert runtime.resolve_provider("auto") == "cpu"
-        assert runtime.resolve_provider("auto") == "cpu"
+        assert run_settings.resolve_provider("auto") == "cpu"
+        assert run_settings.resolve_provider("auto") == "cpu"
     said = [r for r in caplog.records if "--provider auto" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert "cannot start its CUDA EP here (libonnxruntime_providers_cuda.so: libcublasLt.so.13" in (
@@ -141,7 +141,7 @@ def test_a_session_that_lost_cuda_after_the_probe_is_one_sentence(gpu_build, mon
 def test_no_device_names_the_driver_not_pip(gpu_build, monkeypatch):
     monkeypatch.setattr(ort, "InferenceSession", _GpuBuildWithoutDevice)
     with pytest.raises(Fp8OnnxError) as info:
-        runtime.resolve_provider("cuda")
+        run_settings.resolve_provider("cuda")
     assert "(CUDA failure 100: no CUDA-capable device is detected ; GPU=0)" in str(info.value)
     assert "check that the GPU and its driver are visible" in str(info.value)
 
@@ -152,12 +152,12 @@ def test_the_cpu_build_says_to_install_the_gpu_one(monkeypatch):
     providers.cuda_unavailable.cache_clear()
     try:
         with pytest.raises(Fp8OnnxError, match="has no CUDA EP") as info:
-            runtime.resolve_provider("cuda")
+            run_settings.resolve_provider("cuda")
         assert "pip uninstall -y onnxruntime && pip install 'fp8onnx[gpu]'" in str(info.value)
         monkeypatch.setattr(providers, "_distribution", {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}.get)
         providers.cuda_unavailable.cache_clear()
         with pytest.raises(Fp8OnnxError, match="both installed") as info:
-            runtime.resolve_provider("cuda")
+            run_settings.resolve_provider("cuda")
         assert "pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'fp8onnx[gpu]'" in str(info.value)
     finally:
         providers.cuda_unavailable.cache_clear()
@@ -166,10 +166,10 @@ def test_the_cpu_build_says_to_install_the_gpu_one(monkeypatch):
 def test_this_install_tells_the_truth():
     """Whatever this machine has: 'auto' is 'cuda' exactly where a CUDA session really starts."""
     missing = providers.cuda_unavailable()
-    assert runtime.resolve_provider("auto") == ("cuda" if missing is None else "cpu")
+    assert run_settings.resolve_provider("auto") == ("cuda" if missing is None else "cpu")
     if missing is not None:
         with pytest.raises(Fp8OnnxError, match="cannot start its CUDA EP here"):
-            runtime.resolve_provider("cuda")
+            run_settings.resolve_provider("cuda")
 
 
 def test_without_onnxruntime_the_command_names_the_two_installs():

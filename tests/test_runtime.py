@@ -8,7 +8,9 @@ import onnxruntime as ort
 import pytest
 
 from fp8onnx.base.errors import Fp8OnnxError
-from fp8onnx.graph import providers, runtime
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import input_specs
+from fp8onnx.graph import providers, run_settings, runtime
 
 from helpers import mlp_model
 
@@ -92,7 +94,7 @@ def test_median_latency_is_positive_and_runs_warmup_plus_runs():
 
 
 def test_run_options_validate_and_merge():
-    from fp8onnx.graph.runtime import RunOptions
+    from fp8onnx.graph.run_settings import RunOptions
 
     run = RunOptions.of(None, batch_size=4, provider="cpu")
     assert run == RunOptions(4, "cpu") and RunOptions.of(run, progress=True).batch_size == 4
@@ -105,7 +107,24 @@ def test_run_options_validate_and_merge():
             RunOptions(**bad)
     with pytest.raises(TypeError, match="unknown run option 'batchsize'"):
         RunOptions.of(None, batchsize=3)
-    assert RunOptions.split({"provider": "cpu", "format": "e5m2"}) == ({"provider": "cpu"}, {"format": "e5m2"})
+
+
+def test_entry_settings_build_both_objects_once_and_drop_nothing():
+    """Every API entry point's keyword options become (QuantizeConfig, RunOptions) here: a preset is applied
+    (QuantizeConfig(preset="llm") alone only records the name), recipe fields beside a config are refused."""
+    from fp8onnx.graph.run_settings import RunOptions, entry_settings
+    from fp8onnx.settings.config import QuantizeConfig
+
+    config, run = entry_settings(None, RunOptions(batch_size=2), {"provider": "cpu", "format": "e5m2"})
+    assert run == RunOptions(2, "cpu") and config.format.value == "e5m2" and config.preset == "auto"
+    llm, _ = entry_settings(None, None, {"provider": "cpu", "preset": "llm"})
+    assert llm == QuantizeConfig.for_preset("llm") and llm.activations.value != QuantizeConfig().activations.value
+    plain, _ = entry_settings(None, None, {"provider": "cpu"}, preset=None)
+    assert plain == QuantizeConfig()
+    given = QuantizeConfig(per_channel=True)
+    assert entry_settings(given, None, {"provider": "cpu"})[0] is given
+    with pytest.raises(Fp8OnnxError, match="format given beside config="):
+        entry_settings(given, None, {"provider": "cpu", "format": "e5m2"})
 
 
 def test_instrumented_sessions_run_each_statistic_right_after_its_tensor():
@@ -130,8 +149,8 @@ def test_every_statistics_session_is_instrumented(tmp_path, monkeypatch, weight_
         monkeypatch.setattr(module, "make_session", spy)
     model = ir.load(mlp_model(tmp_path / "m.onnx"))
     feeds = [{"x": np.ones((2, 16), np.float32)}]
-    run = runtime.RunOptions(weight_memory=weight_memory)
+    run = run_settings.RunOptions(weight_memory=weight_memory)
     calibration.collect_amax(model, ["x"], feeds, run=run)
     maxed = statistics.Sums({"x": lambda x, add: [add("ReduceMax", [x], "max", keepdims=0)]}, "max", np.maximum)
-    statistics.measure(model, [maxed], feeds, run, "max")
+    statistics.measure(model, [maxed], as_data(feeds, input_specs(model)), run, "max")
     assert len(seen) >= 2 and all(seen)

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import fp8onnx
 from fp8onnx.graph.plan import activation_tensors, plan
 from fp8onnx.graph.prepare import prepare_model
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.models.build_llama import build, write_data
 from fp8onnx.pipeline.calibration import collect_amax
 from fp8onnx.pipeline.segments import split

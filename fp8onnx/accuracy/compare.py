@@ -43,11 +43,8 @@ from fp8onnx.data.kv_cache import cache_sizes
 from fp8onnx.graph import known
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
-from fp8onnx.graph.runtime import (
-    RunOptions,
-    make_session,
-    resolve_provider,
-)
+from fp8onnx.graph.run_settings import RunOptions, resolve_provider
+from fp8onnx.graph.runtime import make_session
 from fp8onnx.passes import BLOCK_FP8_OP
 from fp8onnx.techniques.family import detect_family
 

@@ -21,13 +21,8 @@ from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.progress import progress_bar
 from fp8onnx.data.datasource import DataSource
 from fp8onnx.graph.model_io import load_model
-from fp8onnx.graph.runtime import (
-    RunOptions,
-    make_session,
-    portable_model,
-    session_for_model,
-    session_from_portable,
-)
+from fp8onnx.graph.run_settings import RunOptions
+from fp8onnx.graph.runtime import make_session, portable_model, session_for_model, session_from_portable
 from fp8onnx.passes import ConvertFloat16Pass
 from fp8onnx.pipeline.distributed import shared_pool
 from fp8onnx.pipeline.segments import Spill

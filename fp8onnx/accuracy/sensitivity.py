@@ -33,11 +33,13 @@ import os
 
 from fp8onnx.accuracy.budget import Budget, budget_rows
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.data.datasource import as_data, check_calibration_source
+from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.graph import known
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
-from fp8onnx.graph.runtime import RunOptions, resolve_provider
+from fp8onnx.graph.run_settings import RunOptions, entry_settings
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.pipeline.statistics import measure
 from fp8onnx.settings.config import QuantizeConfig
@@ -160,11 +162,10 @@ def measure_sensitivity(
     Scoring the lowest-SQNR nodes on an end metric is :func:`fp8onnx.workflows.fallback.sensitivity`'s (it
     quantizes and evaluates whole models, a layer above this one). ``budget``: also the FP8 error budget of
     each node (:mod:`fp8onnx.accuracy.budget`: weight vs activation, range vs mantissa) in the same pass."""
-    run_kw, options = RunOptions.split(options)
-    run = RunOptions.of(run, **run_kw)
-    config = config or QuantizeConfig(**options)
-    run = RunOptions.of(run, provider=resolve_provider(run.provider))
+    config, run = entry_settings(config, run, options, preset=None)
+    check_calibration_source(calib, stats)
     ir_model, _, _ = prepare_model(model, config.precision)
+    calib, data = _sources(calib, data, ir_model)
     decisions, skipped = plan(ir_model, config)
     risks = vocabulary_projections(ir_model, [d.node for d in decisions])
     calibration = activation_stats(ir_model, activation_tensors(decisions, ir_model), config, calib, stats, run)
@@ -177,7 +178,7 @@ def measure_sensitivity(
             continue
         rows.append(NodeSensitivity(known.name(d.node), d.node.op_type, None))
         measured.append(d)
-    source = data if data is not None else calib
+    source = data
     if source is None:
         raise Fp8OnnxError("Sensitivity needs data to run on: pass --calib DATA (and optionally --data DATA).")
     # every measured node's shadow with all its inputs quantized (for --fallback activations: its activation
@@ -193,6 +194,16 @@ def measure_sensitivity(
     result = SensitivityResult(str(model), config.to_json(), samples, batches, rows, stats=calibration)
     result.budget = split.rows() if budget else None
     return result
+
+
+def _sources(calib, data, ir_model) -> tuple:
+    """(calib, data) as the data sources every step reads, converted once; ``calib`` readable twice where
+    it serves as ``data`` too (feeds given as an iterator)."""
+    specs = input_specs(ir_model)
+    calib = None if calib is None else as_data(calib, specs, ir_model)
+    if data is None:
+        return calib, calib.readable_again() if isinstance(calib, FeedData) else calib
+    return calib, as_data(data, specs, ir_model)
 
 
 def _sqnr_db(measured, split: Budget, kind: str) -> dict[str, float]:

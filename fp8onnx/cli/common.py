@@ -18,7 +18,7 @@ from fp8onnx.base.progress import close_all
 from fp8onnx.base.scratch import drain
 from fp8onnx.base.version import __version__
 from fp8onnx.data.feeds import TextSource, is_text
-from fp8onnx.graph.runtime import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, RAY_TIMEOUT, WEIGHT_MEMORY, RunOptions
+from fp8onnx.graph.run_settings import BATCH_MEMORY, DEFAULT_BATCH, PROVIDERS, RAY_TIMEOUT, WEIGHT_MEMORY, RunOptions
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.numerics.scaling import Scaling
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS

@@ -1,7 +1,8 @@
 """Options declared once for every command that takes them: the ones that say which runtime a written model
 is for (``quantize``'s "Deployment target" group in --help), --metric, --weight-block-size; and how a
-command's parameters become the library's: the recipe options are :class:`~fp8onnx.settings.config.QuantizeConfig`'s
-fields (:func:`recipe_options`), the runtime ones :class:`~fp8onnx.graph.runtime.RunOptions` (:func:`run_options`)."""
+command's parameters become the library's: the recipe options are
+:class:`~fp8onnx.settings.config.QuantizeConfig`'s fields (:func:`recipe_options`), the runtime ones
+:class:`~fp8onnx.graph.run_settings.RunOptions` (:func:`run_options`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import click
 
 from fp8onnx.accuracy.metrics import METRICS
 from fp8onnx.cli.common import _DEFAULT, _PARAM, _run_options
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.settings.choices import FALLBACK_UNITS, GEMM_OPS, PRECISIONS
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.targets import TARGETS

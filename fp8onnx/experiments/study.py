@@ -40,7 +40,7 @@ from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import LABELS, input_specs
 from fp8onnx.graph.model_io import load_model, write_text_atomic
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.formats import Fp8Format
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES
 from fp8onnx.settings.config import PRESETS, QuantizeConfig

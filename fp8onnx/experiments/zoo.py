@@ -41,7 +41,7 @@ from fp8onnx.base.scratch import temporary_dir
 from fp8onnx.experiments.study import _distinct, _run_config, study_configs
 from fp8onnx.experiments.zoo_results import ZooResult
 from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.pipeline.distributed import remote_tasks
 from fp8onnx.settings.config import PRESETS, QuantizeConfig
 from fp8onnx.workflows.api import calibrate

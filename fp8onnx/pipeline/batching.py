@@ -10,9 +10,7 @@ import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.data.feeds import input_specs
-from fp8onnx.graph.runtime import (
-    DEFAULT_BATCH,
-)
+from fp8onnx.graph.run_settings import DEFAULT_BATCH
 from fp8onnx.pipeline.segments import run_segmented
 
 logger = logging.getLogger(__name__)

@@ -24,9 +24,11 @@ import numpy as np
 import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
+from fp8onnx.data.datasource import as_data
+from fp8onnx.data.feeds import input_specs
 from fp8onnx.graph import known
 from fp8onnx.graph.model_io import write_text_atomic
-from fp8onnx.graph.runtime import WEIGHT_MEMORY, RunOptions
+from fp8onnx.graph.run_settings import WEIGHT_MEMORY, RunOptions
 from fp8onnx.numerics.histogram import NUM_BINS, LogHistogram
 from fp8onnx.passes import release
 from fp8onnx.pipeline.statistics import Measured, Ranges, measure
@@ -195,7 +197,8 @@ def collect_amax(
     if not names:
         return Stats(amax={})
     ranges = Ranges(names, histograms)
-    done = measure(model, [ranges], data, run or RunOptions(), "calibration")
+    source = as_data(data, input_specs(model), model)
+    done = measure(model, [ranges], source, run or RunOptions(), "calibration")
     return ranges_stats(ranges, done)
 
 

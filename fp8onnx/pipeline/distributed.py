@@ -24,7 +24,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 
 from fp8onnx.base.errors import Fp8OnnxError, first_line
-from fp8onnx.graph.runtime import RAY_TIMEOUT, check_ray, portable_model, worker_session
+from fp8onnx.graph.run_settings import RAY_TIMEOUT, check_ray
+from fp8onnx.graph.runtime import portable_model, worker_session
 from fp8onnx.pipeline.ray_cluster import cause, connect, lost_errors, threads_per_worker
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Executors: how the calibration pipeline runs an instrumented model over batches of data.
 
-One executor per way of running, chosen from :class:`~fp8onnx.graph.runtime.RunOptions` by
+One executor per way of running, chosen from :class:`~fp8onnx.graph.run_settings.RunOptions` by
 :func:`executor_for` (never by a technique):
 
 - :class:`InProcess`: the whole graph in one onnxruntime session in this process;
@@ -28,7 +28,8 @@ from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.phases import phase
 from fp8onnx.base.progress import progress_bar
 from fp8onnx.graph import known
-from fp8onnx.graph.runtime import RunOptions, session_for_model, weight_bytes
+from fp8onnx.graph.run_settings import RunOptions
+from fp8onnx.graph.runtime import session_for_model, weight_bytes
 from fp8onnx.pipeline.batching import _run_peak, _segmented_values
 from fp8onnx.pipeline.distributed import fetch, shared_pool, statistics_pool
 from fp8onnx.pipeline.segments import run_segmented, run_segmented_on

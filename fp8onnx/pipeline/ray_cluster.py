@@ -9,7 +9,7 @@ import signal
 import threading
 
 from fp8onnx.base.errors import Fp8OnnxError, first_line
-from fp8onnx.graph.runtime import RAY_TIMEOUT
+from fp8onnx.graph.run_settings import RAY_TIMEOUT
 
 __all__ = ["cause", "connect", "lost_errors", "probe", "threads_per_worker"]
 

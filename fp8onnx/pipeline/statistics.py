@@ -26,9 +26,7 @@ import onnx_ir as ir
 
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.phases import phase
-from fp8onnx.data.datasource import as_data
-from fp8onnx.data.feeds import input_specs
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.histogram import LogHistogram
 from fp8onnx.passes import AMAX_SUFFIX, VALUE_SUFFIX, AddAmaxOutputsPass
 from fp8onnx.passes.common import keep_only_outputs
@@ -190,15 +188,17 @@ def measure(
     settle=None,
     sequential: bool = False,
 ) -> Measured:
-    """Measure every statistic in ``statistics`` in one pass of ``data`` (see
-    :func:`fp8onnx.data.datasource.as_data`) through ``model``; returns what the pass read.
+    """Measure every statistic in ``statistics`` in one pass of ``data`` (a data source, as
+    :func:`fp8onnx.data.datasource.as_data` makes it at the caller's entry) through ``model``; returns what
+    the pass read.
     ``settle``: (names of the quantized layers' nodes, ``settle(node names, outputs complete so
     far)``), called after each segment of a layer-by-layer run (:class:`~fp8onnx.pipeline.executors.LayerByLayer`);
     ``sequential``: sequential calibration (:class:`~fp8onnx.pipeline.executors.Sequential`), where
     ``settle`` returns the stored values of the layers it rounded.
 
-    requires: each statistic names tensors of ``model``'s main graph. ensures: ``model`` unchanged
-    (but for what ``settle`` changes); each statistic has merged every batch, in batch order."""
+    requires: each statistic names tensors of ``model``'s main graph; ``data`` has ``batches()``.
+    ensures: ``model`` unchanged (but for what ``settle`` changes); each statistic has merged every batch,
+    in batch order."""
     done = Measured()
     statistics = [s for s in statistics if s is not None]
     if not statistics:
@@ -213,7 +213,7 @@ def measure(
         keep_only_outputs(instrumented, outputs)  # statistics only: not the model's own outputs
     if not outputs:
         return done
-    source = as_data(data, input_specs(model), model)
+    source = data
     tensors = any(s.tensors for s in statistics)
 
     def counted(batches):

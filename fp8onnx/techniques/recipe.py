@@ -17,7 +17,7 @@ import onnx_ir as ir
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.pipeline.calibration import Stats, ranges_stats
 from fp8onnx.pipeline.statistics import Ranges, measure
 from fp8onnx.settings.config import QuantizeConfig

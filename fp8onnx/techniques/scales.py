@@ -10,11 +10,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from fp8onnx.base.errors import Fp8OnnxError
-from fp8onnx.data.datasource import check_calibration_source
 from fp8onnx.graph import known
 from fp8onnx.graph.guard import as_path
 from fp8onnx.graph.plan import Decision, in_main_graph
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.scaling import DEFAULT_PERCENTILE, Scaling, amax_to_scale, amax_to_scales, clipping_amax
 from fp8onnx.passes import (
     TensorQuant,
@@ -100,7 +99,6 @@ def activation_stats(model, names, config, calib, stats, run: RunOptions) -> Sta
 def activation_ranges(model, names, config, calib, stats) -> Stats | Ranges | None:
     """What static activation scales need: the statistics loaded from ``stats``, the
     :class:`~fp8onnx.pipeline.statistics.Ranges` to measure on ``calib``, or None when none are needed."""
-    check_calibration_source(calib, stats)
     if config.activations.dynamic or config.activations == "none":
         # with --weight-rounding gptq the calibration data serves the weights' Hessians only
         unread = calib is not None and not config.weights_need_data

@@ -19,7 +19,7 @@ from fp8onnx.graph.model_io import EXTERNAL_META, load_model, save_model
 from fp8onnx.graph.placement import placement_summary, predict_placement
 from fp8onnx.graph.plan import candidate_activations, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model
-from fp8onnx.graph.runtime import RunOptions, resolve_provider
+from fp8onnx.graph.run_settings import RunOptions, resolve_provider
 from fp8onnx.numerics.formats import EMULATED_NOTE, format_of
 from fp8onnx.passes import BLOCK_FP8_OP, ConvertFloat16Pass
 from fp8onnx.pipeline.calibration import Stats, collect_amax

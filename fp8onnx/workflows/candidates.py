@@ -21,7 +21,7 @@ from fp8onnx.accuracy.evaluation import ReferenceRun
 from fp8onnx.accuracy.metrics import gain_se
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.scratch import make_dir, remove
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.workflows.quantizer import quantize

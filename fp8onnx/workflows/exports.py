@@ -48,7 +48,8 @@ from fp8onnx.data.kv_cache import cache_sizes
 from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.graph.guard import external_locations
 from fp8onnx.graph.model_io import new_folder_mode, write_text_atomic
-from fp8onnx.graph.runtime import RunOptions, make_session
+from fp8onnx.graph.run_settings import RunOptions, entry_settings
+from fp8onnx.graph.runtime import make_session
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.report import FolderReport
 from fp8onnx.workflows.quantizer import quantize
@@ -276,9 +277,7 @@ def quantize_folder(
     (the default): so for an onnxruntime-genai folder, unless it is for the CUDA EP. With ``--target
     onnxruntime-cuda`` an onnxruntime-genai folder's decoder names the CUDA provider, as the runtime's
     own builder writes it."""
-    run_kw, options = RunOptions.split(options)
-    run = RunOptions.of(run, **run_kw)
-    config = config or QuantizeConfig(**options)
+    config, run = entry_settings(config, run, options)  # as quantize's: the family's recipe by default
     export = describe_export(export_dir)
     genai, cuda = export.layout == "onnxruntime-genai", config.target == "onnxruntime-cuda"
     fold_at_load = _fold_at_load(export, genai, cuda, fold_at_load)

@@ -42,7 +42,7 @@ from fp8onnx.data.split import EVERY, Part, count_samples
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import load_model, model_file, write_text_atomic
 from fp8onnx.graph.prepare import prepare_model
-from fp8onnx.graph.runtime import RunOptions, resolve_provider
+from fp8onnx.graph.run_settings import RunOptions, entry_settings
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.techniques.family import detect_family
@@ -81,10 +81,7 @@ def sensitivity(
     lowest-SQNR nodes scored on the end metric: the all-FP8 model and, per node, the model with only
     it in float (``refine`` + 1 models quantized and evaluated). ``needs_data``: the variants'
     recipe reads ``calib`` (GPTQ, bias correction, smoothing)."""
-    run_kw, options = RunOptions.split(options)
-    run = RunOptions.of(run, **run_kw)
-    run = RunOptions.of(run, provider=resolve_provider(run.provider))
-    config = config or QuantizeConfig(**options)
+    config, run = entry_settings(config, run, options, preset=None)
     result = measure_sensitivity(model, calib, data, config=config, stats=stats, run=run, budget=budget)
     if eval_data is None or refine <= 0:
         return result
@@ -198,10 +195,7 @@ def quantize_to_target(
             f"target={options['target']!r} names the deploy target (onnxruntime, onnxruntime-cuda, tensorrt); "
             "the accuracy goal in percent of FP16 is accuracy_target=."
         )
-    run_kw, options = RunOptions.split(options)
-    run = RunOptions.of(run, **run_kw)
-    if config is None:  # like quantize: the family's recipe (preset auto) under the options given
-        config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
+    config, run = entry_settings(config, run, options)  # like quantize: the family's recipe by default
     _check_search(accuracy_target, max_float_nodes, refine, calib)
     check_paths(
         model_reads("the input model", model)

@@ -33,7 +33,8 @@ from fp8onnx.data.feeds import Batch
 from fp8onnx.data.split import Spread
 from fp8onnx.graph import known
 from fp8onnx.graph.plan import Decision, last_layers
-from fp8onnx.graph.runtime import RunOptions, machine_memory, session_for_model, weight_bytes
+from fp8onnx.graph.run_settings import RunOptions
+from fp8onnx.graph.runtime import machine_memory, session_for_model, weight_bytes
 from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
 
 __all__ = ["LOSS_SAMPLES", "W8A16_NAMES", "LossChoice", "choose_w8a16"]

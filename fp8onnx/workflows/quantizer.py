@@ -27,7 +27,8 @@ from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
-from fp8onnx.graph.runtime import RunOptions, make_session, qdq_fusion_warning, resolve_provider, weight_bytes
+from fp8onnx.graph.run_settings import RunOptions, entry_settings
+from fp8onnx.graph.runtime import make_session, qdq_fusion_warning, weight_bytes
 from fp8onnx.graph.schemas import check_attributes
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES
@@ -79,7 +80,7 @@ def quantize(
 
     ``calib`` is a ``.npz`` file, a folder of them, or an iterable of feed dicts; ``stats`` a
     statistics file from :func:`fp8onnx.calibrate` (or a :class:`Stats`) used instead of running
-    calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.graph.runtime.RunOptions`: batch size,
+    calibration. ``run`` says how onnxruntime runs (:class:`~fp8onnx.graph.run_settings.RunOptions`: batch size,
     provider, weight budget, progress); a model with more than ``run.weight_memory`` bytes of weights
     is calibrated layer by layer (see :mod:`fp8onnx.pipeline.segments`). Keyword ``options`` are RunOptions
     fields (``provider="cpu"``) or, when ``config`` is not given, QuantizeConfig fields and ``preset``
@@ -160,7 +161,8 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
     if report is not None:
         result.phases = current_phases()
         doc = result.to_json()
-        doc.update(_sensitivity_section(model, calib, calibration, config, run, rewritten.modified, layer_by_layer))
+        again = source if as_path(calib) is not None else None  # read again from its file (feeds are not kept)
+        doc.update(_sensitivity_section(model, again, calibration, config, run, rewritten.modified, layer_by_layer))
         write_text_atomic(report, json.dumps(doc, indent=1) + "\n")
         lap("report")
     return result
@@ -170,17 +172,13 @@ def _checked(model, output, calib, config, stats, report, run, options) -> tuple
     """(config, run) from the arguments (keyword ``options``: RunOptions fields, else QuantizeConfig's
     and ``preset``), after the checks that need no model: one calibration source, and no output on a
     file the run reads."""
-    run_kw, options = RunOptions.split(options)
-    run = RunOptions.of(run, **run_kw)
-    if config is None:  # like the CLI: the family's recipe (preset auto) under the options given
-        config = QuantizeConfig.for_preset(options.pop("preset", None) or "auto", **options)
     check_calibration_source(calib, stats)
     check_paths(
         model_reads("the input model", model)
         + [("the calibration data", as_path(calib)), ("the statistics file", as_path(stats))],
         model_writes("the output model", output) + [("the report", report)],
     )
-    return config, RunOptions.of(run, provider=resolve_provider(run.provider))
+    return entry_settings(config, run, options)  # like the CLI: the family's recipe under the options given
 
 
 def _prepared(model, config: QuantizeConfig):
@@ -332,13 +330,13 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     return None, config
 
 
-def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_layer) -> dict:
+def _sensitivity_section(model, source, stats, config, run, modified, layer_by_layer) -> dict:
     """The report's ``sensitivity``: per node, as :func:`~fp8onnx.accuracy.sensitivity.measure_sensitivity`
-    measures it, with the scales just used (one more pass over the calibration data); or why it was not
-    measured."""
+    measures it, with the scales just used (one more pass over ``source``, the calibration data read from
+    its file; None or False where there is none); or why it was not measured."""
     if not modified:
         why = "nothing was quantized"
-    elif config.activations != "static" or as_path(calib) is None:
+    elif config.activations != "static" or source is None:
         why = "it needs calibration data read from a file (run `fp8onnx sensitivity MODEL --data DATA`)"
     elif layer_by_layer:
         why = "the model is calibrated layer by layer (its weights exceed --weight-memory)"
@@ -346,7 +344,7 @@ def _sensitivity_section(model, calib, stats, config, run, modified, layer_by_la
         why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
         measured = measure_sensitivity(
-            model, None, calib, config=config, stats=stats, run=RunOptions.of(run, progress=False)
+            model, None, source, config=config, stats=stats, run=RunOptions.of(run, progress=False)
         )
         return {"sensitivity": measured.to_json()["nodes"]}
     return {"sensitivity_not_measured": why}

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from fp8onnx.base.version import __version__
 from fp8onnx.graph.plan import vocabulary_projections
-from fp8onnx.graph.runtime import RunOptions
+from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.numerics.formats import EMULATED_NOTE
 from fp8onnx.passes import (
     BlockFp8MatMulPass,
