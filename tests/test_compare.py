@@ -376,3 +376,30 @@ def test_a_softmax_written_out_is_class_scores():
     )
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     assert class_outputs(model) == {"p"}
+
+
+def test_outputs_too_big_for_the_disk_run_side_by_side_with_the_same_numbers(tmp_path, monkeypatch):
+    """Where the reference's outputs over the data would not fit the free disk (a language model's logits
+    over a whole benchmark: SmolLM2 on LAMBADA, about 100 GB), every model runs beside the reference batch by
+    batch: the same figures, per sample too, a note says so, and nothing was spilled; feeds given as a
+    one-shot iterator get one sentence instead of wrong figures."""
+    from fp8onnx.accuracy import evaluation
+
+    fp8 = tmp_path / "q.onnx"
+    fp8onnx.quantize(SAMPLE / "decoder.onnx", fp8, SAMPLE / "calib.npz", provider="cpu")
+    args = (SAMPLE / "decoder.onnx", [fp8], SAMPLE / "eval.npz")
+    kw = {"provider": "cpu", "generate": 0, "batch_size": 8}
+    spilled = fp8onnx.compare(*args, **kw)
+    monkeypatch.setattr(evaluation, "SPILL_MARGIN", 1 << 62)  # no disk is that free
+    saved = []
+    monkeypatch.setattr(evaluation.Spill, "save", lambda self, *a: saved.append(a[:2]))
+    side = fp8onnx.compare(*args, **kw)
+    assert saved == []  # it gave up before writing a batch (the batch count is known)
+    assert any("The models ran side by side" in n for n in side.notes)
+    assert [r.name for r in side.rows] == [r.name for r in spilled.rows] == ["FP32 (reference)", "FP16", "q.onnx"]
+    for a, b in zip(spilled.rows, side.rows):
+        assert (a.accuracy, a.perplexity, a.outputs) == (b.accuracy, b.perplexity, b.outputs)
+        assert all(np.array_equal(a.columns[k], b.columns[k]) for k in a.columns)
+    feeds = iter([dict(np.load(SAMPLE / "eval.npz"))])
+    with pytest.raises(Fp8OnnxError, match="cannot be read again beside the other models"):
+        fp8onnx.compare(SAMPLE / "decoder.onnx", [fp8], feeds, **kw)

@@ -1,6 +1,7 @@
-"""How ``compare`` runs the models over the data: in this process (the reference's outputs kept in
-memory or spilled to disk, one model at a time) or on Ray workers; the FP16 baseline's session; the
-FP32 reference run once for every round of a search (:class:`ReferenceRun`)."""
+"""How ``compare`` runs the models over the data: in this process (the reference's outputs spilled to disk,
+one model at a time; or, where those outputs would not fit the free disk, every model beside the reference
+batch by batch) or on Ray workers; the FP16 baseline's session; the FP32 reference run once for every round
+of a search (:class:`ReferenceRun`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import gc
 import logging
 import pathlib
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 
@@ -52,14 +54,29 @@ class _Evaluation:
     classes: frozenset = frozenset()  # outputs whose top-1 agreement is measured
 
 
+# The reference's outputs wait on disk only while they leave this share of the disk's free space (and
+# SPILL_MARGIN bytes) free: a language model's logits over a whole benchmark (SmolLM2-135M on LAMBADA's
+# 5,153 items: about 100 GB) go batch by batch beside the other models instead (_evaluate_lockstep).
+SPILL_SHARE = 0.8
+SPILL_MARGIN = 1 << 30
+
+
+class _TooBigToSpill(Exception):
+    """The reference's outputs over the data would not fit the spill's share of the free disk."""
+
+
 def _evaluate_here(job: _Evaluation, cache: ReferenceRun | None = None):
     """One model at a time in this process: the reference's outputs (and the inputs) wait on disk and
-    are read back batch by batch for each other model, so memory holds one session. ``cache``: the
-    reference's pass is kept there, or taken from there when it is."""
+    are read back batch by batch for each other model, so memory holds one session; where they would not
+    fit the free disk, every model runs beside the reference instead (:func:`_evaluate_lockstep`).
+    ``cache``: the reference's pass is kept there, or taken from there when it is."""
     reference, out_names, classes, progress = job.reference, job.out_names, job.classes, job.run.progress
     done = cache if cache is not None else ReferenceRun()
     if not done.batches:
-        _reference_pass(done, job)
+        try:
+            _reference_pass(done, job)
+        except _TooBigToSpill as big:
+            return _evaluate_lockstep(job, str(big))
     spill, scored, batches, label_out = done.spill, done.labelled, done.batches, done.label_out
     feed_names = done.feed_names
     if spill is None or done.score is None:
@@ -118,9 +135,11 @@ class ReferenceRun:
 
 
 def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
-    """The reference over the data, into ``run`` (closed again on failure)."""
+    """The reference over the data, into ``run`` (closed again on failure); :class:`_TooBigToSpill` as soon
+    as its outputs are seen not to fit the free disk (after the first batch where the batch count is known)."""
     reference, out_names = job.reference, job.out_names
     run.spill = Spill()
+    budget = int(shutil.disk_usage(run.spill.root).free * SPILL_SHARE) - SPILL_MARGIN
     try:
         cost = _Cost(job.memory)
         what = f"Reference model {str(reference)!r}"
@@ -133,6 +152,8 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
                 session, b, batch.feed, batch.labels, out_names, job.classes, cost
             )
             run.score.merge(score)
+            keeps = [*ref, *batch.feed.values(), *([] if batch.labels is None else [batch.labels])]
+            _check_spill(run, job, budget, sum(np.asarray(a).nbytes for a in keeps))
             for o, r in zip(out_names, ref):
                 run.spill.save(f"out/{o}", b, r)
             for k, v in batch.feed.items():
@@ -153,6 +174,69 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
     except BaseException:
         run.close()
         raise
+
+
+def _check_spill(run: ReferenceRun, job: _Evaluation, budget: int, nbytes: int) -> None:
+    """:class:`_TooBigToSpill` before the next batch's ``nbytes`` are written where they outgrow ``budget``
+    bytes or, the batch count known, the batches at this rate will."""
+    grown = run.spill.nbytes + nbytes
+    expected = None if job.total is None else grown / (run.batches + 1) * job.total
+    if grown > budget or (expected is not None and expected > budget):
+        size = expected if expected is not None else grown
+        raise _TooBigToSpill(
+            f"the reference's outputs over the data ({size / 2**30:.1f} GiB{' expected' if expected else ' and more'}) "
+            f"would not fit {SPILL_SHARE:.0%} of the free disk at {str(run.spill.root.parent)!r}"
+        )
+
+
+def _evaluate_lockstep(job: _Evaluation, why: str):
+    """Every model beside the reference, batch by batch, all sessions open at once: nothing waits on disk,
+    at the memory of every session together (the sessions' own memory is not measured). For a reference
+    whose outputs over the data would not fit the free disk (``why``). The data is read again from the start:
+    feeds given as a one-shot iterator cannot be."""
+    if getattr(job.source, "one_shot", False):
+        raise Fp8OnnxError(
+            f"{why[0].upper()}{why[1:]}, and the feeds, given as an iterator, cannot be read again beside the "
+            "other models: give the data as a file or a list, or fewer samples (--max-samples)."
+        )
+    logger.info("%s: the models run side by side, batch by batch, nothing kept on disk", why)
+    job.notes.append(f"The models ran side by side ({why}); their sessions' memory was not measured.")
+    what = f"Reference model {str(job.reference)!r}"
+    sessions = {_REFERENCE: make_session(pathlib.Path(job.reference), job.run.provider, what, arena=False)}
+    for name, (_, build) in job.models.items():
+        try:
+            sessions[name] = build()
+        except Fp8OnnxError as exc:
+            if name != "FP16":
+                raise
+            _no_fp16(exc, job.notes)
+    scores = {n: _Score({o: _OutputStats() for o in job.out_names}) for n in sessions}
+    costs = {n: _Cost(False) for n in sessions}
+    label_out, scored, samples, b = None, 0, 0, 0
+    batches = job.source.batches(job.run.batch)
+    for batch in progress_bar(batches, total=job.total, desc="all models", unit="batch", enable=job.run.progress):
+        (score, label_out), ref = reference_batch(
+            sessions[_REFERENCE], b, batch.feed, batch.labels, job.out_names, job.classes, costs[_REFERENCE]
+        )
+        scores[_REFERENCE].merge(score)
+        labels = None if label_out is None else batch.labels
+        for name, session in list(sessions.items())[1:]:
+            with costs[name].run():
+                outs = _run(session, name, batch.feed, b)
+            scores[name].merge(_score(ref, outs, job.out_names, labels, label_out, job.classes, batch.feed))
+        if label_out is not None and batch.labels is not None:
+            scored += labelled(batch.labels)
+        samples, b = samples + batch.size, b + 1
+        if job.max_samples is not None and samples >= job.max_samples:
+            break
+    if b == 0:
+        raise Fp8OnnxError("The evaluation data gave no batches.")
+    rows = []
+    for name, score in scores.items():
+        path = str(job.reference) if name == _REFERENCE else job.models[name][0]
+        rows.append(_row(name, path, score, scored))
+        rows[-1].latency_ms = costs[name].result()[0]
+    return rows, samples, b
 
 
 class _Cost:

@@ -94,10 +94,15 @@ class FeedData:
     def count_batches(self, batch_size: int) -> int | None:
         return len(self._feeds) if isinstance(self._feeds, Sized) else None
 
+    @property
+    def one_shot(self) -> bool:
+        """The feeds were given as an iterator (a generator): they can be read once."""
+        return iter(self._feeds) is self._feeds
+
     def readable_again(self) -> FeedData:
         """This source, readable more than once: feeds given as an iterator (a generator) can be read
         only once, so a recipe that reads the data several times keeps them in memory."""
-        if iter(self._feeds) is self._feeds:
+        if self.one_shot:
             self._feeds = list(self._feeds)
             logger.info(
                 "%d feeds given as an iterator are kept in memory: the recipe reads them more than once",
