@@ -33,6 +33,7 @@ from fp8onnx.cli.common import (
 )
 from fp8onnx.data.media import AudioOptions, ImageOptions
 from fp8onnx.data.sources import make_data
+from fp8onnx.data.text import TextOptions
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 from fp8onnx.workflows.api import inspect_summary
 
@@ -142,7 +143,7 @@ def inspect(model, as_json, plot_dir, target):
 @click.option("--sample-rate", type=click.IntRange(min=1), help="Audio: resample to this rate (default 16000).")
 @click.option("--chunk", type=click.IntRange(min=1), help="Audio: samples per feed (default: one second).")
 @_run
-def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, seed, stride, **media):
+def data(model, source, output, **params):
     """Make calibration/evaluation data for MODEL from text, images or audio.
 
     SOURCE is a .txt/.jsonl text file, an image file or folder (subfolders = classes: `labels`), or
@@ -160,23 +161,13 @@ def data(model, source, output, tokenizer, seq_len, pad, field, max_samples, see
       fp8onnx data wav2vec.onnx clips/ --sample-rate 16000 --chunk 16000 -o calib.npz
     """
 
-    image = ImageOptions(media["size"], media["crop"], media["mean"], media["std"], media["layout"], media["channels"])
-    audio = AudioOptions(media["sample_rate"], media["chunk"])
-
+    p = params
+    image = ImageOptions(p["size"], p["crop"], p["mean"], p["std"], p["layout"], p["channels"])
+    audio = AudioOptions(p["sample_rate"], p["chunk"])
+    text = TextOptions(p["tokenizer"], p["seq_len"], p["pad"], p["field"], stride=p["stride"])
+    sampled = {"max_samples": p["max_samples"], "seed": p["seed"]}
     summary = make_data(
-        model,
-        source,
-        output,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        pad=pad,
-        field=field,
-        max_samples=max_samples,
-        seed=seed,
-        stride=stride,
-        image=image,
-        audio=audio,
-        progress=sys.stderr.isatty(),
+        model, source, output, text=text, image=image, audio=audio, **sampled, progress=sys.stderr.isatty()
     )
     click.echo("\n".join(summary.lines()))
 

@@ -150,25 +150,24 @@ def make_data(
     source: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    tokenizer: str | os.PathLike | None = None,
-    seq_len: int = 128,
-    pad: bool = False,
-    field: str = "text",
-    max_samples: int | None = None,
-    seed: int | None = None,
-    stride: int | None = None,
+    text: TextOptions | None = None,
     image: ImageOptions | None = None,
     audio: AudioOptions | None = None,
+    max_samples: int | None = None,
+    seed: int | None = None,
     progress: bool = False,
 ) -> DataSummary:
     """``fp8onnx data``: feeds for ``model`` (a file, or an export folder: its ``tokenizer.json`` and
     ``preprocessor_config.json`` give the defaults) from ``source``: a text file, images or audio
-    (see :mod:`fp8onnx.data.media`), written to ``output``."""
+    (see :mod:`fp8onnx.data.media`), written to ``output``. ``text``, ``image``, ``audio``: how each kind is
+    read (defaults: the tokenizer beside the model, windows of 128 tokens); ``max_samples`` (drawn at random
+    with ``seed``, else the first) of any kind."""
+    text = text or TextOptions()
 
     folder = pathlib.Path(model) if pathlib.Path(model).is_dir() else None
     path = model_file(model)
     out = pathlib.Path(output)
-    kind, tokenizer = _checked_sources(path, source, out, tokenizer, max_samples)
+    kind, tokenizer = _checked_sources(path, source, out, text.tokenizer, max_samples)
     bar = (
         (lambda it: progress_bar(it, total=max_samples, desc="samples", unit="sample", enable=True))
         if progress
@@ -178,7 +177,7 @@ def make_data(
     if kind == "text":
         if tokenizer is None:  # _checked_sources gives text one, or says why not
             raise Fp8OnnxError(f"Text source {str(source)!r} needs a tokenizer (--tokenizer).")
-        options = TextOptions(tokenizer, seq_len, pad, field, max_samples, seed, stride)
+        options = dataclasses.replace(text, tokenizer=tokenizer, max_samples=max_samples, seed=seed)
         summary = write_text_data(ir_model, source, out, options, progress=bar)
     else:
         specs = input_specs(ir_model)

@@ -75,7 +75,7 @@ PAST = re.compile(r"(^|[./_])past($|[./_])|past_key_values|^cache", re.IGNORECAS
 
 @dataclasses.dataclass(frozen=True)
 class TextOptions:
-    tokenizer: str | os.PathLike
+    tokenizer: str | os.PathLike | None = None  # None: fp8onnx.make_data takes the one beside the model
     seq_len: int = 128
     pad: bool = False
     field: str = "text"

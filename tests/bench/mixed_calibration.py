@@ -26,6 +26,7 @@ import tempfile
 import numpy as np
 
 from fp8onnx.data.sources import make_data
+from fp8onnx.data.text import TextOptions
 
 PART_CHARS = 400_000  # text per part before windowing: far more than --per-part windows of 128 tokens need
 
@@ -107,8 +108,7 @@ def main() -> None:
                 args.model,
                 text,
                 out,
-                tokenizer=args.tokenizer,
-                seq_len=args.seq_len,
+                text=TextOptions(args.tokenizer, args.seq_len),
                 max_samples=args.per_part,
                 seed=args.seed,
             )
