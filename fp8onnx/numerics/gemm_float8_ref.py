@@ -20,9 +20,7 @@ def gemm_float8(
     a,
     b,
     c=None,
-    scale_a=1.0,
-    scale_b=1.0,
-    scale_y=1.0,
+    scales=(1.0, 1.0, 1.0),
     *,
     trans_a=0,
     trans_b=0,
@@ -30,6 +28,9 @@ def gemm_float8(
     beta=0.0,
     out_dtype=np.float16,
 ) -> np.ndarray:
+    """``com.microsoft.GemmFloat8``: ``alpha * scale_a * scale_b * (A' @ B') + beta * C``, with ``scales`` =
+    (scale_a, scale_b, scale_y); ``scale_y`` multiplies a float8 output into its range."""
+    scale_a, scale_b, scale_y = scales
     a32 = np.asarray(a).astype(np.float32)
     b32 = np.asarray(b).astype(np.float32)
     if a32.ndim != 2 or b32.ndim != 2:
@@ -55,13 +56,12 @@ def run_with_gemm_float8(model, feed: dict) -> list[np.ndarray]:
     class GemmFloat8(OpRun):
         op_domain = "com.microsoft"
 
-        def _run(self, a, b, c=None, scale_a=None, scale_b=None, scale_y=None, transA=0, transB=0, alpha=1.0,
-                 beta=0.0, dtype=1, **_):  # fmt: skip
+        def _run(self, a, b, c=None, scale_a=None, scale_b=None, scale_y=None, **attrs):
             y_scale = 1.0 if scale_y is None else scale_y
-            out = onnx.helper.tensor_dtype_to_np_dtype(dtype)
-            y = gemm_float8(a, b, c, scale_a, scale_b, y_scale, trans_a=transA, trans_b=transB, alpha=alpha,
-                            beta=beta, out_dtype=out)  # fmt: skip
-            return (y,)
+            out = onnx.helper.tensor_dtype_to_np_dtype(attrs.get("dtype", 1))
+            op = {"trans_a": attrs.get("transA", 0), "trans_b": attrs.get("transB", 0)}
+            op.update(alpha=attrs.get("alpha", 1.0), beta=attrs.get("beta", 0.0), out_dtype=out)
+            return (gemm_float8(a, b, c, (scale_a, scale_b, y_scale), **op),)
 
     return list(ReferenceEvaluator(model, new_ops=[GemmFloat8]).run(None, feed))  # outputs in the graph's order
 

@@ -248,7 +248,7 @@ def run_segmented(
         for i, seg in enumerate(segments):
             if not seg.outputs:
                 continue  # computes nothing anyone asked for (e.g. the model's own outputs only)
-            args = (model, seg, i, len(segments), num_batches, spill, set(wanted))
+            args = (model, seg, f"{i + 1}/{len(segments)}", num_batches, spill, set(wanted))
             rounded = any(id(n) in layers for n in seg.nodes)  # sequential: run again once rounded
             _run_segment(*args, on_result, provider, progress, keep=not rounded)
             if settle is not None:
@@ -263,12 +263,14 @@ def run_segmented(
         spill.close()
 
 
-def _run_segment(model, seg, index, count, num_batches, spill, wanted, on_result, provider, progress, keep=True):
-    what = f"Calibration segment {index + 1}/{count} (from node {seg.nodes[0].name!r})"
+def _run_segment(model, seg, place: str, num_batches, spill, wanted, on_result, provider, progress, keep=True):
+    """Segment ``seg`` (``place``: "i/n") over every batch, its inputs read from ``spill``; ``on_result`` gets
+    the ``wanted`` values, and (with ``keep``) what later segments read is spilled."""
+    what = f"Calibration segment {place} (from node {seg.nodes[0].name!r})"
     names = [v.name for v in seg.outputs]
     batches = range(num_batches)
     if progress is not None:
-        batches = progress(batches, num_batches, f"segment {index + 1}/{count}")
+        batches = progress(batches, num_batches, f"segment {place}")
     session = None
     weights = {}  # read once per segment: views of the memory-mapped file (or computed once, if lazy)
     for b in batches:
