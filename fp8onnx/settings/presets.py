@@ -17,7 +17,7 @@ class Preset(TypedDict):
     why: str  # the measurement behind it
 
 
-# The measured best per model family (docs/benchmarks.md, "Techniques"): what each turns on and why.
+# The measured best per model family (docs/history/benchmarks-typed.md, "Techniques"): what each turns on and why.
 PRESETS: dict[str, Preset] = {
     "llm": {
         "settings": {

@@ -14,7 +14,7 @@ past, merged decoder).
   their runtimes do;
 - the FP8 folder keeps every non-model file, its models read float8 weights, and its generated
   tokens are reported against FP32's (random weights give near-flat logits: the agreement of these
-  tiny models says little about a trained one; docs/benchmarks.md has SmolLM2's).
+  tiny models says little about a trained one; docs/history/benchmarks-typed.md has SmolLM2's).
 
 Marked ``wild``: needs the ``[wild]`` extra.
 """
