@@ -13,8 +13,12 @@ A file of the anchor's alone (``fp8_anchor.py``'s, for a diagnosis) is put again
 Several ``llm_yardstick.py --columns`` files of one model join into one table when their FP32 reference rows
 are the same (the same items, scored the same): each later file adds the rows the first lacks.
 
+``--base ROW`` puts every row against ROW instead of FP16 (its ratio and perplexity change, paired over the same
+samples): two recipes compared directly (``--base llm-w8a8.onnx``), their difference's noise smaller than the
+two differences from FP16 suggest.
+
 Usage: python tests/bench/yardstick_table.py ONNX_COLUMNS.npz|ANCHOR.npz [MORE_COLUMNS.npz ...]
-       [--anchor ANCHOR.npz ...]
+       [--anchor ANCHOR.npz ...] [--base ROW]
        [--model-name smollm2] [--json results.json]
 Writes ``--json``: a list of records (model, recipe, set, metric, value, se, units, machine, date,
 onnxruntime, torch), one per figure.
@@ -161,6 +165,7 @@ def main() -> None:
     parser.add_argument("onnx", type=pathlib.Path, nargs="+")
     parser.add_argument("--anchor", type=pathlib.Path, action="append", default=[])
     parser.add_argument("--model-name", default="")
+    parser.add_argument("--base", help="the row every other is put against (default: FP16)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     first, *more = args.onnx
@@ -181,6 +186,8 @@ def main() -> None:
     records = []
     for s, r in rows.items():
         base = "FP16" if "FP16" in r else "torch fp32" if "torch fp32" in r else None
+        if args.base is not None:
+            base = args.base if args.base in r else None
         if base is None:
             continue
         if "torch fp32" in r and REFERENCE in r:
