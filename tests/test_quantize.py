@@ -1,5 +1,7 @@
 import json
 import logging
+import pathlib
+import sys
 
 import numpy as np
 import onnx
@@ -383,20 +385,12 @@ def test_a_relu_before_a_static_fp8_input_holds_at_every_optimisation_level(tmp_
 
     requires: a graph whose Relu output is quantized. ensures: SQNR against FP32 above 20 dB at each level."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "bench"))
+    from peer_fp8_relu import relu_model
 
     rng = np.random.default_rng(0)
-    w1, w2 = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 16)).astype(np.float32)
-    nodes = [
-        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-        helper.make_node("Relu", ["h"], ["r"], name="relu"),
-        helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
-    ]
-    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])
-    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])
-    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")]
-    graph = helper.make_graph(nodes, "g", [x_info], [y_info], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    w1, w2 = relu_model(tmp_path / "m.onnx", rng)
     np.savez(tmp_path / "calib.npz", x=rng.standard_normal((32, 64)).astype(np.float32))
     fp8onnx.quantize(tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "calib.npz", provider="cpu", preset="none")
     x = rng.standard_normal((8, 64)).astype(np.float32)

@@ -39,6 +39,21 @@ class _Reader(CalibrationDataReader):
         return next(self.it, None)
 
 
+def relu_model(path: pathlib.Path, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """MatMul -> Relu -> MatMul (x [n, 64] -> y [n, 16]) written to ``path`` (opset 17); its two weights."""
+    w1, w2 = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 16)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("x", ["n", 64]), ("y", ["n", 16]))]
+    weights = [numpy_helper.from_array(w, n) for n, w in (("w1", w1), ("w2", w2))]
+    graph = helper.make_graph(nodes, "g", io[:1], io[1:], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return w1, w2
+
+
 def _error(path: pathlib.Path, level: str, x: np.ndarray, ref: np.ndarray) -> float:
     so = ort.SessionOptions()
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
@@ -54,18 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or pathlib.Path(tempfile.mkdtemp())
     rng = np.random.default_rng(0)
-    w1, w2 = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 16)).astype(np.float32)
-    nodes = [
-        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-        helper.make_node("Relu", ["h"], ["r"], name="relu"),
-        helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
-    ]
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("x", [4, 64]), ("y", [4, 16]))]
-    graph = helper.make_graph(
-        nodes, "g", io[:1], io[1:], [numpy_helper.from_array(w, n) for n, w in (("w1", w1), ("w2", w2))]
-    )
     model = out / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    w1, w2 = relu_model(model, rng)
     calib = rng.standard_normal((32, 64)).astype(np.float32)
     x = rng.standard_normal((4, 64)).astype(np.float32)
     ref = np.maximum(x @ w1, 0) @ w2
