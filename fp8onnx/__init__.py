@@ -24,7 +24,7 @@ from fp8onnx.base import deferred  # noqa: F401  (first: sympy, through onnx_ir,
 
 # isort: split
 
-from fp8onnx.accuracy.compare import compare
+from fp8onnx.accuracy.compare import CompareOptions, compare
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.version import __version__
 from fp8onnx.data.datasource import Data, DataSource
@@ -35,12 +35,13 @@ from fp8onnx.numerics.scaling import Scaling, amax_to_scale
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.workflows.api import calibrate, convert_fp16, inspect
 from fp8onnx.workflows.exports import quantize_folder
-from fp8onnx.workflows.fallback import TargetNotMet, quantize_to_target, sensitivity
+from fp8onnx.workflows.fallback import Scoring, TargetNotMet, TargetSearch, quantize_to_target, sensitivity
 from fp8onnx.workflows.quantizer import quantize
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
+    "CompareOptions",
     "Data",
     "DataSource",
     "Fp8Format",
@@ -48,7 +49,9 @@ __all__ = [
     "QuantizeConfig",
     "RunOptions",
     "Scaling",
+    "Scoring",
     "TargetNotMet",
+    "TargetSearch",
     "__version__",
     "amax_to_scale",
     "calibrate",

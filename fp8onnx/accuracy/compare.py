@@ -46,9 +46,10 @@ from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.graph.run_settings import RunOptions, resolve_provider
 from fp8onnx.graph.runtime import make_session
 from fp8onnx.passes import BLOCK_FP8_OP
+from fp8onnx.settings.keywords import refuse_unknown, take
 from fp8onnx.techniques.family import detect_family
 
-__all__ = ["GENERATE_PROMPTS", "GENERATE_TOKENS", "PROMPT_TOKENS", "compare"]
+__all__ = ["GENERATE_PROMPTS", "GENERATE_TOKENS", "PROMPT_TOKENS", "CompareOptions", "compare"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +62,29 @@ GENERATE_PROMPTS = 5
 PROMPT_TOKENS = 32  # each prompt: the first tokens of a row of the data
 
 
+@dataclasses.dataclass(frozen=True)
+class CompareOptions:
+    """What :func:`compare` measures, apart from how it runs (:class:`~fp8onnx.graph.run_settings.RunOptions`):
+    the FP16 baseline, at most about ``max_samples`` samples, ``generate`` greedy tokens from ``prompts``
+    prompts (language models), each session's heap (``memory``), the headline ``metric``."""
+
+    fp16: bool = True
+    max_samples: int | None = None
+    generate: int = GENERATE_TOKENS
+    prompts: int = GENERATE_PROMPTS
+    memory: bool = True
+    metric: str = "auto"
+
+
 def compare(
     reference: str | os.PathLike,
     candidates: Sequence[str | os.PathLike],
     data: Data,
     *,
-    fp16: bool = True,
-    max_samples: int | None = None,
-    generate: int = GENERATE_TOKENS,
-    prompts: int = GENERATE_PROMPTS,
-    memory: bool = True,
-    metric: str = "auto",
+    measure: CompareOptions | None = None,
     reference_run: ReferenceRun | None = None,
     run: RunOptions | None = None,
-    **run_options,
+    **options,
 ) -> CompareResult:
     """Run the reference, its FP16 baseline (unless ``fp16=False``) and each candidate on ``data``
     (at most about ``max_samples`` samples: whole batches until that many are seen). A language
@@ -86,11 +96,18 @@ def compare(
     scores (named like logits, computed by a Softmax, or a linear head's 2-D output), else mean cosine;
     ``rel-l2`` scores 1 - relative L2 error (regression outputs). ``reference_run``: a
     :class:`ReferenceRun` that keeps the reference's pass for later calls on the same reference, data
-    and batching (the first call fills it; on Ray workers it is not used).
+    and batching (the first call fills it; on Ray workers it is not used). What it measures is ``measure``
+    (:class:`CompareOptions`), how it runs ``run``; keyword ``options`` are either's fields (``generate=0``,
+    ``provider="cpu"``), in place of the object's own.
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
-    batch by batch for each other model, so memory holds one session, whatever the models' size."""
-    run = RunOptions.of(run, **run_options)
+    batch by batch for each other model, so memory holds one session, whatever the models' size (where
+    they would not fit the free disk, every model runs beside the reference instead)."""
+    measure = take(CompareOptions, measure, options)
+    refuse_unknown("compare", options, RunOptions)
+    fp16, max_samples, generate, prompts = measure.fp16, measure.max_samples, measure.generate, measure.prompts
+    memory, metric = measure.memory, measure.metric
+    run = RunOptions.of(run, **options)
     run = RunOptions.of(run, provider=resolve_provider(run.provider))
     provider = run.provider
     named = [pathlib.Path(c).name for c in candidates]  # an export folder is named by its folder

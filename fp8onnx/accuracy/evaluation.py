@@ -138,8 +138,8 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
     """The reference over the data, into ``run`` (closed again on failure); :class:`_TooBigToSpill` as soon
     as its outputs are seen not to fit the free disk (after the first batch where the batch count is known)."""
     reference, out_names = job.reference, job.out_names
-    run.spill = Spill()
-    budget = int(shutil.disk_usage(run.spill.root).free * SPILL_SHARE) - SPILL_MARGIN
+    spill = run.spill = Spill()
+    budget = int(shutil.disk_usage(spill.root).free * SPILL_SHARE) - SPILL_MARGIN
     try:
         cost = _Cost(job.memory)
         what = f"Reference model {str(reference)!r}"
@@ -153,7 +153,7 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
             )
             run.score.merge(score)
             keeps = [*ref, *batch.feed.values(), *([] if batch.labels is None else [batch.labels])]
-            _check_spill(run, job, budget, sum(np.asarray(a).nbytes for a in keeps))
+            _check_spill(spill, run.batches, job.total, budget, sum(np.asarray(a).nbytes for a in keeps))
             for o, r in zip(out_names, ref):
                 run.spill.save(f"out/{o}", b, r)
             for k, v in batch.feed.items():
@@ -176,16 +176,16 @@ def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
         raise
 
 
-def _check_spill(run: ReferenceRun, job: _Evaluation, budget: int, nbytes: int) -> None:
+def _check_spill(spill: Spill, done: int, total: int | None, budget: int, nbytes: int) -> None:
     """:class:`_TooBigToSpill` before the next batch's ``nbytes`` are written where they outgrow ``budget``
-    bytes or, the batch count known, the batches at this rate will."""
-    grown = run.spill.nbytes + nbytes
-    expected = None if job.total is None else grown / (run.batches + 1) * job.total
+    bytes or, the batch count known (``total``; ``done`` written so far), the batches at this rate will."""
+    grown = spill.nbytes + nbytes
+    expected = None if total is None else grown / (done + 1) * total
     if grown > budget or (expected is not None and expected > budget):
         size = expected if expected is not None else grown
         raise _TooBigToSpill(
             f"the reference's outputs over the data ({size / 2**30:.1f} GiB{' expected' if expected else ' and more'}) "
-            f"would not fit {SPILL_SHARE:.0%} of the free disk at {str(run.spill.root.parent)!r}"
+            f"would not fit {SPILL_SHARE:.0%} of the free disk at {str(spill.root.parent)!r}"
         )
 
 

@@ -37,7 +37,7 @@ from fp8onnx.experiments.study import PLOT_FILES, write_outputs, write_plots
 from fp8onnx.graph.guard import check_paths, model_reads, output_folder
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.settings.choices import ACTIVATION_MODES
-from fp8onnx.workflows.fallback import REFINE_DEFAULTS
+from fp8onnx.workflows.fallback import REFINE_DEFAULTS, Scoring
 from fp8onnx.workflows.fallback import sensitivity as run_sensitivity
 
 
@@ -248,8 +248,9 @@ def sensitivity(model, **params):
         config=config,
         stats=stats,
         eval_data=eval_data,
-        refine=REFINE_DEFAULTS["sensitivity"] if params["refine"] is None else params["refine"],
-        metric=params["metric"],
+        scoring=Scoring(
+            REFINE_DEFAULTS["sensitivity"] if params["refine"] is None else params["refine"], params["metric"]
+        ),
         budget=params["budget"],
         run=run,
     )

@@ -49,7 +49,7 @@ from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.settings.choices import ACTIVATION_MODES, EMBEDDING_MODES, WEIGHT_ROUNDINGS
 from fp8onnx.settings.config import PRESETS, QuantizeConfig
 from fp8onnx.workflows.exports import quantize_folder
-from fp8onnx.workflows.fallback import REFINE_DEFAULTS, quantize_to_target
+from fp8onnx.workflows.fallback import REFINE_DEFAULTS, TargetSearch, quantize_to_target
 
 
 def _sections() -> dict[str, tuple[str, ...]]:
@@ -371,12 +371,14 @@ def _quantize_to_target(model, output, config: QuantizeConfig, run, params: dict
         output,
         params["calib"],
         params["eval_data"],
-        accuracy_target=params["accuracy_target"],
-        max_float_nodes=params["max_float_nodes"],
-        refine=REFINE_DEFAULTS["quantize_to_target"] if params["refine"] is None else params["refine"],
+        goal=TargetSearch(
+            params["accuracy_target"],
+            params["max_float_nodes"],
+            REFINE_DEFAULTS["quantize_to_target"] if params["refine"] is None else params["refine"],
+            params["metric"],
+        ),
         config=config,
         report=params["report"],
-        metric=params["metric"],
         run=run,
     )
     click.echo(fallback.summary())

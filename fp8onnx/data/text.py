@@ -96,7 +96,9 @@ class TextOptions:
             raise Fp8OnnxError(f"--max-samples must be a positive integer, got {self.max_samples!r}.")
 
 
-def load_tokenizer(path: str | os.PathLike):
+def load_tokenizer(path: str | os.PathLike | None):
+    if path is None:
+        raise Fp8OnnxError("Reading text needs a tokenizer.json (--tokenizer).")
     try:
         from tokenizers import Tokenizer
     except ImportError:

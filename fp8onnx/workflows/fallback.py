@@ -45,12 +45,13 @@ from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.graph.run_settings import RunOptions, entry_settings
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import QuantizeConfig
+from fp8onnx.settings.keywords import take
 from fp8onnx.techniques.family import detect_family
 from fp8onnx.workflows.candidates import Candidates
 from fp8onnx.workflows.quantizer import quantize
 from fp8onnx.workflows.target_result import FallbackResult, TargetNotMet, Z, nearly_all, not_met, unresolved
 
-__all__ = ["FallbackResult", "TargetNotMet", "quantize_to_target", "search", "sensitivity"]
+__all__ = ["FallbackResult", "Scoring", "TargetNotMet", "TargetSearch", "quantize_to_target", "search", "sensitivity"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,30 @@ logger = logging.getLogger(__name__)
 # accuracy search 5 refined nodes changed no result on the sample decoder (targets 99-99.85%) or the
 # digits CNN and cost 5 more evaluations each.
 REFINE_DEFAULTS = {"sensitivity": 5, "quantize_to_target": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How :func:`sensitivity` scores nodes on the end metric: the ``refine`` lowest-SQNR nodes, each alone
+    in float, on the headline ``metric`` (``fp8onnx.accuracy.metrics.METRICS``; auto: compare's own choice);
+    ``needs_data``: the variants' recipe reads the calibration data (GPTQ, bias correction, smoothing)."""
+
+    refine: int = REFINE_DEFAULTS["sensitivity"]
+    metric: str = "auto"
+    needs_data: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSearch:
+    """What :func:`quantize_to_target` searches for: the headline ``metric`` at ``accuracy_target`` percent of
+    FP16's with at most ``max_float_nodes`` nodes in float, the ``refine`` lowest-SQNR nodes scored first, and
+    (``confirm``) the choice scored on a held-out third of the evaluation data."""
+
+    accuracy_target: float = 99.5
+    max_float_nodes: int | None = None
+    refine: int = REFINE_DEFAULTS["quantize_to_target"]
+    metric: str = "auto"
+    confirm: bool = True
 
 
 def sensitivity(
@@ -70,9 +95,7 @@ def sensitivity(
     stats: str | os.PathLike | Stats | None = None,
     run: RunOptions | None = None,
     eval_data: Data | None = None,
-    refine: int = REFINE_DEFAULTS["sensitivity"],
-    metric: str = "auto",
-    needs_data: bool = False,
+    scoring: Scoring | None = None,
     budget: bool = False,
     **options,
 ) -> SensitivityResult:
@@ -80,7 +103,10 @@ def sensitivity(
     ``options`` are QuantizeConfig or RunOptions fields) and, with ``eval_data``, the ``refine``
     lowest-SQNR nodes scored on the end metric: the all-FP8 model and, per node, the model with only
     it in float (``refine`` + 1 models quantized and evaluated). ``needs_data``: the variants'
-    recipe reads ``calib`` (GPTQ, bias correction, smoothing)."""
+    recipe reads ``calib`` (GPTQ, bias correction, smoothing). ``scoring`` (:class:`Scoring`) holds ``refine``,
+    ``metric`` and ``needs_data``; keyword ``options`` are its fields, QuantizeConfig's or RunOptions'."""
+    scoring = take(Scoring, scoring, options)
+    refine, metric, needs_data = scoring.refine, scoring.metric, scoring.needs_data
     config, run = entry_settings(config, run, options, preset=None)
     result = measure_sensitivity(model, calib, data, config=config, stats=stats, run=run, budget=budget)
     if eval_data is None or refine <= 0:
@@ -167,14 +193,10 @@ def quantize_to_target(
     calib: Data,
     eval_data: Data,
     *,
-    accuracy_target: float = 99.5,
-    max_float_nodes: int | None = None,
-    refine: int = REFINE_DEFAULTS["quantize_to_target"],
+    goal: TargetSearch | None = None,
     config: QuantizeConfig | None = None,
     report: str | os.PathLike | None = None,
-    metric: str = "auto",
     run: RunOptions | None = None,
-    confirm: bool = True,
     **options,
 ) -> FallbackResult:
     """Quantize ``model`` keeping the fewest most sensitive nodes in float (at most
@@ -188,13 +210,18 @@ def quantize_to_target(
     With ``confirm`` (and at least ``2 * EVERY`` samples) the choice is made on two thirds of
     ``eval_data`` and the written model is scored on the other third (``FallbackResult.held_out``).
     Deterministic for the same inputs. ``metric``: the headline (``fp8onnx.accuracy.metrics.METRICS``;
-    auto: compare's own choice).
+    auto: compare's own choice). ``goal`` (:class:`TargetSearch`) holds ``accuracy_target``,
+    ``max_float_nodes``, ``refine``, ``metric`` and ``confirm``; keyword ``options`` are its fields,
+    QuantizeConfig's (and ``preset``) or RunOptions'.
     """
     if isinstance(options.get("target"), (int, float)):  # a percentage under the deploy target's name
         raise Fp8OnnxError(
             f"target={options['target']!r} names the deploy target (onnxruntime, onnxruntime-cuda, tensorrt); "
             "the accuracy goal in percent of FP16 is accuracy_target=."
         )
+    goal = take(TargetSearch, goal, options)
+    accuracy_target, max_float_nodes, refine = goal.accuracy_target, goal.max_float_nodes, goal.refine
+    metric, confirm = goal.metric, goal.confirm
     config, run = entry_settings(config, run, options)  # like quantize: the family's recipe by default
     _check_search(accuracy_target, max_float_nodes, refine, calib)
     check_paths(

@@ -25,6 +25,9 @@ found = fp8onnx.quantize_to_target(
 )
 kept: list[str] = found.kept_in_float
 ranking = fp8onnx.sensitivity(model, "calib.npz", eval_data="eval.npz", refine=3)
+ranking = fp8onnx.sensitivity(model, "calib.npz", eval_data="eval.npz", scoring=fp8onnx.Scoring(refine=3))
+found = fp8onnx.quantize_to_target(model, "out.onnx", "calib.npz", "eval.npz", goal=fp8onnx.TargetSearch(99.0))
+result = fp8onnx.compare(model, ["model.fp8.onnx"], "eval.npz", measure=fp8onnx.CompareOptions(generate=0))
 info: dict = fp8onnx.inspect("model.fp8.onnx", target="onnxruntime-cuda")
 folder = fp8onnx.quantize_folder("export/", "export_fp8/", "prompts.txt", config=QuantizeConfig.for_preset("llm"))
 scale: float = fp8onnx.amax_to_scale(3.5, fp8onnx.Fp8Format.E4M3FN)

@@ -8,3 +8,4 @@ fp8onnx.quantize("model.onnx", "out.onnx", 3)  # calib: not data
 fp8onnx.compare("model.onnx", ["out.onnx"], None)  # data is required
 fp8onnx.calibrate("model.onnx", 2.5)  # calib: not data
 fp8onnx.quantize_folder("export/", "out/", config="llm")  # config: a QuantizeConfig, not a preset name
+fp8onnx.compare("model.onnx", ["out.onnx"], "eval.npz", measure="fast")  # measure: a CompareOptions
