@@ -191,7 +191,7 @@ def test_a_model_that_does_not_load_on_the_workers_is_one_clear_sentence(tmp_pat
     bad.write_bytes(b"not a model")
     good = mlp_model(tmp_path / "m.onnx")
     data = mlp_data(tmp_path / "d.npz")
-    from fp8onnx.accuracy.evaluation import _worker_session
+    from fp8onnx.accuracy.on_workers import _worker_session
     from fp8onnx.pipeline.distributed import shared_pool
 
     with pytest.raises(Fp8OnnxError, match=r"Candidate model .*bad.onnx.* does not load in onnxruntime"):

@@ -28,7 +28,6 @@ import numpy as np
 from fp8onnx.accuracy.compare_results import _REFERENCE, CompareResult, _headline
 from fp8onnx.accuracy.evaluation import (
     ReferenceRun,
-    _evaluate_distributed,
     _evaluate_here,
     _Evaluation,
     _fp16_session,
@@ -36,6 +35,7 @@ from fp8onnx.accuracy.evaluation import (
 )
 from fp8onnx.accuracy.generation import Generator, agreement
 from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
+from fp8onnx.accuracy.on_workers import _evaluate_distributed
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs

@@ -264,8 +264,7 @@ def run_segmented(
 
 
 def _run_segment(model, seg, place: str, num_batches, spill, wanted, on_result, provider, progress, keep=True):
-    """Segment ``seg`` (``place``: "i/n") over every batch, its inputs read from ``spill``; ``on_result`` gets
-    the ``wanted`` values, and (with ``keep``) what later segments read is spilled."""
+    """Segment ``seg`` (``place``: "i/n") over every batch: ``wanted`` values to ``on_result``, later ones spilled."""
     what = f"Calibration segment {place} (from node {seg.nodes[0].name!r})"
     names = [v.name for v in seg.outputs]
     batches = range(num_batches)
