@@ -396,6 +396,10 @@ def test_a_relu_before_a_static_fp8_input_holds_at_every_optimisation_level(tmp_
     x = rng.standard_normal((8, 64)).astype(np.float32)
     so = ort.SessionOptions()
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 32):
+        # onnxruntime 1.31 fuses float8 DQ -> MatMul into kernels it lacks (conftest's _FUSES_FLOAT8); fp8onnx's
+        # warning tells its users this option, which fp8onnx's own sessions set.
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     y = ort.InferenceSession(tmp_path / "q.onnx", so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert "Relu" in op_types(onnx.load(tmp_path / "q.onnx"))
     assert sqnr_db(np.maximum(x @ w1, 0) @ w2, y) > 20  # without the Relu: about -2 dB
