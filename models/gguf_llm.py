@@ -458,9 +458,9 @@ def matmuls(model_path: pathlib.Path, first: int = 6) -> dict:
 # -- command line and bookkeeping ------------------------------------------------------------------------------
 
 
-def arguments(doc: str, out: pathlib.Path, heldout: bool = False) -> argparse.ArgumentParser:
+def arguments(doc: str, out: pathlib.Path | None, heldout: bool = False) -> argparse.ArgumentParser:
     """A builder's parser (described by its docstring's first line) with the options all builders take:
-    --out, --seq-len, --calib, --eval, and with ``heldout`` --heldout."""
+    --out (default ``out``; None: the builder chooses), --seq-len, --calib, --eval, and with ``heldout`` --heldout."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=out)
     parser.add_argument("--seq-len", type=int, default=128)
