@@ -155,3 +155,31 @@ def test_feeds_given_as_a_one_shot_iterator_still_measure_the_loss(tmp_path):
     feeds = ({"x": x[i : i + 8]} for i in range(0, len(x), 8))
     report = fp8onnx.quantize(path, tmp_path / "q.onnx", feeds, activations="static", w8a8_share=0.1, provider="cpu")
     assert report.w8a16["nodes"] == ["second"] and report.w8a16["how"].startswith("by measured loss")
+
+
+def test_one_models_weights_are_in_onnxruntime_at_a_time(tmp_path, monkeypatch):
+    """The float model's session (FP32's outputs) is closed before the gated copy's opens: measuring the loss
+    holds one model's weights in onnxruntime, not two (a 1.5B decoder's llm-w8a8 was killed for memory there).
+
+    requires: a model whose choice is measured. ensures: no session of the float model is alive when the
+    gated copy's session is made; the choice is the one of the first test."""
+    import gc
+    import weakref
+
+    from fp8onnx.workflows import loss_choice
+
+    made, alive_at = [], []
+    real = loss_choice.session_for_model
+
+    def tracked(model, provider, what, **kw):
+        gc.collect()
+        alive_at.append((what, [w for w, ref in made if ref() is not None]))
+        session = real(model, provider, what, **kw)
+        made.append((what, weakref.ref(session)))
+        return session
+
+    monkeypatch.setattr(loss_choice, "session_for_model", tracked)
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    report = fp8onnx.quantize(path, tmp_path / "q.onnx", calib, activations="static", w8a8_share=0.1, provider="cpu")
+    assert report.w8a16["nodes"] == ["second"]
+    assert alive_at == [("the float model", []), ("the loss-measuring copy", [])]

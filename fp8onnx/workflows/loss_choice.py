@@ -148,35 +148,45 @@ def _loss_kind(model: ir.Model) -> str:
 
 def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> tuple[dict[str, float], int]:
     """(per candidate: the output loss with only its activation quantized, less the loss with none; the
-    samples it was measured on)."""
-    gated, gates = _gated_copy(model, decisions, candidates, quant)
-    what = "the loss-measuring copy"
-    reference = session_for_model(model, run.provider, "the float model", arena=False)
-    session = session_for_model(gated, run.provider, what, arena=False)
-    dtype = np.float16 if gates[0].dtype == ir.DataType.FLOAT16 else np.float32
+    samples it was measured on). FP32's outputs come first, from a session that is closed before the gated
+    copy's opens: one model's weights in onnxruntime at a time, not two."""
     output = model.graph.outputs[0].name
-    kl = _loss_kind(model).startswith("KL")
+    references = _references(model, output, source, run)
+    gated, gates = _gated_copy(model, decisions, candidates, quant)
+    session = session_for_model(gated, run.provider, "the loss-measuring copy", arena=False)
+    dtype = np.float16 if gates[0].dtype == ir.DataType.FLOAT16 else np.float32
     sums = np.zeros(len(gates) + 1)
-    seen = rows = 0
-    cap = min(run.batch, LOSS_SAMPLES)  # an LLM's logits: a few samples at a time
-    for batch in Spread(source, LOSS_MAX_SAMPLES).batches(cap):  # a few samples, from all over the data
-        # a source whose files hold larger batches (an export folder's recorded feeds: 16 prompts) gives them
-        # whole: their first samples only, or every run measures 4x the samples asked for
-        size, batch = min(batch.size, cap), _first(batch, cap)
-        ref = _Reference(reference.run([output], batch.feed)[0], kl)
-        rows += ref.shape[0] * ref.shape[1]
+    for batch, ref in references:
         runs = progress_bar(
             range(len(gates) + 1), total=len(gates) + 1, desc="loss per node", unit="run", enable=run.progress
         )
         for k in runs:  # k = 0: no gate open; k: gate k - 1 alone
             feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
             sums[k] += ref.loss(session.run([output], {**batch.feed, **feed})[0])
-        seen += size
+    seen = sum(batch.size for batch, _ in references)
+    return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}, seen
+
+
+def _references(model, output: str, source, run: RunOptions) -> list[tuple[Batch, _Reference]]:
+    """The batches the loss is measured on (a few samples from all over the data: at least LOSS_SAMPLES
+    and LOSS_ROWS rows, at most LOSS_MAX_SAMPLES) with FP32's output on each."""
+    reference = session_for_model(model, run.provider, "the float model", arena=False)
+    kl = _loss_kind(model).startswith("KL")
+    cap = min(run.batch, LOSS_SAMPLES)  # an LLM's logits: a few samples at a time
+    out, seen, rows = [], 0, 0
+    for batch in Spread(source, LOSS_MAX_SAMPLES).batches(cap):  # a few samples, from all over the data
+        # a source whose files hold larger batches (an export folder's recorded feeds: 16 prompts) gives them
+        # whole: their first samples only, or every run measures 4x the samples asked for
+        batch = _first(batch, cap)
+        ref = _Reference(reference.run([output], batch.feed)[0], kl)
+        out.append((batch, ref))
+        rows += ref.shape[0] * ref.shape[1]
+        seen += batch.size
         if seen >= LOSS_MAX_SAMPLES or (seen >= LOSS_SAMPLES and rows >= LOSS_ROWS):
             break
     if not seen:
         raise Fp8OnnxError("The calibration data gave no batch to measure the loss on.")
-    return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}, seen
+    return out
 
 
 def _first(batch: Batch, n: int) -> Batch:
