@@ -7,6 +7,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "bench"))
 
@@ -41,6 +43,17 @@ def test_readme_figures_come_from_its_result_files():
     assert docs_tables.unbacked(text) == []
     invented = text.replace("96.88% ±3.42%", "97.88% ±3.42%")
     assert docs_tables.unbacked(invented) == ["97.88%"]
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in (REPO / "docs").glob("*.md"))])
+def test_every_page_states_only_figures_its_result_files_render(page):
+    """README and docs/*.md (docs/history/ holds what was typed by hand, dated): a percentage stated in prose
+    is one that a result file the page links renders; an example of output (an indented block) or a
+    program's own line (inline code) is quoted, not stated.
+
+    requires: the page. ensures: no stated figure without its result file."""
+    path = REPO / page if page == "README.md" else REPO / "docs" / page
+    assert docs_tables.unbacked(path.read_text()) == []
 
 
 def test_a_marker_that_names_no_result_file_is_one_sentence(tmp_path):

@@ -127,8 +127,17 @@ def rendered_figures(path: pathlib.Path) -> set[str]:
     return out
 
 
+def prose(text: str) -> str:
+    """``text`` without what quotes rather than states: indented blocks (a command's output shown as an
+    example) and inline code (an option's value, a program's own line)."""
+    lines = [line for line in text.split("\n") if not line.startswith("    ")]
+    return re.sub(r"`[^`]*`", "", "\n".join(lines))
+
+
 def unbacked(text: str) -> list[str]:
-    """The figures of ``text`` (``12.34%``) that no record of the result files it links renders."""
+    """The figures the prose of ``text`` states (``12.34%``) that no record of the result files it links
+    (``docs/results/X.json``, a table's marker included) renders."""
+    text = prose(text)
     backed: set[str] = set()
     for link in sorted(set(LINK.findall(text))):
         backed |= rendered_figures(ROOT / link)
