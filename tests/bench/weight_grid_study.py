@@ -4,7 +4,8 @@ rounded to nearest or by GPTQ (X^T X of each Linear's input from ``--calib``), a
 
 Each variant is ``ROUNDING-GRID`` (``rtn``/``gptq``, ``pc``/``blk``: per channel, blocks of 32), optionally
 ``@GROUP=GRID,...`` to give some projection groups (``q k v o gate up down``) another grid (``float``: left in
-float): ``gptq-blk@down=pc`` is GPTQ everywhere, blocks of 32 but per-channel down projections. The rounding is
+float): ``gptq-blk@down=pc`` is GPTQ everywhere, blocks of 32 but per-channel down projections. ``gptq/D``
+damps X^T X by D times its mean diagonal instead of fp8onnx's 1% (``gptq/0.1-pc``). The rounding is
 fp8onnx's own GPTQ algebra (``fp8onnx.techniques.gptq_rounding.gptq_round``: the ONNX path's) on the torch
 model's weights; the scales are ``amax / 448`` of each channel or block; lm_head and the embedding stay float.
 The ONNX ``llm-w8a8 --activations none`` model and ``gptq-blk`` here score the same target perplexity on
@@ -70,6 +71,7 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
     """A copy of ``pristine`` with its Linears' weights rounded as ``spec`` says."""
     base, _, over = spec.partition("@")
     rounding, grid = base.split("-")
+    rounding, _, damp = rounding.partition("/")  # gptq/0.1: GPTQ damped by 10% of X^T X's mean diagonal
     overrides = dict(kv.split("=") for kv in over.split(",") if kv)
     model = copy.deepcopy(pristine)
     modules = dict(model.named_modules())
@@ -78,14 +80,14 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
         g = overrides.get(group, grid)
         if g == "float":
             continue
-        key = (name, rounding, g)
+        key = (name, rounding, damp, g)
         if key not in cache:
             w = linear.weight.detach().numpy().T.astype(np.float32)  # [K, N]: y = x @ w
             scale = _grid_scale(w, g)
             if rounding == "rtn":
                 q = round_to_grid(np.clip(w / scale, -FMT.fmax, FMT.fmax), FMT) * scale
             else:
-                q = gptq_round(w, h[name], scale, FMT)
+                q = gptq_round(w, h[name], scale, FMT, **({"damp": float(damp)} if damp else {}))
             cache[key] = torch.from_numpy(np.ascontiguousarray(q.T))
         modules[name].weight.data = cache[key]
     return model
