@@ -183,3 +183,31 @@ def test_one_models_weights_are_in_onnxruntime_at_a_time(tmp_path, monkeypatch):
     report = fp8onnx.quantize(path, tmp_path / "q.onnx", calib, activations="static", w8a8_share=0.1, provider="cpu")
     assert report.w8a16["nodes"] == ["second"]
     assert alive_at == [("the float model", []), ("the loss-measuring copy", [])]
+
+
+def test_over_the_weight_budget_the_loss_is_measured_layer_by_layer(tmp_path, monkeypatch):
+    """A model whose weights exceed --weight-memory: FP32's outputs and every gate setting run segment by
+    segment (one segment's weights at a time), and the losses are the whole graph's.
+
+    requires: the outlier chain, a budget smaller than one weight. ensures: no whole-model session is made
+    for the measurement; each node's loss equals the whole-graph measurement's to 1e-5 relative; the same
+    choice."""
+    from fp8onnx.workflows import loss_choice
+
+    path, calib, _ = _activation_outlier_chain(tmp_path)
+    whole = fp8onnx.quantize(path, tmp_path / "w.onnx", calib, activations="static", w8a8_share=0.1, provider="cpu")
+    made = []
+    real = loss_choice.session_for_model
+    monkeypatch.setattr(loss_choice, "session_for_model", lambda *a, **k: made.append(a[2]) or real(*a, **k))
+    layered = fp8onnx.quantize(
+        path,
+        tmp_path / "l.onnx",
+        calib,
+        activations="static",
+        w8a8_share=0.1,
+        run=RunOptions(provider="cpu", weight_memory=64),
+    )
+    assert made == []
+    assert layered.w8a16["nodes"] == whole.w8a16["nodes"] == ["second"]
+    for name, loss in whole.w8a16["losses"].items():
+        assert layered.w8a16["losses"][name] == pytest.approx(loss, rel=1e-5, abs=1e-9)

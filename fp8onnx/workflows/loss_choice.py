@@ -12,9 +12,11 @@ The choice: nodes go W8A8 cheapest first (loss share per multiply-accumulate, a 
 its weight's size: every GEMM of a transformer runs once per token) until ``w8a8_share`` of the
 quantized MACs are W8A8, and so does every further node whose share is not above zero; the rest stay
 W8A16. The same rule holds whatever the exporter called the nodes (a dynamo export's ``node_linear_N``,
-onnxruntime-genai's fused ``qkv_proj``). Without data to measure on (``--stats``), or a model too large
-to hold twice in memory, the names of the Llama-style attention projections and the last layer are
-the fallback (:data:`W8A16_NAMES`), and the summary says which way the choice was made.
+onnxruntime-genai's fused ``qkv_proj``). A model whose weights exceed ``--weight-memory`` is measured layer
+by layer, as it is calibrated (one segment's weights in memory at a time). Without data to measure on
+(``--stats``), or a whole-graph model too large to hold three times in memory, the names of the Llama-style
+attention projections and the last layer are the fallback (:data:`W8A16_NAMES`), and the summary says which
+way the choice was made.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from fp8onnx.graph.plan import Decision, last_layers
 from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.graph.runtime import machine_memory, session_for_model, weight_bytes
 from fp8onnx.passes import GATE_PREFIX, GateInputsPass, InsertQDQPass, TensorQuant
+from fp8onnx.pipeline.segments import run_segmented
 
 __all__ = ["LOSS_SAMPLES", "W8A16_NAMES", "LossChoice", "choose_w8a16"]
 
@@ -79,7 +82,7 @@ def choose_w8a16(
     ensures: the W8A8 nodes' MACs are at least ``goal`` of the quantized MACs, or every node is W8A8."""
     candidates = [d for d in decisions if any(k == "activation" for _, k in d.inputs) and d.node.graph is model.graph]
     macs = {known.name(d.node): _macs(d) for d in decisions}
-    why = _cannot_measure(model, candidates, source)
+    why = _cannot_measure(model, candidates, source, run)
     if why:
         names = _by_names(model, candidates)
         how = f"by names (the fallback: {why})"
@@ -108,14 +111,19 @@ def _macs(d: Decision) -> int:
     return 0
 
 
-def _cannot_measure(model: ir.Model, candidates, source) -> str:
+def _cannot_measure(model: ir.Model, candidates, source, run: RunOptions) -> str:
     if source is None:
         return "no calibration data to measure the loss on"
     if not model.graph.outputs or not candidates:
         return "nothing to measure"
-    if 3 * weight_bytes(model) > machine_memory():
+    if not _layered(model, run) and 3 * weight_bytes(model) > machine_memory():
         return "the model is too large to hold a measuring copy"
     return ""
+
+
+def _layered(model: ir.Model, run: RunOptions) -> bool:
+    """Whether the loss is measured layer by layer: the model's weights exceed the budget (as calibration's)."""
+    return weight_bytes(model) > run.weight_memory and not run.distributed
 
 
 def _by_names(model: ir.Model, candidates) -> list[str]:
@@ -149,44 +157,89 @@ def _loss_kind(model: ir.Model) -> str:
 def _losses(model, decisions, candidates, quant, source, run: RunOptions) -> tuple[dict[str, float], int]:
     """(per candidate: the output loss with only its activation quantized, less the loss with none; the
     samples it was measured on). FP32's outputs come first, from a session that is closed before the gated
-    copy's opens: one model's weights in onnxruntime at a time, not two."""
+    copy's opens: one model's weights in onnxruntime at a time, not two. A model over the weight budget
+    (``run.weight_memory``) runs layer by layer both times (:func:`fp8onnx.pipeline.segments.run_segmented`:
+    each gate setting of each batch is one of its batches), holding one segment's weights at a time."""
     output = model.graph.outputs[0].name
-    references = _references(model, output, source, run)
+    layered = _layered(model, run)
+    references = _references(model, output, source, run, layered)
     gated, gates = _gated_copy(model, decisions, candidates, quant)
-    session = session_for_model(gated, run.provider, "the loss-measuring copy", arena=False)
     dtype = np.float16 if gates[0].dtype == ir.DataType.FLOAT16 else np.float32
-    sums = np.zeros(len(gates) + 1)
-    for batch, ref in references:
-        runs = progress_bar(
-            range(len(gates) + 1), total=len(gates) + 1, desc="loss per node", unit="run", enable=run.progress
-        )
-        for k in runs:  # k = 0: no gate open; k: gate k - 1 alone
-            feed = {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)}
-            sums[k] += ref.loss(session.run([output], {**batch.feed, **feed})[0])
+    settings = [
+        {g.name: np.asarray(float(k == i + 1), dtype) for i, g in enumerate(gates)} for k in range(len(gates) + 1)
+    ]
+    sums = np.zeros(len(settings))  # k = 0: no gate open; k: gate k - 1 alone
+    feeds = ({**batch.feed, **gate} for batch, _ in references for gate in settings)
+
+    def add(b: int, out: np.ndarray) -> None:
+        j, k = divmod(b, len(settings))
+        sums[k] += references[j][1].loss(out)
+
+    _forward(gated, output, run, layered, "the loss-measuring copy", feeds, add, len(references) * len(settings))
     seen = sum(batch.size for batch, _ in references)
     return {d.node.name: float(sums[k + 1] - sums[0]) / seen for k, d in enumerate(candidates)}, seen
 
 
-def _references(model, output: str, source, run: RunOptions) -> list[tuple[Batch, _Reference]]:
-    """The batches the loss is measured on (a few samples from all over the data: at least LOSS_SAMPLES
-    and LOSS_ROWS rows, at most LOSS_MAX_SAMPLES) with FP32's output on each."""
-    reference = session_for_model(model, run.provider, "the float model", arena=False)
+def _references(model, output: str, source, run: RunOptions, layered: bool) -> list[tuple[Batch, _Reference]]:
+    """The batches the loss is measured on, a few samples from all over the data (at least LOSS_SAMPLES and
+    LOSS_ROWS rows of the output, at most LOSS_MAX_SAMPLES), with FP32's output on each: the first batch
+    says how many rows a sample gives, and so how many more are needed."""
     kl = _loss_kind(model).startswith("KL")
     cap = min(run.batch, LOSS_SAMPLES)  # an LLM's logits: a few samples at a time
-    out, seen, rows = [], 0, 0
-    for batch in Spread(source, LOSS_MAX_SAMPLES).batches(cap):  # a few samples, from all over the data
-        # a source whose files hold larger batches (an export folder's recorded feeds: 16 prompts) gives them
-        # whole: their first samples only, or every run measures 4x the samples asked for
-        batch = _first(batch, cap)
-        ref = _Reference(reference.run([output], batch.feed)[0], kl)
-        out.append((batch, ref))
-        rows += ref.shape[0] * ref.shape[1]
-        seen += batch.size
-        if seen >= LOSS_MAX_SAMPLES or (seen >= LOSS_SAMPLES and rows >= LOSS_ROWS):
-            break
-    if not seen:
+    # a source whose files hold larger batches (an export folder's recorded feeds: 16 prompts) gives them
+    # whole: their first samples only, or every run measures 4x the samples asked for
+    batches = (_first(b, cap) for b in Spread(source, LOSS_MAX_SAMPLES).batches(cap))
+    first = next(batches, None)
+    if first is None:
         raise Fp8OnnxError("The calibration data gave no batch to measure the loss on.")
-    return out
+    chosen, seen, need = [first], first.size, LOSS_MAX_SAMPLES
+    outs: list[np.ndarray] = []
+
+    def keep(b: int, out: np.ndarray) -> None:
+        nonlocal need
+        outs.append(out)
+        if b == 0:  # rows per sample, from FP32's output
+            rows = int(np.prod(out.shape[1:-1]))  # as _Reference reads it: [batch, rows, last]
+            need = min(LOSS_MAX_SAMPLES, max(LOSS_SAMPLES, -(-LOSS_ROWS // rows)))
+
+    def more():
+        nonlocal seen
+        yield first.feed
+        for batch in batches:
+            if seen >= need:
+                return
+            chosen.append(batch)
+            seen += batch.size
+            yield batch.feed
+
+    if layered:  # the first batch alone first: it says how many more the run needs
+        _forward(model, output, run, layered, "the float model", iter([first.feed]), keep, 1)
+        rest = list(more())[1:]
+        if rest:
+            _forward(model, output, run, layered, "the float model", iter(rest), lambda b, o: outs.append(o), len(rest))
+    else:
+        _forward(model, output, run, layered, "the float model", more(), keep, None)
+    return [(batch, _Reference(out, kl)) for batch, out in zip(chosen, outs)]
+
+
+def _forward(model, output: str, run: RunOptions, layered: bool, what: str, feeds, on_out, total) -> None:
+    """``model``'s ``output`` on each feed, in order, to ``on_out(index, array)``: one session (closed on
+    return), or layer by layer (segments of at most ``run.weight_memory`` bytes of weights)."""
+    if layered:
+        run_segmented(
+            model,
+            [output],
+            feeds,
+            lambda b, values: on_out(b, values[output]) if output in values else None,  # the segment computing it
+            budget=run.weight_memory,
+            provider=run.provider,
+            progress=lambda it, n, d: progress_bar(it, total=n, desc=f"{what}: {d}", unit="batch", enable=run.progress),
+        )
+        return
+    session = session_for_model(model, run.provider, what, arena=False)
+    runs = progress_bar(feeds, total=total, desc=what, unit="run", enable=run.progress)
+    for b, feed in enumerate(runs):
+        on_out(b, session.run([output], feed)[0])
 
 
 def _first(batch: Batch, n: int) -> Batch:
