@@ -30,12 +30,14 @@ from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.graph.run_settings import RunOptions, entry_settings
 from fp8onnx.graph.runtime import make_session, qdq_fusion_warning, weight_bytes
 from fp8onnx.graph.schemas import check_attributes
+from fp8onnx.passes.common import reduction_size
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.report import QuantizeReport
 from fp8onnx.settings.targets import check_tensorrt
 from fp8onnx.techniques.family import detect_family
+from fp8onnx.techniques.gptq import MIN_ROWS_PER_CHANNEL
 from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_for
 from fp8onnx.techniques.scales import (
     activation_ranges,
@@ -309,7 +311,7 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     if not needed:
         return None, config
 
-    sample = default_text_sample(model) if tokens else None
+    sample = default_text_sample(model, _tokens_wanted(ir_model, config)) if tokens else None
     if sample is not None:
         logger.warning("no --calib: calibrating on %s", sample)
         return sample, config
@@ -368,3 +370,17 @@ def _file_size(path) -> int:
     path = model_file(path)
     files = {path, *(path.parent / loc for loc in external_locations(path))}
     return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def _tokens_wanted(ir_model, config: QuantizeConfig) -> int:
+    """The rows GPTQ wants for the widest weight input it rounds (MIN_ROWS_PER_CHANNEL a channel: the
+    bundled text sample grows to give them); 0 where the recipe rounds to nearest."""
+    if config.weight_rounding != "gptq":
+        return 0
+    widths = [
+        reduction_size(node) or 0
+        for node in ir_model.graph
+        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 and node.inputs[1] is not None
+        if node.inputs[1].const_value is not None
+    ]
+    return MIN_ROWS_PER_CHANNEL * max(widths, default=0)
