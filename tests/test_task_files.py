@@ -85,6 +85,12 @@ def test_task_items_score_as_a_harness_scores_them_one_by_one(tmp_path, bos_toke
     assert fp32.accuracy == pytest.approx(np.mean([hits.all() for _, hits in scored]))
     assert fp32.perplexity == pytest.approx(np.exp(np.mean([-lp.sum() for lp, _ in scored])), rel=1e-5)
     assert any("12 completions (LAMBADA-style)" in n for n in result.notes)
+    # item by item in file order, though the batches took them longest first
+    np.testing.assert_array_equal(fp32.columns["correct"], [hits.all() for _, hits in scored])
+    np.testing.assert_allclose(fp32.columns["nll"], [-lp.sum() for lp, _ in scored], rtol=1e-5)
+    first = fp8onnx.compare(model, [], TextSource(lam, bos_tokenizer), max_samples=5, batch_size=2, provider="cpu")
+    assert first.samples == 5  # the file's first five items, whole, not the five longest
+    np.testing.assert_allclose(first.rows[0].columns["nll"], [-lp.sum() for lp, _ in scored[:5]], rtol=1e-5)
 
     result = fp8onnx.compare(model, [], TextSource(hs, bos_tokenizer), batch_size=4, provider="cpu", memory=False)
     expected = []
@@ -94,6 +100,34 @@ def test_task_items_score_as_a_harness_scores_them_one_by_one(tmp_path, bos_toke
     assert result.rows[0].accuracy == pytest.approx(np.mean(expected)) and result.rows[0].perplexity is None
     fp16 = result.rows[1]
     assert fp16.name == "FP16" and len(fp16.columns["correct"]) == 12  # an item, not an ending, per unit
+
+
+def test_task_batches_go_longest_first_with_an_items_samples_together(tmp_path, bos_tokenizer):
+    from fp8onnx.data.feeds import InputSpec
+    from fp8onnx.data.tasks import TaskData
+
+    _, choices = _items()
+    choices[5]["context"] = " ".join(["the"] * 30)  # the longest item, sixth in the file
+    specs = [
+        InputSpec("input_ids", np.dtype("int64"), (None, None)),
+        InputSpec("attention_mask", np.dtype("int64"), (None, None)),
+    ]
+    data = TaskData(_write(tmp_path / "hs.jsonl", choices), specs, bos_tokenizer)
+    batches = list(data.batches(6))
+    assert sorted(data.task.order.tolist()) == list(range(36)) and data.task.order[:3].tolist() == [15, 16, 17]
+    widths = [b.feed["input_ids"].shape[1] for b in batches]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
+    padding = sum(int((b.feed["attention_mask"] == 0).sum()) for b in batches)
+    lengths = [len(ids) for ids, _ in data._tokenized()]
+    in_file_order = sum(max(lengths[a : a + 6]) * 6 - sum(lengths[a : a + 6]) for a in range(0, 36, 6))
+    assert padding < in_file_order
+    columns = {"correct": np.arange(36.0), "labelled": np.ones(36), "nll": np.arange(36.0)}
+    with pytest.raises(fp8onnx.Fp8OnnxError, match="35 samples scored of 36"):
+        data.task.rescore({k: v[:35] for k, v in columns.items()})
+    data.task.order = np.arange(36)[::-1].copy()  # given back to front: item 0's samples came last
+    assert data.task.rescore({**columns, "nll": np.arange(36.0)[::-1].copy()})["nll"][0] == choices[0]["label"]
+    data.limit(10)  # whole items only: three of three endings
+    assert data.task.sizes == [3, 3, 3] and sum(b.size for b in data.batches(4)) == 9
 
 
 def test_a_bad_task_file_is_one_sentence(tmp_path, bos_tokenizer):

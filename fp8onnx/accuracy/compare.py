@@ -175,6 +175,8 @@ def _models(ref_model, reference, candidates, provider: str, fp16: bool) -> dict
 def _source(data, ref_model, batch_size: int, max_samples: int | None):
     """(the data source, its batch count or None): a language model's data gets next-token labels."""
     source = as_data(data, input_specs(ref_model), ref_model)
+    if max_samples is not None and hasattr(source, "limit"):  # a task file: its first whole items
+        source.limit(max_samples)
     token_input = _next_token_input(ref_model)
     if token_input is not None:
         source = _NextTokenLabels(source, token_input)

@@ -14,13 +14,16 @@ Each continuation is one sample: the tokenizer's leading special tokens (Gemma's
 context and the continuation, tokenized as one text (the continuation's tokens are those after the
 context's own, as lm-evaluation-harness takes them), cut from the left to ``seq_len`` tokens, right-padded
 (attention mask 0) to the longest sample of its batch; ``labels`` mark the positions that predict the
-continuation (``-1`` elsewhere). ``compare`` then scores the items from its per-sample sums
+continuation (``-1`` elsewhere). The batches take the items longest first (an item's samples side by side),
+so that a batch pads little (LAMBADA in file order, 4 a batch: a sixth of the positions are padding;
+by length: a thousandth); ``compare`` then scores the items, in file order again, from its per-sample sums
 (:meth:`Task.rescore`), each item one unit of the noise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -64,6 +67,7 @@ class Task:
     sizes: list[int]  # samples per item
     gold: list[int]  # the right continuation of each item
     chars: list[list[int]]  # each continuation's length in characters
+    order: np.ndarray | None = None  # the file-order index of each sample as the batches give them; None: file order
 
     def describe(self) -> str:
         if self.kind == "completion":
@@ -77,8 +81,22 @@ class Task:
         )
 
     def rescore(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Per-item columns (``correct``, ``labelled`` = 1, ``nll`` of the right continuation) from a
-        model's per-sample ones; only items whose samples were all scored (``max_samples``) count."""
+        """Per-item columns (``correct``, ``labelled`` = 1, ``nll`` of the right continuation), in file order,
+        from a model's per-sample ones in the batches' order; only items whose samples were all scored count.
+
+        ``requires``: ``columns`` hold the first samples of the batches, all of them where ``order`` is set.
+        ``ensures``: item ``i`` of the result is the file's item ``i``."""
+        if self.order is not None and len(columns["correct"]) > 0:
+            if len(columns["correct"]) != len(self.order):
+                raise Fp8OnnxError(
+                    f"Task {self.path!r}: {len(columns['correct'])} samples scored of {len(self.order)} batched; "
+                    "a task's items are scored whole."
+                )
+            unsorted = {}
+            for key, values in columns.items():
+                unsorted[key] = np.empty_like(np.asarray(values))
+                unsorted[key][self.order] = values
+            columns = unsorted
         correct, nll = columns["correct"], columns["nll"]
         right, total, start = [], [], 0
         for size, gold, chars in zip(self.sizes, self.gold, self.chars):
@@ -124,22 +142,50 @@ class TaskData:
             [[len(c) for c in item] for item in continuations],
         )
         self._continuations = continuations
+        self._samples: list[tuple[list[int], int]] | None = None
         logger.info("%s", self.task.describe())
 
     def count_batches(self, batch_size: int) -> int:
         return -(-sum(self.task.sizes) // batch_size)
 
+    def limit(self, max_samples: int | None) -> None:
+        """Keep the file's first items whose samples number at most ``max_samples`` (at least one item):
+        a subset is whole items, taken before the batches sort them by length.
+
+        ``ensures``: ``task.sizes`` sums to at most ``max_samples`` (or is one item)."""
+        if max_samples is None:
+            return
+        kept = max(1, int(np.searchsorted(np.cumsum(self.task.sizes), max_samples, side="right")))
+        if kept < len(self.records):
+            self.records, self._continuations = self.records[:kept], self._continuations[:kept]
+            task = self.task
+            self.task = dataclasses.replace(
+                task, sizes=task.sizes[:kept], gold=task.gold[:kept], chars=task.chars[:kept]
+            )
+            self._samples = None
+
     def batches(self, batch_size: int) -> Iterator[Batch]:
-        prefix = leading_special_tokens(self.tokenizer).tolist()
-        pending: list[tuple[list[int], int]] = []
-        for record, continuations in zip(self.records, self._continuations):
-            for continuation in continuations:
-                pending.append(self._sample(prefix, record["context"], continuation))
-                if len(pending) == batch_size:
-                    yield self._padded(pending)
-                    pending = []
-        if pending:
-            yield self._padded(pending)
+        """The samples ``batch_size`` at a time, items longest first (ties in file order), each item's samples
+        side by side; ``task.order`` says where each came from."""
+        samples = self._tokenized()
+        starts = np.cumsum([0, *self.task.sizes])
+        longest = [max(len(ids) for ids, _ in samples[a:b]) for a, b in itertools.pairwise(starts)]
+        items = sorted(range(len(longest)), key=lambda i: -longest[i])  # stable: ties keep file order
+        order = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in items]) if items else np.zeros(0, int)
+        self.task.order = order
+        for at in range(0, len(order), batch_size):
+            yield self._padded([samples[s] for s in order[at : at + batch_size]])
+
+    def _tokenized(self) -> list[tuple[list[int], int]]:
+        """Every sample's (token ids, continuation length), in file order, tokenized once."""
+        if self._samples is None:
+            prefix = leading_special_tokens(self.tokenizer).tolist()
+            self._samples = [
+                self._sample(prefix, record["context"], continuation)
+                for record, continuations in zip(self.records, self._continuations)
+                for continuation in continuations
+            ]
+        return self._samples
 
     def _sample(self, prefix: list[int], context: str, continuation: str) -> tuple[list[int], int]:
         """(token ids, how many of the last ones are the continuation's)."""

@@ -7,7 +7,7 @@ of the difference from FP32's, or of the ratio to FP16's, paired over windows or
 Usage: python tests/bench/llm_yardstick.py REFERENCE.onnx MODEL.onnx [MODEL.onnx ...] --tokenizer tokenizer.json
        [--eval eval.npz] [--corpora models/corpora] [--seq-len 512] [--windows 48] [--lambada 500]
        [--hellaswag 200] [--prompts 20] [--batch 4] [--only eval,ptb,c4,code,lambada,hellaswag] [--json out.json]
-       [--columns out.npz]
+       [--columns out.npz] [--progress]
 Subsets are the first windows or items of each set (stated in the output); the noise says what they resolve.
 ``--columns`` keeps every row's per-sample (per-item for tasks) sums, ``{set}/{row}/{column}``, beside ``meta``
 (machine, date, onnxruntime's version): ``tests/bench/yardstick_table.py`` pairs them with the torch anchor's
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--only", default="eval,ptb,c4,code,lambada,hellaswag")
     parser.add_argument("--json")
     parser.add_argument("--columns", type=pathlib.Path)
+    parser.add_argument("--progress", action="store_true", help="compare's progress bars (stderr)")
     args = parser.parse_args()
     out: dict = {}
     arrays: dict = {}
@@ -87,7 +88,7 @@ def main() -> None:
             memory=False,
             batch_size=args.batch,
             provider="cpu",
-            progress=False,
+            progress=args.progress,
         )
         out[name] = {
             "samples": result.samples,
