@@ -126,6 +126,8 @@ def test_task_batches_go_longest_first_with_an_items_samples_together(tmp_path, 
         data.task.rescore({k: v[:35] for k, v in columns.items()})
     data.task.order = np.arange(36)[::-1].copy()  # given back to front: item 0's samples came last
     assert data.task.rescore({**columns, "nll": np.arange(36.0)[::-1].copy()})["nll"][0] == choices[0]["label"]
+    with pytest.raises(fp8onnx.Fp8OnnxError, match=r"its first item has 3 samples .* more than the 2 asked for"):
+        data.limit(2)
     data.limit(10)  # whole items only: three of three endings
     assert data.task.sizes == [3, 3, 3] and sum(b.size for b in data.batches(4)) == 9
 

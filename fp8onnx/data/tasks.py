@@ -15,8 +15,8 @@ context and the continuation, tokenized as one text (the continuation's tokens a
 context's own, as lm-evaluation-harness takes them), cut from the left to ``seq_len`` tokens, right-padded
 (attention mask 0) to the longest sample of its batch; ``labels`` mark the positions that predict the
 continuation (``-1`` elsewhere). The batches take the items longest first (an item's samples side by side),
-so that a batch pads little (LAMBADA in file order, 4 a batch: a sixth of the positions are padding;
-by length: a thousandth); ``compare`` then scores the items, in file order again, from its per-sample sums
+so that a batch pads little (LAMBADA in file order, 4 a batch: 14% of the positions are padding; by length:
+under 0.1%); ``compare`` then scores the items, in file order again, from its per-sample sums
 (:meth:`Task.rescore`), each item one unit of the noise.
 """
 
@@ -142,20 +142,26 @@ class TaskData:
             [[len(c) for c in item] for item in continuations],
         )
         self._continuations = continuations
-        self._samples: list[tuple[list[int], int]] | None = None
+        self._samples: list[tuple[np.ndarray, int]] | None = None
         logger.info("%s", self.task.describe())
 
     def count_batches(self, batch_size: int) -> int:
         return -(-sum(self.task.sizes) // batch_size)
 
     def limit(self, max_samples: int | None) -> None:
-        """Keep the file's first items whose samples number at most ``max_samples`` (at least one item):
-        a subset is whole items, taken before the batches sort them by length.
+        """Keep the file's first items whose samples number at most ``max_samples``: a subset is whole items,
+        taken before the batches sort them by length.
 
-        ``ensures``: ``task.sizes`` sums to at most ``max_samples`` (or is one item)."""
+        ``ensures``: ``task.sizes`` sums to at most ``max_samples``; an :class:`Fp8OnnxError` where not even the
+        first item fits."""
         if max_samples is None:
             return
-        kept = max(1, int(np.searchsorted(np.cumsum(self.task.sizes), max_samples, side="right")))
+        kept = int(np.searchsorted(np.cumsum(self.task.sizes), max_samples, side="right"))
+        if kept == 0:
+            raise Fp8OnnxError(
+                f"Task file {str(self.path)!r}: its first item has {self.task.sizes[0]} samples (one per "
+                f"continuation), more than the {max_samples} asked for; a task's items are scored whole."
+            )
         if kept < len(self.records):
             self.records, self._continuations = self.records[:kept], self._continuations[:kept]
             task = self.task
@@ -176,14 +182,18 @@ class TaskData:
         for at in range(0, len(order), batch_size):
             yield self._padded([samples[s] for s in order[at : at + batch_size]])
 
-    def _tokenized(self) -> list[tuple[list[int], int]]:
-        """Every sample's (token ids, continuation length), in file order, tokenized once."""
+    def _tokenized(self) -> list[tuple[np.ndarray, int]]:
+        """Every sample's (token ids, continuation length), in file order, tokenized once (int32: HellaSwag's
+        40,168 samples hold 13 MB so, 102 MB as lists of ints)."""
         if self._samples is None:
             prefix = leading_special_tokens(self.tokenizer).tolist()
             self._samples = [
-                self._sample(prefix, record["context"], continuation)
-                for record, continuations in zip(self.records, self._continuations)
-                for continuation in continuations
+                (np.asarray(ids, np.int32), tail)
+                for ids, tail in (
+                    self._sample(prefix, record["context"], continuation)
+                    for record, continuations in zip(self.records, self._continuations)
+                    for continuation in continuations
+                )
             ]
         return self._samples
 
@@ -198,7 +208,7 @@ class TaskData:
         ids = (prefix + whole)[-self.seq_len :]
         return ids, min(len(whole) - len(head), len(ids) - 1)
 
-    def _padded(self, samples: list[tuple[list[int], int]]) -> Batch:
+    def _padded(self, samples: list[tuple[np.ndarray, int]]) -> Batch:
         width = max(len(ids) for ids, _ in samples)
         ids = np.zeros((len(samples), width), np.int64)
         mask = np.zeros_like(ids)
