@@ -212,6 +212,15 @@ class _QuantizeCommand(_Sectioned):
     "off: none (e.g. to turn off a preset's).",
 )
 @click.option(
+    "--keep-channels",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Keep the N input channels of largest calibration amax of each quantized MatMul/Gemm input in float "
+    "(a small float MatMul beside the FP8 one; an LLM's massive activations); 0: none.",
+)
+@click.option(
     "--bias-correction", is_flag=True, help="Shift each layer's bias to cancel the mean error of its FP8 weights."
 )
 @weight_block_size_option

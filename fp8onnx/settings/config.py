@@ -76,6 +76,7 @@ class QuantizeConfig:
     activation_matmuls: bool = False
     weight_rounding: Normalised[WeightRounding, WeightRounding | str] = Normalised(WeightRounding.NEAREST)
     smooth: float | None = None  # SmoothQuant's alpha: migrate activation outliers into weights (techniques)
+    keep_channels: int = 0  # the largest input channels of each quantized activation kept in float (techniques)
     bias_correction: bool = False  # shift biases by E[x] (W - Wq), from calibration (techniques)
     sequential: bool = False  # each layer calibrated on the quantized layers before it (pipeline.executors)
     float_vocab: bool = False  # leave vocabulary-sized projections (lm_head) in float
@@ -140,6 +141,13 @@ class QuantizeConfig:
             object.__setattr__(self, field, parse_choice(kind, getattr(self, field), "--" + field.replace("_", "-")))
         if self.smooth is not None and not 0 <= self.smooth <= 1:
             raise Fp8OnnxError(f"--smooth must be in [0, 1], got {self.smooth!r}.")
+        keep = self.keep_channels
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise Fp8OnnxError(f"--keep-channels must be a non-negative integer, got {keep!r}.")
+        if keep and self.smooth is not None:
+            raise Fp8OnnxError("--keep-channels and --smooth both move activation outliers; choose one.")
+        if keep and self.scaling is Scaling.CONSTANT:
+            raise Fp8OnnxError("--keep-channels needs calibration; --scaling constant has none.")
         if self.bias_correction and self.scaling is Scaling.CONSTANT:
             raise Fp8OnnxError("--bias-correction needs calibration; --scaling constant has none.")
         if self.weight_rounding == "gptq" and self.scaling is Scaling.CONSTANT:
@@ -280,8 +288,9 @@ class QuantizeConfig:
 
     @property
     def weights_need_data(self) -> bool:
-        """GPTQ, bias correction and smoothing read the calibration data, whatever the activations."""
-        return self.weight_rounding == "gptq" or self.bias_correction or self.smooth is not None
+        """GPTQ, bias correction, smoothing and kept channels read the calibration data, whatever the activations."""
+        extras = self.bias_correction or self.smooth is not None or self.keep_channels > 0
+        return self.weight_rounding == "gptq" or extras
 
     def weight_per_channel(self, op_type: str) -> bool:
         """Whether ``op_type``'s weights get one scale per output channel: always with --per-channel,
@@ -334,6 +343,7 @@ class QuantizeConfig:
             "fallback": (self.fallback.value, self.fallback is not FallbackUnit.NODES),
             "weight_rounding": (self.weight_rounding.value, self.weight_rounding is not WeightRounding.NEAREST),
             "smooth": (self.smooth, self.smooth is not None),
+            "keep_channels": (self.keep_channels, self.keep_channels > 0),
             "bias_correction": (True, self.bias_correction),
             "sequential": (True, self.sequential),
             "weight_block_size": (self.weight_block_size, bool(self.weight_block_size)),

@@ -24,6 +24,7 @@ from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.techniques.base import Technique, stored_values
 from fp8onnx.techniques.bias_correction import BiasCorrection
 from fp8onnx.techniques.gptq import GPTQ
+from fp8onnx.techniques.outlier_channels import OutlierChannels
 from fp8onnx.techniques.smoothing import Smoothing
 
 __all__ = ["measure_techniques", "settling", "techniques_for"]
@@ -46,6 +47,8 @@ def techniques_for(
                 return id(node) not in quantized or config.weight_per_channel(node.op_type)
 
             techniques.append(Smoothing(model, decisions, config.smooth, per_channel))
+        if config.keep_channels:
+            techniques.append(OutlierChannels(model, decisions, config.keep_channels))
         return techniques
     originals = None
     if config.weight_rounding == "gptq":

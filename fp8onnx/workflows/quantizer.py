@@ -277,6 +277,7 @@ def _data_reads(config: QuantizeConfig, stats=None) -> list[str]:
     """The steps of the recipe that read the calibration data, in the order they run."""
     reads = {
         "smoothing": config.smooth is not None,
+        "kept channels": config.keep_channels > 0,
         "activation statistics": config.activations == "static" and config.scaling != "constant" and stats is None,
         "GPTQ rounding": config.weight_rounding == "gptq",
         "bias correction": config.bias_correction,
@@ -315,14 +316,16 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
     if sample is not None:
         logger.warning("no --calib: calibrating on %s", sample)
         return sample, config
-    extras = {"weight_rounding", "bias_correction", "smooth"}  # the settings that read the data
+    extras = {"weight_rounding", "bias_correction", "smooth", "keep_channels"}  # the settings that read the data
     if auto is not None and "activation statistics" not in reads and not extras & set(auto):
         logger.warning(
             "no calibration data: %s of preset %s skipped (pass --calib DATA to have it)",
             ", ".join(reads),
             config.preset,
         )
-        return None, dataclasses.replace(config, weight_rounding="nearest", bias_correction=False, smooth=None)
+        return None, dataclasses.replace(
+            config, weight_rounding="nearest", bias_correction=False, smooth=None, keep_channels=0
+        )
     if tokens:
         raise Fp8OnnxError(
             f"Model {str(model)!r} takes token ids and has no tokenizer.json beside it to calibrate on a bundled "

@@ -19,13 +19,17 @@ Recipes (``--recipe``, several at once):
 * ``w8a8-static``: E4M3 per-channel weights and one static E4M3 scale per activation tensor from the amax of
   ``--calib`` (an ``.npz`` of ``input_ids``/``attention_mask``): fp8onnx's ``llm-w8a8`` arithmetic with every
   node W8A8 and weights rounded to nearest (for diagnosis, not a preset).
+``RECIPE+R`` (``w8a8-static+1``, ``fp8-dynamic+4``) passes the R input channels of each projection whose
+calibration amax is largest (an LLM's massive activations) in float, inputs and weight columns, and leaves
+them out of every scale (``--calib`` names the calibration).
 ``w8a8-static/H`` widens every static scale to H times the calibration's amax (headroom: inputs beyond the
 calibrated range saturate less; E4M3's range costs only the smallest values); ``w8a8-static/auto`` takes, per
 tensor, the widest of 1, 2, 4, 8, 16 whose mean row-relative rounding error on ``--calib`` stays within 5% of the
 tight scale's (``HEADROOM_TOL``). A recipe may name where it quantizes, ``RECIPE@ACTS@WEIGHTS``, each a
 ``+``-joined list of the projection
-groups ``qkv``, ``o``, ``gate_up``, ``down`` (``-``: none; left out: all): ``w8a8-static@down@-`` is static
-FP8 on the inputs of the down projections alone, every weight in float (what each group costs).
+groups ``qkv``, ``o``, ``gate_up``, ``down`` or single projections ``q``, ``k``, ``v``, ``gate``, ``up`` (``-``: none;
+left out: all): ``w8a8-static@down@-`` is static FP8 on the inputs of the down projections alone, every weight in
+float (what each group costs).
 
 Writes ``--out`` (``.npz``): per data set and recipe the per-sample (per-item for tasks) columns ``correct``,
 ``labelled``, ``nll``, as ``{set}/{recipe}/{column}``, beside ``meta`` (JSON: model, machine, date, torch
@@ -82,12 +86,26 @@ class FakeFp8Linear(torch.nn.Module):
         super().__init__()
         self.headroom = headroom
         w = linear.weight.detach().float()
+        self.float_weight, self.quantize_weight = w, weights
         self.weight = e4m3(w, _scale(w.abs().amax(dim=1, keepdim=True))) if weights else w
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.activations = activations
         self.amax = torch.zeros(())  # static: the calibration's running amax
+        self.channel_amax = torch.zeros(w.shape[1])  # per input channel (for keep_float)
+        self.kept: torch.Tensor | None = None  # input channels left in float (weights' columns and inputs)
         self.observing = False
         self.errors = None  # headroom "auto": per candidate, the calibration's summed row-relative errors
+
+    def keep_float(self, count: int) -> None:
+        """The ``count`` input channels of largest calibration amax pass in float: their inputs and their
+        weight columns; the rest's scales (per-channel weights, the static amax) leave them out."""
+        kept = torch.zeros(self.channel_amax.shape[0], dtype=torch.bool)
+        kept[torch.topk(self.channel_amax, count).indices] = True
+        self.kept = kept
+        if self.quantize_weight:
+            rest = self.float_weight * ~kept
+            self.weight = torch.where(kept, self.float_weight, e4m3(rest, _scale(rest.abs().amax(dim=1, keepdim=True))))
+        self.amax = self.channel_amax[~kept].max()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.observing and self.errors is not None:
@@ -98,30 +116,38 @@ class FakeFp8Linear(torch.nn.Module):
                 self.errors[i] += err.sum()
         elif self.observing:
             self.amax = torch.maximum(self.amax, x.detach().abs().max())
-        elif self.activations == "dynamic":
-            x = e4m3(x, _scale(x.abs().amax(dim=-1, keepdim=True)))
-        elif self.activations == "static":
-            x = e4m3(x, _scale(self.amax * self.headroom))
+            self.channel_amax = torch.maximum(self.channel_amax, x.detach().abs().reshape(-1, x.shape[-1]).amax(0))
+        elif self.activations != "none":
+            kept = x * self.kept if self.kept is not None else None
+            x = x * ~self.kept if self.kept is not None else x
+            if self.activations == "dynamic":
+                x = e4m3(x, _scale(x.abs().amax(dim=-1, keepdim=True)))
+            else:
+                x = e4m3(x, _scale(self.amax * self.headroom))
+            x = x if kept is None else x + kept
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def _group(name: str) -> str | None:
+PROJECTIONS = {leaf.removesuffix("_proj"): leaf for leaves in GROUPS.values() for leaf in leaves}  # q, k, ... down
+
+
+def _leaf(name: str) -> str | None:
     leaf = name.rsplit(".", 1)[-1]
-    return next((g for g, leaves in GROUPS.items() if leaf in leaves), None)
+    return leaf if leaf in PROJECTIONS.values() else None
 
 
-def quantized(model, recipe: str, act_groups: set[str], weight_groups: set[str]) -> dict[str, FakeFp8Linear]:
+def quantized(model, recipe: str, act_leaves: set[str], weight_leaves: set[str]) -> dict[str, FakeFp8Linear]:
     """Replace the model's projection ``Linear``s in place (``lm_head`` and anything outside GROUPS stay)."""
     recipe, _, room = recipe.partition("/")
     activations = {"fp8-dynamic": "dynamic", "w8a8-static": "static"}[recipe]
     headroom = 1.0 if room == "auto" else float(room or 1.0)  # auto: choose_headroom sets each one
     swapped = {}
     for name, module in list(model.named_modules()):
-        group = _group(name)
-        if not isinstance(module, torch.nn.Linear) or group is None:
+        leaf = _leaf(name)
+        if not isinstance(module, torch.nn.Linear) or leaf is None:
             continue
-        parent, _, leaf = name.rpartition(".")
-        fake = FakeFp8Linear(module, activations if group in act_groups else "none", group in weight_groups, headroom)
+        parent = name.rpartition(".")[0]
+        fake = FakeFp8Linear(module, activations if leaf in act_leaves else "none", leaf in weight_leaves, headroom)
         setattr(model.get_submodule(parent), leaf, fake)
         swapped[name] = fake
     if not swapped:
@@ -130,12 +156,12 @@ def quantized(model, recipe: str, act_groups: set[str], weight_groups: set[str])
 
 
 def _groups(spec: str) -> set[str]:
-    if spec == "":
-        return set(GROUPS)
-    groups = set() if spec == "-" else set(spec.split("+"))
-    if groups - set(GROUPS):
-        sys.exit(f"unknown groups {sorted(groups - set(GROUPS))}; known: {', '.join(GROUPS)}")
-    return groups
+    """The projections (``q_proj`` ...) a ``+``-joined spec of groups (``qkv``) and projections (``q``) names."""
+    names = list(GROUPS) if spec == "" else [] if spec == "-" else spec.split("+")
+    unknown = [n for n in names if n not in GROUPS and n not in PROJECTIONS]
+    if unknown:
+        sys.exit(f"unknown groups {unknown}; known: {', '.join(GROUPS)}, or one of {', '.join(PROJECTIONS)}")
+    return {leaf for n in names for leaf in GROUPS.get(n, (PROJECTIONS.get(n),))}
 
 
 def builder(family: str):
@@ -206,11 +232,12 @@ def score_sets(wrapped, data: dict, batch: int, recipe: str, arrays: dict, meta:
         save_columns(out, arrays, meta)
 
 
-def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, batch: int) -> None:
+def calibrate(wrapped, fakes: dict[str, FakeFp8Linear], calib: pathlib.Path, batch: int, channels=False) -> None:
     """Each fake's static amax from ``calib``'s windows, kept in ``calib``'s folder (``<name>.amax.json``:
-    the float model's activations, the same for every recipe)."""
+    the float model's activations, the same for every recipe); ``channels``: each input channel's too, from a
+    pass of its own (not cached)."""
     cache = calib.with_name(calib.stem + ".amax.json")
-    if cache.is_file():
+    if cache.is_file() and not channels:
         known = json.loads(cache.read_text())
         if set(known) == set(fakes):
             for name, f in fakes.items():
@@ -287,14 +314,17 @@ def main() -> None:
     pristine, wrap = load(args.family, args.reference.parent)
     for recipe in args.recipe.split(","):
         kind, acts, weights = (recipe.split("@") + ["", ""])[:3]
+        kind, _, keep = kind.partition("+")
         act_groups, weight_groups = _groups(acts), _groups(weights)
         model = copy.deepcopy(pristine)
         fakes = {} if kind == "fp32" else quantized(model, kind, act_groups, weight_groups)
         wrapped = wrap(model)
-        if kind.startswith("w8a8-static"):
+        if kind.startswith("w8a8-static") or keep:
             if args.calib is None:
-                sys.exit("--recipe w8a8-static needs --calib")
-            calibrate(wrapped, fakes, args.calib, args.batch)
+                sys.exit(f"--recipe {recipe} needs --calib")
+            calibrate(wrapped, fakes, args.calib, args.batch, channels=bool(keep))
+            for f in fakes.values() if keep else ():
+                f.keep_float(int(keep))
             if kind.endswith("/auto"):
                 choose_headroom(wrapped, fakes, args.calib, args.batch)
         score_sets(wrapped, data, args.batch, recipe, arrays, meta, args.out)

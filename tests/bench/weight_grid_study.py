@@ -4,7 +4,9 @@ rounded to nearest or by GPTQ (X^T X of each Linear's input from ``--calib``), a
 
 Each variant is ``ROUNDING-GRID`` (``rtn``/``gptq``, ``pc``/``blk``: per channel, blocks of 32), optionally
 ``@GROUP=GRID,...`` to give some projection groups (``q k v o gate up down``) another grid (``float``: left in
-float): ``gptq-blk@down=pc`` is GPTQ everywhere, blocks of 32 but per-channel down projections. ``gptq/D``
+float): ``gptq-blk@down=pc`` is GPTQ everywhere, blocks of 32 but per-channel down projections. ``GRID+R``
+keeps the R input rows whose inputs carry the most energy (X^T X's largest diagonal: an LLM's massive
+activation channels) in float and rounds the rest, GPTQ on their own X^T X (the float rows' error is zero). ``gptq/D``
 damps X^T X by D times its mean diagonal instead of fp8onnx's 1% (``gptq/0.1-pc``). The rounding is
 fp8onnx's own GPTQ algebra (``fp8onnx.techniques.gptq_rounding.gptq_round``: the ONNX path's) on the torch
 model's weights; the scales are ``amax / 448`` of each channel or block; lm_head and the embedding stay float.
@@ -83,11 +85,16 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
         key = (name, rounding, damp, g)
         if key not in cache:
             w = linear.weight.detach().numpy().T.astype(np.float32)  # [K, N]: y = x @ w
-            scale = _grid_scale(w, g)
+            g, _, top = g.partition("+")  # pc+2: the 2 input rows of largest X^T X diagonal kept in float
+            rest = np.ones(w.shape[0], bool)
+            rest[np.argsort(-np.diag(h[name]), kind="stable")[: int(top or 0)]] = False
+            scale = _grid_scale(w[rest], g)
+            q = w.copy()
             if rounding == "rtn":
-                q = round_to_grid(np.clip(w / scale, -FMT.fmax, FMT.fmax), FMT) * scale
-            else:
-                q = gptq_round(w, h[name], scale, FMT, **({"damp": float(damp)} if damp else {}))
+                q[rest] = round_to_grid(np.clip(w[rest] / scale, -FMT.fmax, FMT.fmax), FMT) * scale
+            else:  # the float rows' error is zero: GPTQ's objective is the other rows' alone
+                hr = h[name][np.ix_(rest, rest)]
+                q[rest] = gptq_round(w[rest], hr, scale, FMT, **({"damp": float(damp)} if damp else {}))
             cache[key] = torch.from_numpy(np.ascontiguousarray(q.T))
         modules[name].weight.data = cache[key]
     return model

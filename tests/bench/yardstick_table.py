@@ -46,7 +46,8 @@ def load(path: pathlib.Path, prefix: str = "") -> tuple[dict, dict]:
     for key in data.files:
         if key == "meta":
             continue
-        name, row, column = key.split("/")
+        name, rest = key.split("/", 1)
+        row, column = rest.rsplit("/", 1)  # a recipe's name may hold "/" (w8a8-static/4)
         rows.setdefault(name, {}).setdefault(prefix + row, {})[column] = data[key]
     return rows, meta
 
