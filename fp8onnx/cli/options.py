@@ -19,6 +19,7 @@ from fp8onnx.settings.targets import TARGETS
 
 __all__ = [
     "NOT_OPTIONS",
+    "count_option",
     "deployment_options",
     "fallback_option",
     "metric_option",
@@ -109,13 +110,15 @@ fallback_option = click.option(
     "(W8A16: the FP8 weight stays; ranked by the SQNR with only the activation in FP8). [llm-w8a8: activations]",
 )
 
-weight_block_size_option = click.option(
+
+def count_option(name: str, help: str):
+    """A ``--NAME N`` option: a non-negative count, 0 (off) by default."""
+    return click.option(name, type=click.IntRange(min=0), default=0, show_default=True, metavar="N", help=help)
+
+
+weight_block_size_option = count_option(
     "--weight-block-size",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Block-wise weight scales: one scale per N consecutive elements along each MatMul/Gemm weight's reduction "
+    "Block-wise weight scales: one scale per N consecutive elements along each MatMul/Gemm weight's reduction "
     "axis (K) and output channel, stored with opset 21's blocked DequantizeLinear (32, 64, 128 usual; 0: off). "
     "Conv weights: blocks of their filters flattened (input channels x kernel); ConvTranspose weights: blocks of "
     "input channels at each output channel and kernel tap. "

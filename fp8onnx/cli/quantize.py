@@ -36,6 +36,7 @@ from fp8onnx.cli.common import (
 )
 from fp8onnx.cli.options import (
     NOT_OPTIONS,
+    count_option,
     deployment_options,
     fallback_option,
     metric_option,
@@ -169,13 +170,9 @@ class _QuantizeCommand(_Sectioned):
     help="Nodes whose name matches GLOB keep float activations "
     "and FP8 weights (W8A16: the fast form without a_scale), the rest as --activations says (repeatable).",
 )
-@click.option(
+@count_option(
     "--float-last-layers",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="The MatMul/Gemm nodes of the last N decoder layers (told by 'layers.K' in their names, as torch, Optimum "
+    "The MatMul/Gemm nodes of the last N decoder layers (told by 'layers.K' in their names, as torch, Optimum "
     "and onnxruntime-genai name them) keep float activations and FP8 weights (W8A16), like --float-activations.",
 )
 @click.option(
@@ -211,13 +208,9 @@ class _QuantizeCommand(_Sectioned):
     help="SmoothQuant: move activation outliers into the weights, s = amax_x^ALPHA / amax_w^(1-ALPHA) (0.5 usual); "
     "off: none (e.g. to turn off a preset's).",
 )
-@click.option(
+@count_option(
     "--keep-channels",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    metavar="N",
-    help="Keep the N input channels of largest calibration amax of each quantized MatMul/Gemm input in float "
+    "Keep the N input channels of largest calibration amax of each quantized MatMul/Gemm input in float "
     "(a small float MatMul beside the FP8 one; an LLM's massive activations); 0: none.",
 )
 @click.option(
