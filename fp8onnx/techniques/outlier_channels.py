@@ -2,7 +2,7 @@
 outliers kept", on the FP8 grid).
 
 Decoder LLMs carry a handful of "massive activation" channels: after the attention's input norm of
-Gemma 3 270M one channel of every token holds 16-50x the median channel's amplitude. E4M3 keeps its
+Gemma 3 270M one channel carries 11-49x the median channel's root mean square. E4M3 keeps its
 relative precision over a wide range, so these channels do not starve the others of grid points; what they
 cost is their own rounding, and the rounding of the weight rows they multiply, which dominates the product.
 Here the ``count`` input channels of largest calibration amax of each quantized activation leave the FP8
