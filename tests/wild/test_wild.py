@@ -45,9 +45,9 @@ def _counts(path: pathlib.Path) -> dict[str, int]:
     return counts
 
 
-def check_case(name: str, folder: pathlib.Path, preset: str | None = None) -> dict:
-    """Build, quantize with defaults (or ``--preset preset``) through the CLI, run both on ORT; one row
-    of the corpus table."""
+def check_case(name: str, folder: pathlib.Path, preset: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """Build, quantize with defaults (or ``--preset preset``, and ``extra`` options) through the CLI, run both
+    on ORT; one row of the corpus table."""
     from click.testing import CliRunner
 
     from fp8onnx.cli import main
@@ -59,7 +59,7 @@ def check_case(name: str, folder: pathlib.Path, preset: str | None = None) -> di
     out, report = folder / f"{name}.fp8.onnx", folder / f"{name}.json"
     args = ["quantize", str(model), "--calib", str(calib), "-o", str(out), "--report", str(report)]
     t0 = time.perf_counter()
-    result = CliRunner().invoke(main, args + (["--preset", preset] if preset else []))
+    result = CliRunner().invoke(main, args + (["--preset", preset] if preset else []) + list(extra))
     seconds = time.perf_counter() - t0
     assert result.exit_code == 0, f"{name}: {result.output}"
     rep = json.loads(report.read_text())
@@ -107,6 +107,22 @@ def test_model_from_the_wild_quantizes_with_defaults(name, tmp_path_factory):
     row = check_case(name, tmp_path_factory.mktemp(name))
     assert row["quantized"] > 0, row
     assert row["ratio"] < 1.0, row
+
+
+@pytest.mark.wild
+@pytest.mark.parametrize(
+    "name", ["torch-llama-o17", "torch-llama-dynamo", "hf-llama-past", "genai-llama", "genai-llama-dml"]
+)
+def test_kept_channels_in_every_llm_export(name, tmp_path):
+    """--keep-channels on llm-w8a8 in every exporter's decoder (separate or packed q/k/v, a float16 graph, an
+    empty KV past): every quantized input gets its float side product, and the output stays within the
+    format's bound of FP32 in onnxruntime at its default optimisation level."""
+    if not available(name):
+        pytest.skip(f"needs {', '.join(CASES[name].requires)} (pip install -e .[wild])")
+    row = check_case(name, tmp_path, "llm-w8a8", ("--keep-channels", "2"))
+    kept = [line for line in row["prepared"] if line.startswith("kept the 2 largest input channels")]
+    assert kept and " 0 activations" not in kept[0], row["prepared"]
+    assert row["quantized"] > 0 and row["ratio"] < 1.0, row
 
 
 @pytest.mark.wild
