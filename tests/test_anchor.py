@@ -107,6 +107,34 @@ def test_the_static_recipe_takes_its_scale_from_the_calibration_amax(tmp_path):
     assert not torch.equal(y, torch.nn.functional.linear(hidden, down.weight))
 
 
+def test_kept_channels_pass_in_float_and_leave_the_scales(tmp_path):
+    """``RECIPE+R``: the R input channels of largest calibration amax pass in float (inputs and weight
+    columns); the static amax and the weights' channel scales are the other channels'. Single projections
+    (``q``) and groups (``qkv``) name the same Linears."""
+    assert fp8_anchor._groups("q+down") == {"q_proj", "down_proj"}
+    assert fp8_anchor._groups("qkv") == {"q_proj", "k_proj", "v_proj"}
+    block = Block().eval()
+    fakes = fp8_anchor.quantized(block, "w8a8-static", {"q"}, {"q"})
+    q = fakes["q_proj"]
+    x = torch.randn(4, 6, 64)
+    x[..., 5] = 40 + torch.randn(4, 6)  # a massive channel
+    q.observing = True
+    with torch.no_grad():
+        q(x)
+    q.observing = False
+    q.keep_float(1)
+    assert q.kept.nonzero().flatten().tolist() == [5]
+    assert torch.isclose(q.amax, x[..., [i for i in range(64) if i != 5]].abs().max())
+    assert torch.equal(q.weight[:, 5], q.float_weight[:, 5])  # the kept column is the float weight's
+    with torch.no_grad():
+        exact = torch.nn.functional.linear(x, q.float_weight)
+        kept = _rel(q(x).numpy(), exact.numpy())
+        q.kept, q.amax = None, x.abs().max()
+        q.weight = fp8_anchor.e4m3(q.float_weight, fp8_anchor._scale(q.float_weight.abs().amax(1, keepdim=True)))
+        whole = _rel(q(x).numpy(), exact.numpy())
+    assert kept < whole / 2  # the massive channel's rounding dominated the product
+
+
 def test_the_yardstick_table_pairs_rows_with_fp16_and_the_anchor(tmp_path):
     """yardstick_table.py: a row's ratio to FP16 and its gap to the anchor, with paired standard errors
     computed as compare computes them, on columns written as llm_yardstick/fp8_anchor write them."""

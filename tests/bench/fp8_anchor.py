@@ -136,8 +136,15 @@ def _leaf(name: str) -> str | None:
     return leaf if leaf in PROJECTIONS.values() else None
 
 
-def quantized(model, recipe: str, act_leaves: set[str], weight_leaves: set[str]) -> dict[str, FakeFp8Linear]:
-    """Replace the model's projection ``Linear``s in place (``lm_head`` and anything outside GROUPS stay)."""
+def _leaves(names: set[str]) -> set[str]:
+    """The projections (``q_proj`` ...) that groups (``qkv``), short names (``q``) or projections name."""
+    return {leaf for n in names for leaf in GROUPS.get(n, (PROJECTIONS.get(n, n),))}
+
+
+def quantized(model, recipe: str, act_groups: set[str], weight_groups: set[str]) -> dict[str, FakeFp8Linear]:
+    """Replace the model's projection ``Linear``s in place (``lm_head`` and anything outside GROUPS stay);
+    ``act_groups``/``weight_groups``: groups, short names or projections (:func:`_leaves`)."""
+    act_leaves, weight_leaves = _leaves(act_groups), _leaves(weight_groups)
     recipe, _, room = recipe.partition("/")
     activations = {"fp8-dynamic": "dynamic", "w8a8-static": "static"}[recipe]
     headroom = 1.0 if room == "auto" else float(room or 1.0)  # auto: choose_headroom sets each one
@@ -161,7 +168,7 @@ def _groups(spec: str) -> set[str]:
     unknown = [n for n in names if n not in GROUPS and n not in PROJECTIONS]
     if unknown:
         sys.exit(f"unknown groups {unknown}; known: {', '.join(GROUPS)}, or one of {', '.join(PROJECTIONS)}")
-    return {leaf for n in names for leaf in GROUPS.get(n, (PROJECTIONS.get(n),))}
+    return _leaves(set(names))
 
 
 def builder(family: str):
