@@ -17,8 +17,8 @@ import numpy as np
 import onnx_ir as ir
 
 from .common import initializer, insert_at_definition
+from .known import constant, graph_of, required_input
 from .known import dtype as dtype_of
-from .known import graph_of, required_input
 
 __all__ = ["keep_channels"]
 
@@ -26,24 +26,34 @@ __all__ = ["keep_channels"]
 def keep_channels(x: ir.Value, idx: np.ndarray, nodes: list[ir.Node], name: str) -> list[ir.Node]:
     """The nodes of ``nodes`` split (see the module docstring) with channels ``idx`` of ``x`` kept in float;
     nothing is added when none can be."""
-    graph = graph_of(nodes[0])
+    done = [node for node in nodes if _own_weight(node)]
+    if not done:
+        return []
+    graph = graph_of(done[0])
     indices = initializer(graph, f"fp8onnx/{name}/kept_channels", np.asarray(idx, np.int64))
     tape = ir.tape.Tape()
     gathered = tape.op("Gather", [x, indices], attributes={"axis": -1}, name=f"fp8onnx/{name}/kept_gather")
     gathered.name, gathered.dtype = f"fp8onnx/{name}/kept", dtype_of(x)
-    done = [node for node in nodes if _split(graph, node, gathered, idx)]
-    if done:
-        insert_at_definition(x, list(tape.nodes))
+    for node in done:
+        _split(graph, node, gathered, idx)
+    insert_at_definition(x, list(tape.nodes))
     return done
 
 
-def _split(graph: ir.Graph, node: ir.Node, gathered: ir.Value, idx: np.ndarray) -> bool:
+def _own_weight(node: ir.Node) -> bool:
+    """``node``'s weight is a constant initializer that nothing else reads (so it may be changed)."""
+    w = required_input(node, 1)
+    return (
+        w.const_value is not None
+        and w.is_initializer()
+        and not w.is_graph_output()
+        and all(u.node is node for u in w.uses())
+    )
+
+
+def _split(graph: ir.Graph, node: ir.Node, gathered: ir.Value, idx: np.ndarray) -> None:
     w_value = required_input(node, 1)
-    if w_value.const_value is None or not w_value.is_initializer() or w_value.is_graph_output():
-        return False
-    if any(u.node is not node for u in w_value.uses()):
-        return False
-    w = w_value.const_value.numpy().copy()
+    w = constant(w_value).numpy().copy()
     transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0
     rows = w[:, idx].T if transposed else w[idx, :]  # [count, N]
     if node.op_type == "Gemm":
@@ -54,7 +64,8 @@ def _split(graph: ir.Graph, node: ir.Node, gathered: ir.Value, idx: np.ndarray) 
         w[idx, :] = 0
     w_value.const_value = ir.tensor(w, name=w_value.name)
     y = node.outputs[0]
-    side_w = initializer(graph, f"fp8onnx/{node.name}/kept_rows", np.ascontiguousarray(rows.astype(w.dtype)))
+    rows = np.ascontiguousarray(rows.astype(w.dtype))
+    side_w = initializer(graph, f"fp8onnx/{w_value.name}/kept_rows", rows)  # a weight's name is unique
     tape = ir.tape.Tape()
     side = tape.op("MatMul", [gathered, side_w], name=f"fp8onnx/{node.name}/kept_matmul")
     total = tape.op("Add", [y, side], name=f"fp8onnx/{node.name}/kept_add")
@@ -69,4 +80,3 @@ def _split(graph: ir.Graph, node: ir.Node, gathered: ir.Value, idx: np.ndarray) 
         outputs[outputs.index(y)] = total
         y.name, total.name = f"{y.name}/without_kept", y.name
     graph.insert_after(node, list(tape.nodes))
-    return True
