@@ -29,13 +29,15 @@ def keep_channels(x: ir.Value, idx: np.ndarray, nodes: list[ir.Node], name: str)
     done = [node for node in nodes if _own_weight(node)]
     if not done:
         return []
-    graph = graph_of(done[0])
-    indices = initializer(graph, f"fp8onnx/{name}/kept_channels", np.asarray(idx, np.int64))
+    # the Gather goes where x is defined (its readers may sit in subgraphs under it: a merged decoder's If)
+    producer = x.producer()
+    home = graph_of(producer) if producer is not None else graph_of(x)
+    indices = initializer(home, f"fp8onnx/{name}/kept_channels", np.asarray(idx, np.int64))
     tape = ir.tape.Tape()
     gathered = tape.op("Gather", [x, indices], attributes={"axis": -1}, name=f"fp8onnx/{name}/kept_gather")
     gathered.name, gathered.dtype = f"fp8onnx/{name}/kept", dtype_of(x)
     for node in done:
-        _split(graph, node, gathered, idx)
+        _split(graph_of(node), node, gathered, idx)
     insert_at_definition(x, list(tape.nodes))
     return done
 

@@ -131,3 +131,45 @@ def test_keep_channels_refuses_what_it_cannot_do(tmp_path):
     args = ["quantize", str(path), "--keep-channels", "1", "--smooth", "0.5", "-o", str(tmp_path / "q.onnx")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "choose one" in result.output
+
+
+def test_a_reader_inside_a_subgraph_gets_the_gather_where_the_activation_is_defined(tmp_path):
+    """An Optimum merged decoder reads the encoder's output (a main-graph input) from MatMuls inside If
+    branches: the Gather and its indices go to the main graph, each side product to its branch, and the
+    function is unchanged in onnxruntime on both branches."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((D, N)) / 6).astype(np.float32)
+    branches = []
+    for name, scale in (("then", 1.0), ("else", -1.0)):
+        body = helper.make_graph(
+            [helper.make_node("MatMul", ["x", f"w_{name}"], [f"y_{name}"], name=f"mm_{name}")],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, ["n", N])],
+            [numpy_helper.from_array(scale * w, f"w_{name}")],
+        )
+        branches.append(helper.make_attribute(f"{name}_branch", body))
+    node = helper.make_node("If", ["cond"], ["y"], name="if")
+    node.attribute.extend(branches)
+    inputs = [
+        helper.make_tensor_value_info("cond", TensorProto.BOOL, [1]),
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", D]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", N])]
+    path = tmp_path / "m.onnx"
+    graph = helper.make_graph([node], "branched", inputs, outputs)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    model = ir.load(str(path))
+    matmuls = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type == "MatMul"]
+    tech = OutlierChannels(model, [Decision(n, [(0, "activation"), (1, "weight")]) for n in matmuls], 1)
+    x = rng.standard_normal((64, D)).astype(np.float32)
+    x[:, 3] = 40 + rng.standard_normal(64).astype(np.float32)
+    measured(tech, np.abs(x).max(0))
+    assert "2 MatMul/Gemm split" in tech.apply() and tech.kept == {"x": [3]}
+    assert [n.op_type for n in model.graph] == ["Gather", "If"] and "fp8onnx/x/kept_channels" in model.graph.initializers
+    assert all(name.endswith("kept_rows") for n in matmuls for name in n.graph.initializers if "kept" in name)
+    out = tmp_path / "split.onnx"
+    ir.save(model, str(out))
+    for cond in (True, False):
+        feed = {"x": x, "cond": np.array([cond])}
+        np.testing.assert_allclose(run_ort(out, feed)[0], run_ort(path, feed)[0], rtol=1e-4, atol=1e-3)
