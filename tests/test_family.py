@@ -160,3 +160,24 @@ def test_an_explicit_calibrated_scaling_wins_over_the_presets_implicit_activatio
     assert r.exit_code == 0, r.output
     meta = json.loads(onnx.load(tmp_path / "q.onnx").metadata_props[0].value)
     assert meta["activations"] == "static" and meta["scaling"] == "mse" and meta["preset"] == "llm-weight-only"
+
+
+def test_the_llm_presets_keep_outlier_channels_and_yield_to_smoothing(tmp_path):
+    """requires: a decoder and calibration data; ensures: the decoder family's default (llm-weight-only) and
+    llm-w8a8 keep each activation's 4 largest channels in float and the summary says so; --preset llm (the
+    FP8-dynamic recipe the torch anchor checks) keeps none; the user's smoothing or one constant scale
+    drops the preset's kept channels instead of refusing the run, an explicit count wins."""
+    assert [QuantizeConfig.for_preset(p).keep_channels for p in ("llm-weight-only", "llm-w8a8", "llm")] == [4, 4, 0]
+    smoothed = QuantizeConfig.for_preset("llm-w8a8", smooth=0.5)
+    assert (smoothed.keep_channels, smoothed.smooth) == (0, 0.5)
+    assert QuantizeConfig.for_preset("llm-weight-only", scaling="constant", weight_rounding="nearest").keep_channels == 0
+    assert QuantizeConfig.for_preset("llm-w8a8", keep_channels=2).keep_channels == 2
+    report = fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "d.onnx", SAMPLE / "calib.npz", provider="cpu")
+    assert report.config["keep_channels"] == 4
+    assert "kept the 4 largest input channels of " in report.summary()
+    graph = onnx.load(tmp_path / "d.onnx").graph
+    assert any(n.op_type == "Gather" and "kept" in n.name for n in graph.node), [n.name for n in graph.node][:20]
+    plain = fp8onnx.quantize(
+        SAMPLE / "decoder.onnx", tmp_path / "l.onnx", SAMPLE / "calib.npz", config=QuantizeConfig.for_preset("llm")
+    )
+    assert "keep_channels" not in plain.config and "kept the" not in plain.summary()

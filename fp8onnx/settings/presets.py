@@ -17,6 +17,11 @@ class Preset(TypedDict):
     why: str  # the measurement behind it
 
 
+# The input channels of largest calibration amax of each activation kept out of the FP8 product by the LLM presets
+# (techniques.outlier_channels): on Gemma 3 270M (LAMBADA, novels; calibration on pydoc) target perplexity -7.3%
+# (weight-only) and -9.7% (W8A8) against the same recipe without; 1 channel did a fraction of 4's good (torch)
+KEPT_CHANNELS = 4
+
 # The measured best per model family (docs/history/benchmarks-typed.md, "Techniques"): what each turns on and why.
 PRESETS: dict[str, Preset] = {
     "llm": {
@@ -37,6 +42,7 @@ PRESETS: dict[str, Preset] = {
             "weight_rounding": "gptq",
             "float_vocab": True,
             "embeddings": "fp8",
+            "keep_channels": KEPT_CHANNELS,
         },
         "why": "SmolLM2-135M (both exports, 68 held-out windows): float8 weights (per channel, GPTQ), lm_head in "
         "float and fp8 embeddings, activations in float: next-token accuracy 99.95% of FP16's, perplexity 25.99 "
@@ -57,6 +63,7 @@ PRESETS: dict[str, Preset] = {
             # of the output's KL to FP32 on calibration samples (names: the fallback, workflows.loss_choice)
             "w8a8_share": 0.67,
             "fallback": "activations",
+            "keep_channels": KEPT_CHANNELS,
         },
         "why": "FP8 on both GEMM inputs in the form FP8 GEMMs take (one static E4M3 scale per activation; E4M3 "
         "weights per output channel, GPTQ-rounded; --target onnxruntime-cuda writes a_scale), lm_head in float, "
@@ -94,7 +101,8 @@ def overruled(field: str, value, explicit: dict) -> bool:
     """Whether a preset's ``field = value`` yields to an explicit option it cannot go with: a
     calibrated scaling to dynamic activations, the preset's dynamic or weight-only activations to an
     explicit activation scaling, its dynamic activations and data-driven weight techniques to constant
-    scaling (the user's choice wins, the preset's contradicting part is dropped rather than refused)."""
+    scaling, its kept channels to smoothing (the user's choice wins, the preset's contradicting part is
+    dropped rather than refused)."""
     given = {k: getattr(v, "value", v) for k, v in explicit.items()}  # enum members as their names
     dynamic = given.get("activations") in ("dynamic", "dynamic-per-token", "dynamic-per-group")
     constant = given.get("scaling") == "constant"
@@ -112,6 +120,9 @@ def overruled(field: str, value, explicit: dict) -> bool:
     # one constant scale: the preset's per-batch (dynamic) activation scales yield (static, at that scale)
     if field == "activations" and constant and "activations" not in given:
         return str(getattr(value, "value", value)).startswith("dynamic")
+    # the preset's kept channels yield to the user's smoothing (both move the outliers) and to one constant scale
+    if field == "keep_channels" and (given.get("smooth") is not None or constant):
+        return True
     techniques = ("bias_correction", "smooth")
     return constant and (field in techniques or (field == "weight_rounding" and value == "gptq"))
 
