@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .common import initializer, insert_at_definition
-from .known import constant, graph_of, required_input
+from .common import derived_tensor, initializer, insert_at_definition, release
+from .known import constant, graph_of, required_input, tensor_shape
 from .known import dtype as dtype_of
 
 __all__ = ["keep_channels"]
@@ -55,18 +55,29 @@ def _own_weight(node: ir.Node) -> bool:
 
 def _split(graph: ir.Graph, node: ir.Node, gathered: ir.Value, idx: np.ndarray) -> None:
     w_value = required_input(node, 1)
-    w = constant(w_value).numpy().copy()
+    source = constant(w_value)
     transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) != 0
-    rows = w[:, idx].T if transposed else w[idx, :]  # [count, N]
+    w = source.numpy()
+    rows = w[:, idx].T if transposed else w[idx, :]  # [count, N], a copy
     if node.op_type == "Gemm":
         rows = rows * node.attributes.get_float("alpha", 1.0)
-    if transposed:
-        w[:, idx] = 0
-    else:
-        w[idx, :] = 0
-    w_value.const_value = ir.tensor(w, name=w_value.name)
-    y = node.outputs[0]
     rows = np.ascontiguousarray(rows.astype(w.dtype))
+    del w
+    release(source)
+
+    def without_rows(w: np.ndarray) -> np.ndarray:
+        w = w.copy()
+        if transposed:
+            w[:, idx] = 0
+        else:
+            w[idx, :] = 0
+        return w
+
+    # W' computed where it is read (scales, GPTQ, the written file), one tensor at a time: a model calibrated
+    # layer by layer never holds its weights whole (an eager copy of each held 1.4 GB more for Qwen2.5 0.5B)
+    shape = tensor_shape(source)
+    w_value.const_value = derived_tensor(source, without_rows, source.dtype, shape, w_value.name)
+    y = node.outputs[0]
     side_w = initializer(graph, f"fp8onnx/{w_value.name}/kept_rows", rows)  # a weight's name is unique
     tape = ir.tape.Tape()
     side = tape.op("MatMul", [gathered, side_w], name=f"fp8onnx/{node.name}/kept_matmul")
