@@ -122,6 +122,10 @@ def test_a_token_model_without_data_calibrates_on_the_bundled_text_sample(tmp_pa
     assert r.exit_code == 0 and "no calibration data: GPTQ rounding of preset encoder skipped" in r.output, r.output
     r = CliRunner().invoke(main, ["quantize", str(folder), "--activations", "static", "-o", str(tmp_path / "q4.onnx")])
     assert r.exit_code == 2 and "has no tokenizer.json beside it" in r.output, r.output
+    # the hint names what still reads data: per-token activations would not free the preset's GPTQ from it
+    assert "which activation statistics, GPTQ rounding read." in r.output, r.output
+    r = CliRunner().invoke(main, ["quantize", str(folder), "--preset", "none", "-o", str(tmp_path / "q5.onnx")])
+    assert r.exit_code == 2 and "or use --activations dynamic-per-token (no data needed)." in r.output, r.output
     r = CliRunner().invoke(main, ["quantize", str(mlp_model(tmp_path / "m.onnx")), "-o", str(tmp_path / "q3.onnx")])
     assert r.exit_code == 2 and "need calibration" in r.output, r.output  # not a token model: what data it needs
 

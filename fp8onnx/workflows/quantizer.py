@@ -326,11 +326,15 @@ def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: 
         return None, dataclasses.replace(
             config, weight_rounding="nearest", bias_correction=False, smooth=None, keep_channels=0
         )
-    if tokens:
+    if tokens:  # per-token activations need no data; the recipe's other readers still do
+        hint = (
+            "or use --activations dynamic-per-token (no data needed)"
+            if reads == ["activation statistics"]
+            else f"which {', '.join(reads)} read"
+        )
         raise Fp8OnnxError(
             f"Model {str(model)!r} takes token ids and has no tokenizer.json beside it to calibrate on a bundled "
-            "text sample: pass --calib DATA (text with --tokenizer, or an .npz), or use --activations "
-            "dynamic-per-token (no data needed)."
+            f"text sample: pass --calib DATA (text with --tokenizer, or an .npz), {hint}."
         )
     return None, config
 
