@@ -100,7 +100,7 @@ def split(graph: ir.Graph, budget: int, wanted: Iterable[str], sequential=None) 
     segments: list[Segment] = []
     current: list[ir.Node] = []
     held: dict[int, int] = {}  # id(weight) -> bytes, for the current segment
-    for node in graph:
+    for node in _constants_at_first_use(graph, reads):
         new = {id(v): v.const_value.nbytes for v in reads[id(node)] if v.is_initializer() and v.const_value is not None}
         extra = sum(b for k, b in new.items() if k not in held)
         reads_tainted = any(id(v) in tainted for v in reads[id(node)])
@@ -141,6 +141,39 @@ def split(graph: ir.Graph, budget: int, wanted: Iterable[str], sequential=None) 
             max(s.nbytes for s in over) / 1e6,
         )
     return segments
+
+
+def _constants_at_first_use(graph: ir.Graph, reads: dict[int, list[ir.Value]]) -> list[ir.Node]:
+    """``graph``'s nodes in order, but each node that computes from initializers alone (a weight's
+    DequantizeLinear, which passes put first in the graph) moved to just before its first reader: so it
+    runs in the segment that reads it, holding its weight there, rather than in the first segment, whose
+    dequantized outputs would otherwise cross every cut for every batch (a quantized Qwen2.5 0.5B spilled
+    its float weights once per batch and filled the disk)."""
+    constant: set[int] = set()
+    for node in graph:
+        if all(
+            v.is_initializer() or (v.producer() is not None and id(v.producer()) in constant) for v in reads[id(node)]
+        ):
+            if not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+                constant.add(id(node))
+    order: list[ir.Node] = []
+    placed: set[int] = set()
+
+    def place(node: ir.Node) -> None:
+        for v in reads[id(node)]:
+            producer = v.producer()
+            if producer is not None and id(producer) in constant and id(producer) not in placed:
+                place(producer)
+        placed.add(id(node))
+        order.append(node)
+
+    for node in graph:
+        if id(node) not in constant:
+            place(node)
+    for node in graph:  # constants that only graph outputs read, at the end
+        if id(node) not in placed:
+            place(node)
+    return order
 
 
 def _value_info(name: str, dtype: int | None, rank_or_shape) -> onnx.ValueInfoProto:
