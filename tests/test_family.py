@@ -174,7 +174,8 @@ def test_the_llm_presets_keep_outlier_channels_and_yield_to_smoothing(tmp_path):
     assert [QuantizeConfig.for_preset(p).keep_channels for p in ("llm-weight-only", "llm-w8a8", "llm")] == [4, 4, 0]
     smoothed = QuantizeConfig.for_preset("llm-w8a8", smooth=0.5)
     assert (smoothed.keep_channels, smoothed.smooth) == (0, 0.5)
-    assert QuantizeConfig.for_preset("llm-weight-only", scaling="constant", weight_rounding="nearest").keep_channels == 0
+    constant = QuantizeConfig.for_preset("llm-weight-only", scaling="constant", weight_rounding="nearest")
+    assert constant.keep_channels == 0
     assert QuantizeConfig.for_preset("llm-w8a8", keep_channels=2).keep_channels == 2
     report = fp8onnx.quantize(SAMPLE / "decoder.onnx", tmp_path / "d.onnx", SAMPLE / "calib.npz", provider="cpu")
     assert report.config["keep_channels"] == 4

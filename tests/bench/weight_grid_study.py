@@ -7,7 +7,10 @@ Each variant is ``ROUNDING-GRID`` (``rtn``/``gptq``, ``pc``/``blk``: per channel
 float): ``gptq-blk@down=pc`` is GPTQ everywhere, blocks of 32 but per-channel down projections. ``GRID+R``
 keeps the R input rows whose inputs carry the most energy (X^T X's largest diagonal: an LLM's massive
 activation channels) in float and rounds the rest, GPTQ on their own X^T X (the float rows' error is zero). ``gptq/D``
-damps X^T X by D times its mean diagonal instead of fp8onnx's 1% (``gptq/0.1-pc``). The rounding is
+damps X^T X by D times its mean diagonal instead of fp8onnx's 1% (``gptq/0.1-pc``). ``ROUNDING~S`` multiplies
+every scale by ``2^u`` (``u`` uniform in [0, 1), seed ``S``): about as precise a rounding (E4M3's relative step
+repeats every power of two), another draw of where each weight meets the grid; a few seeds measure how far a
+score moves from the draw alone (``gptq~1-pc;gptq~2-pc``). The rounding is
 fp8onnx's own GPTQ algebra (``fp8onnx.techniques.gptq_rounding.gptq_round``: the ONNX path's) on the torch
 model's weights; the scales are ``amax / 448`` of each channel or block; lm_head and the embedding stay float.
 The ONNX ``llm-w8a8 --activations none`` model and ``gptq-blk`` here score the same target perplexity on
@@ -74,6 +77,7 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
     base, _, over = spec.partition("@")
     rounding, grid = base.split("-")
     rounding, _, damp = rounding.partition("/")  # gptq/0.1: GPTQ damped by 10% of X^T X's mean diagonal
+    rounding, _, seed = rounding.partition("~")  # rtn~3: scales dithered with seed 3 (another draw of the rounding)
     overrides = dict(kv.split("=") for kv in over.split(",") if kv)
     model = copy.deepcopy(pristine)
     modules = dict(model.named_modules())
@@ -82,13 +86,17 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
         g = overrides.get(group, grid)
         if g == "float":
             continue
-        key = (name, rounding, damp, g)
+        key = (name, rounding, damp, seed, g)
         if key not in cache:
             w = linear.weight.detach().numpy().T.astype(np.float32)  # [K, N]: y = x @ w
             g, _, top = g.partition("+")  # pc+2: the 2 input rows of largest X^T X diagonal kept in float
             rest = np.ones(w.shape[0], bool)
             rest[np.argsort(-np.diag(h[name]), kind="stable")[: int(top or 0)]] = False
             scale = _grid_scale(w[rest], g)
+            if seed:  # each scale times 2^u, u uniform in [0, 1): E4M3's relative precision is the same at any
+                # scale, so the rounding is as good, but every weight meets the grid at another place
+                rng = np.random.default_rng([int(seed), list(linears).index(name)])
+                scale = scale * np.exp2(rng.uniform(0, 1, scale.shape)).astype(np.float32)
             q = w.copy()
             if rounding == "rtn":
                 q[rest] = round_to_grid(np.clip(w[rest] / scale, -FMT.fmax, FMT.fmax), FMT) * scale
