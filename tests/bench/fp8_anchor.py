@@ -179,7 +179,13 @@ def builder(family: str):
 def load(family: str, work: pathlib.Path):
     """The float32 torch model the builder exports (its loader, its wrapper: the same masks)."""
     b = builder(family)
-    gguf = b.find_gguf() if family == "smollm2" else b.assemble(work)
+    if family == "smollm2":
+        gguf = b.find_gguf()
+    elif family == "qwen":  # the size whose GGUF the builder wrote into ``work`` (0.5B unless the 1.5B's is there)
+        size = next((z for z in b.SIZES.values() if (work / z.gguf).exists()), b.SIZES["0.5b"])
+        gguf = b.assemble(size, work)
+    else:
+        gguf = b.assemble(work)
     if isinstance(gguf, tuple):
         gguf = gguf[0]
     model, _ = b.load_model(gguf)
