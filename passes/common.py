@@ -13,6 +13,13 @@ from .known import graph_of
 logger = logging.getLogger(__name__)
 
 
+def defining_graph(value: ir.Value) -> ir.Graph:
+    """The graph where ``value`` is defined: its producer's, or the one that owns it (a graph input, an
+    initializer). What is added there every reader of ``value`` can read, subgraphs under it included."""
+    producer = value.producer()
+    return graph_of(producer) if producer is not None else graph_of(value)
+
+
 def insert_at_definition(value: ir.Value, nodes: Sequence[ir.Node]) -> None:
     """Right after the node that computes ``value``, or first in the graph that owns it (graph inputs,
     initializers): every consumer, in that graph or in a subgraph under it, can then read the result."""
@@ -20,7 +27,7 @@ def insert_at_definition(value: ir.Value, nodes: Sequence[ir.Node]) -> None:
     if producer is not None:
         graph_of(producer).insert_after(producer, nodes)
         return
-    owner = graph_of(value)
+    owner = defining_graph(value)
     first = next(iter(owner), None)
     if first is None:
         owner.extend(nodes)

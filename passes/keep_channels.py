@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .common import derived_tensor, initializer, insert_at_definition, release
+from .common import defining_graph, derived_tensor, initializer, insert_at_definition, release
 from .known import constant, graph_of, required_input, tensor_shape
 from .known import dtype as dtype_of
 
@@ -30,9 +30,7 @@ def keep_channels(x: ir.Value, idx: np.ndarray, nodes: list[ir.Node], name: str)
     if not done:
         return []
     # the Gather goes where x is defined (its readers may sit in subgraphs under it: a merged decoder's If)
-    producer = x.producer()
-    home = graph_of(producer) if producer is not None else graph_of(x)
-    indices = initializer(home, f"fp8onnx/{name}/kept_channels", np.asarray(idx, np.int64))
+    indices = initializer(defining_graph(x), f"fp8onnx/{name}/kept_channels", np.asarray(idx, np.int64))
     tape = ir.tape.Tape()
     gathered = tape.op("Gather", [x, indices], attributes={"axis": -1}, name=f"fp8onnx/{name}/kept_gather")
     gathered.name, gathered.dtype = f"fp8onnx/{name}/kept", dtype_of(x)

@@ -131,8 +131,8 @@ def _cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def _prompts() -> np.ndarray:
-    return np.random.default_rng(SEED + 2).integers(3, VOCAB, (PROMPTS, PROMPT_LEN))
+def _prompts(count: int = PROMPTS) -> np.ndarray:
+    return np.random.default_rng(SEED + 2).integers(3, VOCAB, (count, PROMPT_LEN))
 
 
 def runtime_generate(kind: str, folder: pathlib.Path) -> np.ndarray:
@@ -171,7 +171,7 @@ def runtime_generate(kind: str, folder: pathlib.Path) -> np.ndarray:
     return out[:, -NEW:].numpy()
 
 
-def engine_generate(folder: pathlib.Path) -> np.ndarray:
+def engine_generate(folder: pathlib.Path, prompts: int = PROMPTS) -> np.ndarray:
     from fp8onnx.accuracy.generation import Generator, start_token
     from fp8onnx.data.kv_cache import cache_sizes
     from fp8onnx.graph.runtime import make_session
@@ -181,7 +181,7 @@ def engine_generate(folder: pathlib.Path) -> np.ndarray:
     plan = export.plans()[-1]  # the merged decoder where there is one, as Optimum loads it
     sessions = {role: make_session(path, "cpu") for role, path in plan.items()}
     generator = Generator(sessions, start_token=start_token(folder), cache_sizes=cache_sizes(folder))
-    return generator.greedy(_prompts(), NEW)
+    return generator.greedy(_prompts(prompts), NEW)
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -303,10 +303,11 @@ def test_a_genai_folder_for_the_cuda_ep(exported, tmp_path):
     assert fast and {n.name.endswith("/kept_matmul") for n in plain} <= {True} and len(plain) == len(fast)
     from fp8onnx.accuracy.generation import agreement
 
-    # greedy tokens of a small random model part at near-ties: float16 (fast form) against float32 (Q/DQ) gave
-    # 1.0 without kept channels and 0.75 with the default's 4 (whose Q/DQ logits are closer to FP32's: 26.7 dB
-    # against 26.0)
-    assert agreement(engine_generate(out), engine_generate(cuda))["token_agreement"] >= 0.7
+    # greedy tokens of a small random model part at near-ties (float16 in the fast form, float32 in Q/DQ): on 5
+    # prompts one near-tie at the first token moved the agreement from 1.0 to 0.75 with the default's kept
+    # channels; 16 prompts measure it (0.93 without them, 0.84 with)
+    wide = 16
+    assert agreement(engine_generate(out, wide), engine_generate(cuda, wide))["token_agreement"] >= 0.8
     import onnxruntime_genai as og
 
     with pytest.raises(Exception) as refused:  # the CPU build: no CUDA provider, no kernel for the op
