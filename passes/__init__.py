@@ -22,6 +22,7 @@ from .half_tables import HalfTablesPass, HalfTablesResult
 from .insert_qdq import NODE_PREFIX, InsertQDQPass, TensorQuant, is_quantized
 from .lower_gemm_float8 import MS_DOMAIN, LowerGemmFloat8Pass, LoweringResult
 from .quantize_embeddings import EmbeddingsResult, QuantizeEmbeddingsPass
+from .scored_rows import ScoredRowsPass, scored_projections
 from .shield_bias import ShieldBiasPass, bias_of
 from .tie_embeddings import TieEmbeddingsPass
 from .upgrade_opset import TARGET_OPSET, UpgradeError, UpgradeOpsetPass, default_opset
@@ -50,6 +51,7 @@ __all__ = [
     "LowerGemmFloat8Pass",
     "LoweringResult",
     "QuantizeEmbeddingsPass",
+    "ScoredRowsPass",
     "ShieldBiasPass",
     "TensorQuant",
     "TieEmbeddingsPass",
@@ -63,4 +65,5 @@ __all__ = [
     "is_quantized",
     "output_channel_axis",
     "release",
+    "scored_projections",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
@@ -137,3 +138,115 @@ def test_a_bad_task_file_is_one_sentence(tmp_path, bos_tokenizer):
     bad = _write(tmp_path / "bad.jsonl", [{"context": "a b", "endings": ["c", "d"], "label": 5}])
     r = CliRunner().invoke(main, ["compare", str(model), "--data", str(bad), "--tokenizer", str(bos_tokenizer)])
     assert r.exit_code == 2 and "line 1: 'label' 5 but 2 endings" in r.output
+
+
+@pytest.fixture(scope="module")
+def sample_tokenizer(tmp_path_factory):  # ids below the sample decoder's 256
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        _docs(), trainers.WordLevelTrainer(vocab_size=250, special_tokens=["[PAD]", "[UNK]", "<bos>"])
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_a_task_computes_its_logits_at_the_scored_positions_only(tmp_path, sample_tokenizer, monkeypatch):
+    """The sample decoder (a TorchScript export) and two FP8 copies (lm_head in float; every MatMul static
+    FP8, lm_head's input quantized too) score a task's items as they do with every position's logits,
+    targets of one to three words (padded scored positions) and endings of one to four."""
+    import fp8onnx.accuracy.compare as compare_module
+
+    from helpers import SAMPLE
+
+    words = " ".join(_docs()[:20]).split()
+    cut = [(i * 9, i * 9 + 5 + i % 4, i * 9 + 6 + i % 4 + i % 3) for i in range(14)]
+    completions = [{"context": " ".join(words[a:b]), "target": " ".join(words[b:c])} for a, b, c in cut]
+    choices = [
+        {
+            "context": " ".join(words[i * 7 : i * 7 + 5]),
+            "endings": [" ".join(words[j : j + 1 + (j + k) % 4]) for k, j in enumerate((i, 40 + i, 80 + i))],
+            "label": i % 3,
+        }
+        for i in range(10)
+    ]
+    reference = SAMPLE / "decoder.onnx"
+    defaults, static = tmp_path / "defaults.onnx", tmp_path / "static.onnx"
+    fp8onnx.quantize(reference, defaults, SAMPLE / "calib.npz", provider="cpu")
+    fp8onnx.quantize(reference, static, SAMPLE / "calib.npz", preset="encoder", provider="cpu")
+    for records in (completions, choices):
+        data = TextSource(_write(tmp_path / "task.jsonl", records), sample_tokenizer)
+        run = {"batch_size": 4, "provider": "cpu", "memory": False}
+        trimmed = fp8onnx.compare(reference, [defaults, static], data, **run)
+        monkeypatch.setattr(compare_module, "trimmable", lambda model: False)
+        whole = fp8onnx.compare(reference, [defaults, static], data, **run)
+        monkeypatch.undo()
+        assert any("scored positions only" in n for n in trimmed.notes)
+        assert not any("scored positions only" in n for n in whole.notes)
+        assert [r.name for r in trimmed.rows] == [r.name for r in whole.rows] and len(trimmed.rows) == 4
+        for a, b in zip(trimmed.rows, whole.rows):
+            np.testing.assert_array_equal(a.columns["correct"], b.columns["correct"])
+            np.testing.assert_allclose(a.columns["nll"], b.columns["nll"], rtol=1e-5)
+            assert a.accuracy == b.accuracy and len(a.columns["nll"]) == len(records)
+        assert trimmed.rows[3].accuracy is not None
+
+
+def _head(path, soft_cap: bool, flat: bool):
+    """hidden [batch, seq, 8] -> logits [batch, seq, 16]: a MatMul, soft-capped, or through a flat Reshape."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w")]
+    inits += [numpy_helper.from_array(np.float32(3.0), "cap")]
+    nodes = [helper.make_node("Relu", ["hidden"], ["h"])]
+    if flat:
+        inits += [
+            numpy_helper.from_array(np.array([-1, 8]), "flat"),
+            numpy_helper.from_array(np.array([2, -1, 16]), "back"),
+        ]
+        nodes += [helper.make_node("Reshape", ["h", "flat"], ["h2"]), helper.make_node("MatMul", ["h2", "w"], ["p"])]
+        nodes += [helper.make_node("Reshape", ["p", "back"], ["logits"])]
+    elif soft_cap:
+        nodes += [helper.make_node("MatMul", ["h", "w"], ["p"]), helper.make_node("Div", ["p", "cap"], ["d"])]
+        nodes += [helper.make_node("Tanh", ["d"], ["t"]), helper.make_node("Mul", ["t", "cap"], ["logits"])]
+    else:
+        nodes += [helper.make_node("MatMul", ["h", "w"], ["logits"])]
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 16])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_trimming_gathers_the_scored_rows_or_leaves_the_model_alone(tmp_path):
+    import onnx_ir as ir
+
+    from fp8onnx.accuracy.scored_positions import POSITIONS, scored, trimmed
+    from fp8onnx.graph.model_io import load_model
+
+    hidden = np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)
+    labels = np.array([[-1, -1, 7, 3, -1], [-1, 4, -1, -1, -1]])
+    fed = scored({"hidden": hidden}, labels)
+    np.testing.assert_array_equal(fed["feed"][POSITIONS][..., 0], [[2, 3], [1, -1]])
+    np.testing.assert_array_equal(fed["labels"], [[7, 3], [4, -1]])
+    for cap in (False, True):
+        path = _head(tmp_path / f"head{cap}.onnx", soft_cap=cap, flat=False)
+        full = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"hidden": hidden})[0]
+        model = load_model(path)
+        assert trimmed(model) and not trimmed(model)  # once: the input is there
+        onnx.save(ir.to_proto(model), tmp_path / "trimmed.onnx")
+        session = ort.InferenceSession(str(tmp_path / "trimmed.onnx"), providers=["CPUExecutionProvider"])
+        rows = session.run(None, fed["feed"])[0]
+        np.testing.assert_allclose(rows[0], full[0, [2, 3]], rtol=1e-6)
+        np.testing.assert_allclose(rows[1, 0], full[1, 1], rtol=1e-6)  # its padding reads the last row: unscored
+    flat = load_model(_head(tmp_path / "flat.onnx", soft_cap=False, flat=True))
+    before = ir.to_proto(flat).SerializeToString()
+    assert not trimmed(flat) and ir.to_proto(flat).SerializeToString() == before

@@ -36,6 +36,7 @@ from fp8onnx.accuracy.evaluation import (
 from fp8onnx.accuracy.generation import Generator, agreement
 from fp8onnx.accuracy.metrics import METRICS, class_outputs, next_token_labels
 from fp8onnx.accuracy.on_workers import _evaluate_distributed
+from fp8onnx.accuracy.scored_positions import ScoredPositions, trimmable, trimmed
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
@@ -44,7 +45,7 @@ from fp8onnx.graph import known
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.graph.run_settings import RunOptions, resolve_provider
-from fp8onnx.graph.runtime import make_session
+from fp8onnx.graph.runtime import make_session, session_for_model
 from fp8onnx.passes import BLOCK_FP8_OP
 from fp8onnx.settings.keywords import refuse_unknown, take
 from fp8onnx.techniques.family import detect_family
@@ -120,7 +121,18 @@ def compare(
     models = _models(ref_model, reference, zip(candidates, named), provider, fp16)
     source, total = _source(data, ref_model, run.batch, max_samples)
     notes = _emulation_notes(models, provider)
+    open_reference = None
+    if getattr(source, "task", None) is not None and not run.distributed:
+        trim = _trimmed_models(ref_model, reference, models, provider)
+        if trim is not None:
+            open_reference, models = trim
+            source = ScoredPositions(source)
+            notes.append(
+                "Each model computed its logits at the task's scored positions only (its vocabulary projection "
+                "gathered first): top-1 agreement and the output errors cover those positions."
+            )
     job = _Evaluation(reference, models, source, out_names, total, max_samples, run, notes, memory, frozenset(classes))
+    job.open_reference = open_reference
     rows, samples, batches = _evaluate_distributed(job) if run.distributed else _evaluate_here(job, reference_run)
     task = getattr(source, "task", None)
     if task is not None:  # zero-shot task items: scored from the samples' sums, an item per unit
@@ -170,6 +182,32 @@ def _models(ref_model, reference, candidates, provider: str, fp16: bool) -> dict
             raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
         models[name] = (str(cand), functools.partial(_session, cand, provider))
     return models
+
+
+def _trimmed_models(ref_model, reference, models: dict, provider: str):
+    """(the reference's session builder, ``models`` with builders of sessions) for the models trimmed to a
+    task's scored positions (:func:`fp8onnx.accuracy.scored_positions.trimmed`; the FP16 baseline is built
+    from the trimmed reference), or None, nothing changed, where some model cannot be trimmed."""
+    if not any(v.name == "logits" for v in ref_model.graph.outputs):
+        return None
+    loaded = {name: load_model(path) for name, (path, _) in models.items() if path is not None}
+    for name, model in [(str(reference), ref_model), *loaded.items()]:
+        if not trimmable(model):
+            logger.info("Model %r: no MatMul to trim to the scored positions; every position's logits computed", name)
+            return None
+    for model in (ref_model, *loaded.values()):
+        trimmed(model)
+    mine = ref_model.clone()  # the FP16 baseline converts ref_model itself
+    what = f"Reference model {str(reference)!r}"
+    trims = {
+        name: (path, build if path is None else functools.partial(_model_session, loaded[name], provider, path))
+        for name, (path, build) in models.items()
+    }
+    return functools.partial(session_for_model, mine, provider, what, arena=False), trims
+
+
+def _model_session(model, provider: str, path: str):
+    return session_for_model(model, provider, f"Candidate model {path!r}", arena=False)
 
 
 def _source(data, ref_model, batch_size: int, max_samples: int | None):

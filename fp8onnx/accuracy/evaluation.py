@@ -13,6 +13,7 @@ import logging
 import pathlib
 import shutil
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,6 +50,13 @@ class _Evaluation:
     notes: list[str]  # appended to: why there is no FP16 row, ...
     memory: bool  # measure each session's heap
     classes: frozenset = frozenset()  # outputs whose top-1 agreement is measured
+    open_reference: Callable[[], object] | None = None  # the reference's session; None: from its file
+
+    def reference_session(self):
+        if self.open_reference is not None:
+            return self.open_reference()
+        what = f"Reference model {str(self.reference)!r}"
+        return make_session(pathlib.Path(self.reference), self.run.provider, what, arena=False)
 
 
 # The reference's outputs wait on disk only while they leave this share of the disk's free space (and
@@ -134,13 +142,12 @@ class ReferenceRun:
 def _reference_pass(run: ReferenceRun, job: _Evaluation) -> None:
     """The reference over the data, into ``run`` (closed again on failure); :class:`_TooBigToSpill` as soon
     as its outputs are seen not to fit the free disk (after the first batch where the batch count is known)."""
-    reference, out_names = job.reference, job.out_names
+    out_names = job.out_names
     spill = run.spill = Spill()
     budget = int(shutil.disk_usage(spill.root).free * SPILL_SHARE) - SPILL_MARGIN
     try:
         cost = _Cost(job.memory)
-        what = f"Reference model {str(reference)!r}"
-        session = make_session(pathlib.Path(reference), job.run.provider, what, arena=False)
+        session = job.reference_session()
         run.score = _Score({o: _OutputStats() for o in out_names})
         batches = job.source.batches(job.run.batch)
         for batch in progress_bar(batches, total=job.total, desc="FP32", unit="batch", enable=job.run.progress):
@@ -198,8 +205,7 @@ def _evaluate_lockstep(job: _Evaluation, why: str):
         )
     logger.info("%s: the models run side by side, batch by batch, nothing kept on disk", why)
     job.notes.append(f"The models ran side by side ({why}); their sessions' memory was not measured.")
-    what = f"Reference model {str(job.reference)!r}"
-    sessions = {_REFERENCE: make_session(pathlib.Path(job.reference), job.run.provider, what, arena=False)}
+    sessions = {_REFERENCE: job.reference_session()}
     for name, (_, build) in job.models.items():
         try:
             sessions[name] = build()

@@ -20,6 +20,9 @@ import numpy as np
 
 from fp8onnx.base.errors import Fp8OnnxError
 
+# A task's scored positions, fed to models trimmed to them (accuracy.scored_positions): [batch, scored, 1]
+POSITIONS = "fp8onnx_scored_positions"
+
 logger = logging.getLogger(__name__)
 
 LLM_RATIO = 0.995  # FP8 within 99.5% of FP16 (FP8 LLM paper)
@@ -177,6 +180,9 @@ def _score(
 def _rows_kept(feed: dict | None, output: np.ndarray) -> np.ndarray | None:
     """The attended positions of a [batch, seq, width] output (the mask's last ``seq`` columns: a KV
     cache's mask covers the past too), or None where the feed has no such mask."""
+    scored = None if feed is None else feed.get(POSITIONS)
+    if scored is not None and output.ndim == 3 and output.shape[:2] == scored.shape[:2]:
+        return scored[..., 0] >= 0  # a task's scored positions (accuracy.scored_positions): -1 pads
     mask = None if feed is None else feed.get("attention_mask")
     if mask is None or output.ndim != 3:
         return None

@@ -10,7 +10,11 @@ activation channels) in float and rounds the rest, GPTQ on their own X^T X (the 
 damps X^T X by D times its mean diagonal instead of fp8onnx's 1% (``gptq/0.1-pc``). ``ROUNDING~S`` multiplies
 every scale by ``2^u`` (``u`` uniform in [0, 1), seed ``S``): about as precise a rounding (E4M3's relative step
 repeats every power of two), another draw of where each weight meets the grid; a few seeds measure how far a
-score moves from the draw alone (``gptq~1-pc;gptq~2-pc``). The rounding is
+score moves from the draw alone (``gptq~1-pc;gptq~2-pc``). ``ROUNDING*N`` rounds every column on each of the
+scales ``2^(k/N)`` times its amax scale (k < N) and keeps, per column, the rounding whose error ``e`` has the
+least ``e^T X^T X e`` on the calibration (``gptq*8-pc+4``); ``ROUNDING^N`` picks each column's scale of the
+same N before rounding, by its nearest rounding's error weighted by X^T X's diagonal (N plain roundings, no
+GPTQ run per candidate). The rounding is
 fp8onnx's own GPTQ algebra (``fp8onnx.techniques.gptq_rounding.gptq_round``: the ONNX path's) on the torch
 model's weights; the scales are ``amax / 448`` of each channel or block; lm_head and the embedding stay float.
 The ONNX ``llm-w8a8 --activations none`` model and ``gptq-blk`` here score the same target perplexity on
@@ -72,12 +76,51 @@ def hessians(wrapped, linears: dict, calib: pathlib.Path, batch: int) -> dict[st
     return {n: v.numpy().astype(np.float32) for n, v in sums.items()}
 
 
+def _rounded(w: np.ndarray, h: np.ndarray, scale: np.ndarray, rounding: str, damp: str) -> np.ndarray:
+    if rounding == "rtn":
+        return round_to_grid(np.clip(w / scale, -FMT.fmax, FMT.fmax), FMT) * scale
+    return gptq_round(w, h, scale, FMT, **({"damp": float(damp)} if damp else {}))
+
+
+def _searched(w: np.ndarray, h: np.ndarray, scale: np.ndarray, rounding: str, damp: str, n: int) -> np.ndarray:
+    """``w`` rounded on each column's best of the scales ``scale * 2^(k/n)``, k < n: the one whose error
+    ``e`` has the least ``e^T X^T X e`` (a column's GPTQ rounding depends on that column alone, so the
+    choice is exact per column). ``n`` = 1: the given scales."""
+    best, q = None, None
+    for k in range(n):
+        qk = _rounded(w, h, scale * np.float32(2 ** (k / n)), rounding, damp)
+        e = (w - qk).astype(np.float64)
+        err = np.einsum("kn,kn->n", e, h.astype(np.float64) @ e)
+        if best is None:
+            best, q = err, qk
+        else:
+            better = err < best
+            best, q[:, better] = np.where(better, err, best), qk[:, better]
+    return q
+
+
+def _picked(w: np.ndarray, d: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
+    """Each column's scale, of ``scale * 2^(k/n)`` (k < n), whose nearest rounding has the least error
+    weighted by ``d`` (X^T X's diagonal): a choice made before GPTQ, at the cost of n roundings."""
+    best, out = None, scale.copy()
+    for k in range(n):
+        s = scale * np.float32(2 ** (k / n))
+        e = w - round_to_grid(np.clip(w / s, -FMT.fmax, FMT.fmax), FMT) * s
+        err = d.astype(np.float64) @ (e.astype(np.float64) ** 2)
+        better = err < best if best is not None else np.ones(len(err), bool)
+        best = err if best is None else np.where(better, err, best)
+        out[better] = s[better]
+    return out
+
+
 def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
     """A copy of ``pristine`` with its Linears' weights rounded as ``spec`` says."""
     base, _, over = spec.partition("@")
     rounding, grid = base.split("-")
     rounding, _, damp = rounding.partition("/")  # gptq/0.1: GPTQ damped by 10% of X^T X's mean diagonal
     rounding, _, seed = rounding.partition("~")  # rtn~3: scales dithered with seed 3 (another draw of the rounding)
+    rounding, _, search = rounding.partition("*")  # gptq*8: each column's scale the best of 8 on X^T X
+    rounding, _, pick = rounding.partition("^")  # gptq^8: each column's scale the best of 8 for diag(X^T X), RTN
     overrides = dict(kv.split("=") for kv in over.split(",") if kv)
     model = copy.deepcopy(pristine)
     modules = dict(model.named_modules())
@@ -86,7 +129,7 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
         g = overrides.get(group, grid)
         if g == "float":
             continue
-        key = (name, rounding, damp, seed, g)
+        key = (name, rounding, damp, seed, search, pick, g)
         if key not in cache:
             w = linear.weight.detach().numpy().T.astype(np.float32)  # [K, N]: y = x @ w
             g, _, top = g.partition("+")  # pc+2: the 2 input rows of largest X^T X diagonal kept in float
@@ -98,11 +141,10 @@ def variant_model(pristine, linears: dict, spec: str, h: dict, cache: dict):
                 rng = np.random.default_rng([int(seed), list(linears).index(name)])
                 scale = scale * np.exp2(rng.uniform(0, 1, scale.shape)).astype(np.float32)
             q = w.copy()
-            if rounding == "rtn":
-                q[rest] = round_to_grid(np.clip(w[rest] / scale, -FMT.fmax, FMT.fmax), FMT) * scale
-            else:  # the float rows' error is zero: GPTQ's objective is the other rows' alone
-                hr = h[name][np.ix_(rest, rest)]
-                q[rest] = gptq_round(w[rest], hr, scale, FMT, **({"damp": float(damp)} if damp else {}))
+            hr = h[name][np.ix_(rest, rest)]  # the float rows' error is zero: the objective is the other rows'
+            if pick:
+                scale = _picked(w[rest], np.diag(hr), scale, int(pick))
+            q[rest] = _searched(w[rest], hr, scale, rounding, damp, int(search or 1))
             cache[key] = torch.from_numpy(np.ascontiguousarray(q.T))
         modules[name].weight.data = cache[key]
     return model
