@@ -203,15 +203,36 @@ def columns(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 def score(wrapped, source, batch: int, limit: int | None) -> np.ndarray:
+    """Per-sample columns of ``wrapped`` over ``source``; a task's logits at its scored positions only (as
+    compare computes them: ``fp8onnx.accuracy.scored_positions``), lm_head's input gathered by a hook."""
+    from fp8onnx.accuracy.scored_positions import POSITIONS, scored
+
+    task = getattr(source, "task", None) is not None
+    head = next(m for n, m in wrapped.named_modules() if n.endswith("lm_head"))
+    rows: list[torch.Tensor] = []
+
+    def gather(module, args):  # hidden [batch, seq, width] -> [batch, scored, width]
+        at = rows[0].expand(-1, -1, args[0].shape[-1])
+        return (torch.gather(args[0], 1, torch.where(at < 0, at + args[0].shape[1], at)),)
+
+    hook = head.register_forward_pre_hook(gather) if task else None
     parts, seen = [], 0
-    with torch.no_grad():
-        for b in source.batches(batch):
-            feed = {k: torch.from_numpy(np.asarray(v)) for k, v in b.feed.items()}
-            logits = wrapped(feed["input_ids"], feed["attention_mask"]).float().numpy()
-            parts.append(columns(logits, np.asarray(b.labels)))
-            seen += b.size
-            if limit is not None and seen >= limit:
-                break
+    try:
+        with torch.no_grad():
+            for b in source.batches(batch):
+                feed, labels = b.feed, np.asarray(b.labels)
+                if task:
+                    trimmed = scored(feed, labels)
+                    labels = trimmed["labels"]
+                    rows[:] = [torch.from_numpy(trimmed["feed"][POSITIONS])]
+                ids, mask = (torch.from_numpy(np.asarray(feed[k])) for k in ("input_ids", "attention_mask"))
+                parts.append(columns(wrapped(ids, mask).float().numpy(), labels))
+                seen += b.size
+                if limit is not None and seen >= limit:
+                    break
+    finally:
+        if hook is not None:
+            hook.remove()
     return np.concatenate(parts)
 
 
