@@ -208,20 +208,20 @@ def score(wrapped, source, batch: int, limit: int | None) -> np.ndarray:
     from fp8onnx.accuracy.scored_positions import POSITIONS, scored
 
     task = getattr(source, "task", None) is not None
-    head = next(m for n, m in wrapped.named_modules() if n.endswith("lm_head"))
     rows: list[torch.Tensor] = []
 
     def gather(module, args):  # hidden [batch, seq, width] -> [batch, scored, width]
         at = rows[0].expand(-1, -1, args[0].shape[-1])
         return (torch.gather(args[0], 1, torch.where(at < 0, at + args[0].shape[1], at)),)
 
-    hook = head.register_forward_pre_hook(gather) if task else None
+    head = next((m for n, m in wrapped.named_modules() if n.endswith("lm_head")), None) if task else None
+    hook = head.register_forward_pre_hook(gather) if head is not None else None
     parts, seen = [], 0
     try:
         with torch.no_grad():
             for b in source.batches(batch):
                 feed, labels = b.feed, np.asarray(b.labels)
-                if task:
+                if hook is not None:
                     trimmed = scored(feed, labels)
                     labels = trimmed["labels"]
                     rows[:] = [torch.from_numpy(trimmed["feed"][POSITIONS])]
