@@ -20,19 +20,24 @@ from fp8onnx.data.tasks import is_task_file
 tokenizers = pytest.importorskip("tokenizers")
 
 
-@pytest.fixture(scope="module")
-def bos_tokenizer(tmp_path_factory):
+def _word_tokenizer(folder, vocab_size: int):
+    """A word-level tokenizer.json trained on the test documents, ``<bos>`` (id 2) before every text."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(
-        _docs(), trainers.WordLevelTrainer(vocab_size=400, special_tokens=["[PAD]", "[UNK]", "<bos>"])
+        _docs(), trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "<bos>"])
     )
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path = folder / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory):
+    return _word_tokenizer(tmp_path_factory.mktemp("tok"), 400)
 
 
 def _items(n: int = 12):
@@ -142,17 +147,7 @@ def test_a_bad_task_file_is_one_sentence(tmp_path, bos_tokenizer):
 
 @pytest.fixture(scope="module")
 def sample_tokenizer(tmp_path_factory):  # ids below the sample decoder's 256
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(
-        _docs(), trainers.WordLevelTrainer(vocab_size=250, special_tokens=["[PAD]", "[UNK]", "<bos>"])
-    )
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return _word_tokenizer(tmp_path_factory.mktemp("tok"), 250)
 
 
 def test_a_task_computes_its_logits_at_the_scored_positions_only(tmp_path, sample_tokenizer, monkeypatch):
