@@ -122,7 +122,8 @@ def compare(
     source, total = _source(data, ref_model, run.batch, max_samples)
     notes = _emulation_notes(models, provider)
     open_reference = None
-    if getattr(source, "task", None) is not None and not run.distributed:
+    # a kept reference pass (reference_run) serves later calls whose candidates may not trim: runs as it is
+    if getattr(source, "task", None) is not None and not run.distributed and reference_run is None:
         trim = _trimmed_models(ref_model, reference, models, provider)
         if trim is not None:
             open_reference, models = trim
