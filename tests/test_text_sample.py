@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fp8onnx.data.text import load_tokenizer
 from fp8onnx.data.text_sample import python_text_sample
 from fp8onnx.settings.config import QuantizeConfig
-from fp8onnx.workflows.quantizer import _tokens_wanted
+from fp8onnx.workflows.calibration_data import tokens_wanted
 
 
 @pytest.fixture
@@ -74,5 +74,5 @@ def test_the_tokens_wanted_are_gptqs_rows_for_the_widest_input(tmp_path):
     )
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     onnx.checker.check_model(ir.serde.serialize_model(model))
-    assert _tokens_wanted(model, QuantizeConfig(weight_rounding="gptq")) == 16 * 96
-    assert _tokens_wanted(model, QuantizeConfig()) == 0
+    assert tokens_wanted(model, QuantizeConfig(weight_rounding="gptq")) == 16 * 96
+    assert tokens_wanted(model, QuantizeConfig()) == 0

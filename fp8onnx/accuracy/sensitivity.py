@@ -45,7 +45,7 @@ from fp8onnx.pipeline.statistics import measure
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.techniques.scales import activation_stats, assign_scales
 
-__all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity"]
+__all__ = ["NodeSensitivity", "SensitivityResult", "measure_sensitivity", "measure_with"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,24 @@ def measure_sensitivity(
     each node (:mod:`fp8onnx.accuracy.budget`: weight vs activation, range vs mantissa) in the same pass."""
     config, run = entry_settings(config, run, options, preset=None)
     check_calibration_source(calib, stats)
+    return measure_with(model, calib, data, config, run, stats=stats, budget=budget)
+
+
+def measure_with(
+    model: str | os.PathLike,
+    calib,
+    data,
+    config: QuantizeConfig,
+    run: RunOptions,
+    *,
+    stats: str | os.PathLike | Stats | None = None,
+    budget: bool = False,
+) -> SensitivityResult:
+    """:func:`measure_sensitivity` for a caller that has built its settings and checked its sources at its own
+    entry (``quantize``'s report, the accuracy search): nothing is built or checked again.
+
+    requires: ``run.provider`` resolved; at most one of ``calib`` and ``stats``. ensures: as
+    :func:`measure_sensitivity`."""
     ir_model, _, _ = prepare_model(model, config.precision)
     calib, data = _sources(calib, data, ir_model)
     decisions, skipped = plan(ir_model, config)

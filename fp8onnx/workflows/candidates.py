@@ -24,7 +24,7 @@ from fp8onnx.base.scratch import make_dir, remove
 from fp8onnx.graph.run_settings import RunOptions
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.config import QuantizeConfig
-from fp8onnx.workflows.quantizer import quantize
+from fp8onnx.workflows.quantizer import quantize_with
 
 __all__ = ["Candidates"]
 
@@ -85,8 +85,8 @@ class Candidates:
         if config.weights_need_data or self.needs_data:
             if self.calib is None:
                 raise Fp8OnnxError("GPTQ, --smooth and --bias-correction need the calibration data here, not --stats.")
-            return quantize(self.model, path, self.calib, config=config, run=run)
-        return quantize(self.model, path, config=config, stats=self.stats, run=run)
+            return quantize_with(self.model, path, self.calib, config, run)
+        return quantize_with(self.model, path, None, config, run, stats=self.stats)
 
     def _folder(self) -> pathlib.Path:
         if self._tmp is None:

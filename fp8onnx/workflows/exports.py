@@ -52,7 +52,7 @@ from fp8onnx.graph.run_settings import RunOptions, entry_settings
 from fp8onnx.graph.runtime import make_session
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.report import FolderReport
-from fp8onnx.workflows.quantizer import quantize
+from fp8onnx.workflows.quantizer import quantize_with
 
 __all__ = ["MANIFEST", "Export", "describe_export", "quantize_folder"]
 
@@ -298,8 +298,8 @@ def quantize_folder(
         reports = {}
         for model in export.models:
             logger.info("quantizing %s", model.name)
-            report = reports[model.name] = quantize(
-                model, build / model.name, data.get(model, calib), config=config, run=run, calib_optional=optional
+            report = reports[model.name] = quantize_with(
+                model, build / model.name, data.get(model, calib), config, run, calib_optional=optional
             )
             report.output = str(out / model.name)
             if model in data and report.calibration:  # not the feeds' temporary folder

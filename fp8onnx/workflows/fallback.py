@@ -33,10 +33,10 @@ import pathlib
 
 from fp8onnx.accuracy.compare import compare
 from fp8onnx.accuracy.compare_results import CompareResult
-from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_sensitivity
+from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_with
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.scratch import temporary_dir
-from fp8onnx.data.datasource import Data, as_data
+from fp8onnx.data.datasource import Data, as_data, check_calibration_source
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.data.split import EVERY, Part, count_samples
 from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
@@ -48,7 +48,7 @@ from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.keywords import take
 from fp8onnx.techniques.family import detect_family
 from fp8onnx.workflows.candidates import Candidates
-from fp8onnx.workflows.quantizer import quantize
+from fp8onnx.workflows.quantizer import quantize_with
 from fp8onnx.workflows.target_result import FallbackResult, TargetNotMet, Z, nearly_all, not_met, unresolved
 
 __all__ = ["FallbackResult", "Scoring", "TargetNotMet", "TargetSearch", "quantize_to_target", "search", "sensitivity"]
@@ -106,9 +106,15 @@ def sensitivity(
     recipe reads ``calib`` (GPTQ, bias correction, smoothing). ``scoring`` (:class:`Scoring`) holds ``refine``,
     ``metric`` and ``needs_data``; keyword ``options`` are its fields, QuantizeConfig's or RunOptions'."""
     scoring = take(Scoring, scoring, options)
-    refine, metric, needs_data = scoring.refine, scoring.metric, scoring.needs_data
     config, run = entry_settings(config, run, options, preset=None)
-    result = measure_sensitivity(model, calib, data, config=config, stats=stats, run=run, budget=budget)
+    check_calibration_source(calib, stats)
+    return _sensitivity(model, calib, data, config, run, stats, eval_data, scoring, budget)
+
+
+def _sensitivity(model, calib, data, config, run, stats, eval_data, scoring: Scoring, budget=False):
+    """:func:`sensitivity` with its settings built and its sources checked (the accuracy search's ranking)."""
+    refine, metric, needs_data = scoring.refine, scoring.metric, scoring.needs_data
+    result = measure_with(model, calib, data, config, run, stats=stats, budget=budget)
     if eval_data is None or refine <= 0:
         return result
     nodes = result.ranked()[:refine]
@@ -284,9 +290,8 @@ def resolved_w8a16(model, config: QuantizeConfig, calib, run: RunOptions) -> tup
     if config.w8a8_share is None:
         return config, ""
     with temporary_dir("fp8onnx-w8a16-") as tmp:
-        done = quantize(
-            model, pathlib.Path(tmp) / "choice.onnx", calib, config=config, run=RunOptions.of(run, progress=False)
-        )
+        quiet = RunOptions.of(run, progress=False)
+        done = quantize_with(model, pathlib.Path(tmp) / "choice.onnx", calib, config, quiet)
     if done.w8a16 is None:
         return config, ""
     names = tuple(glob.escape(n) for n in done.w8a16["nodes"])
@@ -337,11 +342,10 @@ def _ranked(model, config: QuantizeConfig, calib, eval_data, refine: int, metric
     """(the recipe the nodes are ranked under, their sensitivity): measured on ``calib`` (the scales
     from it too where the activations are static), the top ``refine`` scored on ``eval_data``."""
     ranked = _ranking_config(model, config)
-    scoring = {"config": ranked, "eval_data": eval_data, "refine": refine, "metric": metric, "run": run}
-    scoring["needs_data"] = ranked.weights_need_data
-    if ranked.activations != "static":  # the scales need no calibration; sensitivity still runs on calib
-        return ranked, sensitivity(model, None, calib, **scoring)
-    return ranked, sensitivity(model, calib, **scoring)
+    scoring = Scoring(refine, metric, ranked.weights_need_data)
+    # dynamic activations: the scales need no calibration; the measurement still runs on calib
+    scales, data = (calib, None) if ranked.activations == "static" else (None, calib)
+    return ranked, _sensitivity(model, scales, data, ranked, run, None, eval_data, scoring)
 
 
 def _check_search(accuracy_target: float, max_float_nodes: int | None, refine: int, calib) -> None:

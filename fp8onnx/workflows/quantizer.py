@@ -16,13 +16,11 @@ import logging
 import os
 import pathlib
 
-from fp8onnx.accuracy.sensitivity import measure_sensitivity
+from fp8onnx.accuracy.sensitivity import measure_with
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.phases import current_phases, lap, recording
 from fp8onnx.base.scratch import scratch
-from fp8onnx.data.datasource import Data, as_data, check_calibration_source
-from fp8onnx.data.feeds import FeedData, input_specs
-from fp8onnx.data.text_sample import default_text_sample
+from fp8onnx.data.datasource import Data, check_calibration_source
 from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
@@ -30,14 +28,12 @@ from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
 from fp8onnx.graph.run_settings import RunOptions, entry_settings
 from fp8onnx.graph.runtime import make_session, qdq_fusion_warning, weight_bytes
 from fp8onnx.graph.schemas import check_attributes
-from fp8onnx.passes.common import reduction_size
 from fp8onnx.pipeline.calibration import Stats
 from fp8onnx.settings.choices import DEFAULT_OP_TYPES, PRECISIONS, SUPPORTED_OP_TYPES
 from fp8onnx.settings.config import QuantizeConfig
 from fp8onnx.settings.report import QuantizeReport
 from fp8onnx.settings.targets import check_tensorrt
 from fp8onnx.techniques.family import detect_family
-from fp8onnx.techniques.gptq import MIN_ROWS_PER_CHANNEL
 from fp8onnx.techniques.recipe import measure_techniques, settling, techniques_for
 from fp8onnx.techniques.scales import (
     activation_ranges,
@@ -47,6 +43,7 @@ from fp8onnx.techniques.scales import (
     node_report,
     weight_quant,
 )
+from fp8onnx.workflows.calibration_data import calibration_data, data_source
 from fp8onnx.workflows.loss_choice import choose_w8a16
 from fp8onnx.workflows.rewrite import rewrite
 
@@ -61,6 +58,7 @@ __all__ = [
     "plan",
     "prepare_model",
     "quantize",
+    "quantize_with",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,14 +92,33 @@ def quantize(
     sample of CPython's documentation (:func:`fp8onnx.data.text_sample.python_text_sample`). ``calib_optional``:
     ``calib`` is such a default, dropped where the recipe needs no data.
     """
+    config, run = _checked(model, output, calib, config, stats, report, run, options)
+    return quantize_with(model, output, calib, config, run, stats=stats, report=report, calib_optional=calib_optional)
+
+
+def quantize_with(
+    model: str | os.PathLike,
+    output: str | os.PathLike,
+    calib: Data | None,
+    config: QuantizeConfig,
+    run: RunOptions,
+    *,
+    stats: str | os.PathLike | Stats | None = None,
+    report: str | os.PathLike | None = None,
+    calib_optional: bool = False,
+) -> QuantizeReport:
+    """:func:`quantize` for a workflow that has built its settings and checked its paths at its own entry
+    (the accuracy search's variants, an export folder's models): nothing is built or checked again.
+
+    requires: ``run.provider`` resolved (``cpu`` or ``cuda``); at most one of ``calib`` and ``stats``; ``output``
+    on no file the run reads. ensures: as :func:`quantize`."""
     with recording() as phases, scratch():
-        result = _quantize(model, output, calib, config, stats, report, run, options, calib_optional)
+        result = _quantize(model, output, calib, config, stats, report, run, calib_optional)
     result.phases = phases.to_json()
     return result
 
 
-def _quantize(model, output, calib, config, stats, report, run, options, calib_optional=False) -> QuantizeReport:
-    config, run = _checked(model, output, calib, config, stats, report, run, options)
+def _quantize(model, output, calib, config, stats, report, run, calib_optional=False) -> QuantizeReport:
     out = pathlib.Path(output)
     ir_model, from_opset, prepared, config = _prepared(model, config)
     layer_by_layer = weight_bytes(ir_model) > run.weight_memory
@@ -112,8 +129,8 @@ def _quantize(model, output, calib, config, stats, report, run, options, calib_o
         logger.info("%s", family.describe())
     if stats is None:
         auto = explicit if family is not None else None
-        calib, config = _calibration_data(model, ir_model, config, calib, calib_optional, auto)
-    source = _data_source(calib, ir_model, config, stats)  # every step below reads this one object
+        calib, config = calibration_data(model, ir_model, config, calib, calib_optional, auto)
+    source = data_source(calib, ir_model, config, stats)  # every step below reads this one object
     lap("load and prepare")
     decisions, skipped = plan(ir_model, config)
     _refuse_integer_models(model, ir_model, decisions)
@@ -273,76 +290,11 @@ def _settling(model, decisions, config: QuantizeConfig, techniques, run: RunOpti
     return weights, settling(decisions, quant, techniques, config.sequential)
 
 
-def _data_reads(config: QuantizeConfig, stats=None) -> list[str]:
-    """The steps of the recipe that read the calibration data, in the order they run."""
-    reads = {
-        "smoothing": config.smooth is not None,
-        "kept channels": config.keep_channels > 0,
-        "activation statistics": config.activations == "static" and config.scaling != "constant" and stats is None,
-        "GPTQ rounding": config.weight_rounding == "gptq",
-        "bias correction": config.bias_correction,
-    }
-    return [step for step, reads_data in reads.items() if reads_data]
-
-
-def _data_source(calib, ir_model, config: QuantizeConfig, stats):
-    """``calib`` as the one data source every step reads (``as_data``: a path, text, images, audio or
-    feeds), converted here once; feeds given as an iterator are kept in memory when the recipe reads
-    the data more than once (:func:`_data_reads`, and ``--w8a8-share``'s choice, which reads what it has
-    and needs none)."""
-    if calib is None:
-        return None
-    source = as_data(calib, input_specs(ir_model), ir_model)
-    reads = len(_data_reads(config, stats)) + (config.w8a8_share is not None)
-    return source.readable_again() if reads > 1 and isinstance(source, FeedData) else source
-
-
-def _calibration_data(model, ir_model, config: QuantizeConfig, calib, optional: bool, auto=None):
-    """(data, config): ``calib``, or without it the bundled text sample for a token model with a
-    tokenizer beside it; a default (``optional``) is dropped where the recipe needs no data. With no
-    data at all under ``--preset auto`` (``auto``: the fields the user set), the family preset's
-    data-driven extras (GPTQ, bias correction, smoothing) that the user did not ask for are dropped
-    where the activations need none (weight-only, dynamic): the model is still quantized, and the log
-    says what data would add. A preset named explicitly keeps all of its recipe, and so needs data."""
-    reads = _data_reads(config)
-    needed = bool(reads)
-    if calib is not None:
-        return (calib if needed or not optional else None), config
-    tokens = any("input_ids" in v.name for v in ir_model.graph.inputs if v.const_value is None)
-    if not needed:
-        return None, config
-
-    sample = default_text_sample(model, _tokens_wanted(ir_model, config)) if tokens else None
-    if sample is not None:
-        logger.warning("no --calib: calibrating on %s", sample)
-        return sample, config
-    extras = {"weight_rounding", "bias_correction", "smooth", "keep_channels"}  # the settings that read the data
-    if auto is not None and "activation statistics" not in reads and not extras & set(auto):
-        logger.warning(
-            "no calibration data: %s of preset %s skipped (pass --calib DATA to have it)",
-            ", ".join(reads),
-            config.preset,
-        )
-        return None, dataclasses.replace(
-            config, weight_rounding="nearest", bias_correction=False, smooth=None, keep_channels=0
-        )
-    if tokens:  # per-token activations need no data; the recipe's other readers still do
-        hint = (
-            "or use --activations dynamic-per-token (no data needed)"
-            if reads == ["activation statistics"]
-            else f"which {', '.join(reads)} read"
-        )
-        raise Fp8OnnxError(
-            f"Model {str(model)!r} takes token ids and has no tokenizer.json beside it to calibrate on a bundled "
-            f"text sample: pass --calib DATA (text with --tokenizer, or an .npz), {hint}."
-        )
-    return None, config
-
-
 def _sensitivity_section(model, source, stats, config, run, modified, layer_by_layer) -> dict:
     """The report's ``sensitivity``: per node, as :func:`~fp8onnx.accuracy.sensitivity.measure_sensitivity`
-    measures it, with the scales just used (one more pass over ``source``, the calibration data read from
-    its file; None or False where there is none); or why it was not measured."""
+    measures it (its ``measure_with``: the settings built already), with the scales just used (one more pass
+    over ``source``, the calibration data read from its file; None or False where there is none); or why it
+    was not measured."""
     if not modified:
         why = "nothing was quantized"
     elif config.activations != "static" or source is None:
@@ -352,9 +304,7 @@ def _sensitivity_section(model, source, stats, config, run, modified, layer_by_l
     elif config.weights_need_data:
         why = "it measures plain rounding of the unsmoothed graph, not --smooth, GPTQ or bias correction"
     else:
-        measured = measure_sensitivity(
-            model, None, source, config=config, stats=stats, run=RunOptions.of(run, progress=False)
-        )
+        measured = measure_with(model, None, source, config, RunOptions.of(run, progress=False), stats=stats)
         return {"sensitivity": measured.to_json()["nodes"]}
     return {"sensitivity_not_measured": why}
 
@@ -377,17 +327,3 @@ def _file_size(path) -> int:
     path = model_file(path)
     files = {path, *(path.parent / loc for loc in external_locations(path))}
     return sum(f.stat().st_size for f in files if f.is_file())
-
-
-def _tokens_wanted(ir_model, config: QuantizeConfig) -> int:
-    """The rows GPTQ wants for the widest weight input it rounds (MIN_ROWS_PER_CHANNEL a channel: the
-    bundled text sample grows to give them); 0 where the recipe rounds to nearest."""
-    if config.weight_rounding != "gptq":
-        return 0
-    widths = [
-        reduction_size(node) or 0
-        for node in ir_model.graph
-        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 and node.inputs[1] is not None
-        if node.inputs[1].const_value is not None
-    ]
-    return MIN_ROWS_PER_CHANNEL * max(widths, default=0)
