@@ -101,8 +101,7 @@ def check(path: pathlib.Path, write: bool = False) -> list[str]:
             problems.append(f"{path}:{start}: {exc}")
             continue
         if lines[start:end] != rendered:
-            first = next((a for a, b in zip(lines[start:end], rendered) if a != b), "(its length)")
-            problems.append(f"{path}:{start + 1}: the table differs from what {result} renders (first at {first!r})")
+            problems.append(f"{path}:{_difference(lines[start:end], rendered, start, result)}")
             lines[start:end] = rendered
     if write and problems:
         tmp = path.with_name(path.name + ".tmp")
@@ -155,6 +154,16 @@ def main() -> None:
         print(p)
     if problems and not args.write:
         sys.exit(1)
+
+
+def _difference(have: list[str], want: list[str], start: int, result: str) -> str:
+    """Where a table first differs from its render: ``LINE: reads 'cell' where RESULT renders 'cell'`` (the first
+    cells that differ), or that its length does."""
+    for i, (a, b) in enumerate(zip(have, want)):
+        if a != b:
+            cells = [(x, y) for x, y in zip(a.split("|"), b.split("|")) if x != y] or [(a, b)]
+            return f"{start + i + 1}: reads {cells[0][0].strip()!r} where {result} renders {cells[0][1].strip()!r}"
+    return f"{start + 1}: the table has {len(have)} lines where {result} renders {len(want)}"
 
 
 if __name__ == "__main__":
