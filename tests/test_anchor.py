@@ -176,3 +176,58 @@ def test_the_yardstick_table_pairs_rows_with_fp16_and_the_anchor(tmp_path):
     assert m["ppl_change"] > 0 and m["ppl_change_se"] > 0
     table = yardstick_table.markdown(list(records.values()), ["lambada"])
     assert "lambada (40) acc. vs FP16" in table and "torch fp8-dynamic" in table
+
+
+def test_a_run_in_parts_joins_end_to_end(tmp_path, monkeypatch):
+    """``llm_yardstick.py --start N`` scores the task file from item N on (its meta says where); the table joins
+    such parts end to end into the whole run's rows, refuses a part that does not start where the rows end,
+    and cuts rows left at different lengths to the shortest, saying so."""
+    import argparse
+    import json
+
+    import llm_yardstick
+    import yardstick_table
+
+    corpora = tmp_path / "corpora"
+    corpora.mkdir()
+    items = [json.dumps({"text": f"item {i} ends with word{i}"}) for i in range(5)]
+    (corpora / "lambada.jsonl").write_text("\n".join(items) + "\n\n")
+    args = argparse.Namespace(corpora=corpora, tokenizer=None, seq_len=8, eval=None, windows=1, lambada=9)
+    monkeypatch.setattr(llm_yardstick, "TextSource", lambda path, *a, **k: path)  # the file each set reads
+    part = llm_yardstick._sets(argparse.Namespace(**vars(args), hellaswag=1, only="lambada", start=3))
+    assert part["lambada"][0].read_text().splitlines() == items[3:]
+    assert llm_yardstick._sets(argparse.Namespace(**vars(args), hellaswag=1, only="lambada", start=0))["lambada"][
+        0
+    ] == (corpora / "lambada.jsonl")
+    with pytest.raises(SystemExit, match="task files only"):
+        llm_yardstick._sets(argparse.Namespace(**vars(args), hellaswag=1, only="ptb,lambada", start=3))
+
+    rng = np.random.default_rng(2)
+    whole = {
+        row: {"correct": rng.integers(0, 2, 8).astype(float), "labelled": np.ones(8), "nll": rng.gamma(2.0, 1.0, 8)}
+        for row in ("FP32 (reference)", "FP16", "m.onnx")
+    }
+
+    def save(path, start, stop, rows=tuple(whole)):
+        arrays = {f"lambada/{r}/{k}": v[start:stop] for r in rows for k, v in whole[r].items()}
+        np.savez(path, meta=np.array(json.dumps({"sets": ["lambada"], "start": start})), **arrays)
+        return path
+
+    first, second = save(tmp_path / "a.npz", 0, 5), save(tmp_path / "b.npz", 5, 8)
+    rows, _ = yardstick_table.load(first)
+    theirs, meta = yardstick_table.load(second)
+    yardstick_table.joined(rows, theirs, second, meta["start"])
+    for row, cols in whole.items():
+        for k, v in cols.items():
+            assert np.array_equal(rows["lambada"][row][k], v)
+    again, _ = yardstick_table.load(first)
+    with pytest.raises(SystemExit, match="ends at item 5, not where this part starts"):
+        yardstick_table.joined(again, yardstick_table.load(save(tmp_path / "c.npz", 6, 8))[0], tmp_path / "c.npz", 6)
+    again, _ = yardstick_table.load(first)
+    extra = {"lambada": {"other.onnx": whole["m.onnx"]}}
+    with pytest.raises(SystemExit, match=r"'other\.onnx' has no earlier part"):
+        yardstick_table.joined(again, extra, tmp_path / "d.npz", 5)
+    again, _ = yardstick_table.load(first)
+    yardstick_table.joined(again, yardstick_table.load(save(tmp_path / "e.npz", 5, 8, ("m.onnx",)))[0], "e", 5)
+    records = yardstick_table.figures(again["lambada"], "lambada", None)
+    assert {r["units"] for r in records} == {5}  # FP16 and FP32 have no second part: every row is cut to 5

