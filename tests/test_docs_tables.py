@@ -41,8 +41,8 @@ def test_readme_figures_come_from_its_result_files():
     text = (REPO / "README.md").read_text()
     assert docs_tables.LINK.findall(text)  # it links the files its figures come from
     assert docs_tables.unbacked(text) == []
-    invented = text.replace("100.79% ±2.39%", "100.59% ±2.39%")
-    assert docs_tables.unbacked(invented) == ["100.59%"]
+    invented = text.replace("98.90% ±0.59%", "98.93% ±0.59%")
+    assert docs_tables.unbacked(invented) == ["98.93%"]
 
 
 @pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in (REPO / "docs").glob("*.md"))])

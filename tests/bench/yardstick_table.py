@@ -115,7 +115,7 @@ def figures(rows: dict, set_name: str, anchor: str | None, base_name: str = "FP1
             rec["perplexity"] = _value("perplexity", cols)
             rec["ppl_change"] = rec["perplexity"] / _value("perplexity", base) - 1
             rec["ppl_change_se"] = difference_se("perplexity", cols, base, ratio=True) if row != base_name else None
-        if anchor and anchor in rows and row not in (anchor, base_name, REFERENCE):
+        if anchor and anchor in rows and row not in (anchor, base_name, REFERENCE, "torch fp32"):
             rec["vs_anchor"] = rec["ratio_to_fp16"] - _value("accuracy", rows[anchor]) / _value("accuracy", base)
             rec["vs_anchor_se"] = gain_se("accuracy", cols, rows[anchor], base)
             if has_ppl:
