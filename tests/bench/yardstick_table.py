@@ -195,13 +195,16 @@ def main() -> None:
     torch_only = "family" in json.loads(str(np.load(first)["meta"]))
     rows, meta = load(first, prefix="torch " if torch_only else "")
     metas = {"onnx": meta}
+    origin = {(s, recipe): meta for s, r in rows.items() for recipe in r}  # whose run a row is
     for path in more:
         theirs, metas[str(path)] = load(path)
+        origin.update({(s, recipe): metas[str(path)] for s, r in theirs.items() for recipe in r})
         joined(rows, theirs, path, metas[str(path)].get("start", 0))
     anchor_name = None
     for path in args.anchor:
         theirs, ameta = load(path, prefix="torch ")
         metas[str(path)] = ameta
+        origin.update({(s, recipe): ameta for s, r in theirs.items() for recipe in r})
         for s, r in theirs.items():
             if s in rows and ameta.get("start"):
                 appended(rows[s], r, f"{path}: its {s} part from item {ameta['start']}", ameta["start"])
@@ -222,7 +225,8 @@ def main() -> None:
         records += figures(r, s, anchor_name, base)
     sets = list(dict.fromkeys(r["set"] for r in records))
     for rec in records:
-        rec.update(model=args.model_name, **{k: meta.get(k) for k in ("machine", "date", "onnxruntime")})
+        made = origin.get((rec["set"], rec["recipe"]), meta)
+        rec.update(model=args.model_name, **{k: made.get(k, meta.get(k)) for k in ("machine", "date", "onnxruntime")})
     print(markdown(records, sets))
     gaps = anchor_gaps(records, sets)
     if gaps:
