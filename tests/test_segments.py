@@ -179,3 +179,39 @@ def test_a_full_temporary_folder_is_one_sentence(monkeypatch):
     monkeypatch.setattr(np, "save", full)
     with pytest.raises(Fp8OnnxError, match=r"Cannot write intermediate arrays to .*No space left on device.*TMPDIR"):
         collect_amax(model, names, DECODER / "calib.npz", run=RunOptions(provider="cpu", weight_memory=100_000))
+
+
+def test_a_dequantized_weight_counts_at_its_float_size():
+    """requires: float8 weights read by DequantizeLinear (onnxruntime folds them into float32 at load);
+    ensures: the budget counts them at 4 bytes an element, so two such layers whose float8 bytes fit one
+    segment's budget but whose float32 bytes do not are cut apart (the loss-measuring copy of llm-w8a8 held
+    segments of 4x the budget: SmolLM2-135M at a 64 MiB budget peaked at 965 MiB against calibration's 410)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    w = [rng.standard_normal((64, 64)).astype(ml_dtypes.float8_e4m3fn) for _ in range(2)]  # 4 KiB each in float8
+    nodes, inits, prev = [], [], "x"
+    for i, wi in enumerate(w):
+        inits += [numpy_helper.from_array(wi, f"w{i}"), numpy_helper.from_array(np.float32(0.5), f"s{i}")]
+        nodes += [
+            helper.make_node("DequantizeLinear", [f"w{i}", f"s{i}"], [f"wf{i}"], name=f"dq{i}"),
+            helper.make_node("MatMul", [prev, f"wf{i}"], [f"y{i}"], name=f"mm{i}"),
+        ]
+        prev = f"y{i}"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [1, 64])],
+        inits,
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    weights = [v for v in model.graph.initializers.values() if v.name.startswith("w")]
+    assert [w.const_value.nbytes for w in weights] == [4096, 4096]
+    segments = split(model.graph, 3 * 4096, [])  # both in float8 (8 KiB), one in float32 (16 KiB): apart
+    assert len(segments) == 2 and [s.nbytes for s in segments] == [4 * 4096 + 4, 4 * 4096 + 4]
+    feed = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+    got: dict = {}
+    run_segmented(model, [prev], [feed], lambda b, values: got.update(values), budget=3 * 4096)
+    ref = feed["x"] @ (w[0].astype(np.float32) * 0.5) @ (w[1].astype(np.float32) * 0.5)
+    np.testing.assert_allclose(got[prev], ref, rtol=1e-5, atol=1e-5)

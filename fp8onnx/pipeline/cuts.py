@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from fp8onnx.graph import known
 
-__all__ = ["FEED_BYTES", "Segment", "split"]
+__all__ = ["FEED_BYTES", "Segment", "held_bytes", "split"]
 
 logger = logging.getLogger(__name__)
 # Initializers this big or bigger are fed at run time (memory-mapped) rather than copied into a session.
@@ -40,7 +40,21 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return sum(known.constant(v).nbytes for v in (*self.weights, *self.constants))
+        """The weights' bytes as the segment's session holds them (a dequantized weight at its float size)."""
+        return sum(held_bytes(v) for v in (*self.weights, *self.constants))
+
+
+def held_bytes(value: ir.Value) -> int:
+    """Bytes an initializer takes in a session: a weight read only by DequantizeLinear at its output's size
+    (onnxruntime folds the constant dequantization at load: a float8 weight holds 4 bytes an element in a
+    float32 graph, not 1); any other at its own."""
+    tensor = known.constant(value)
+    uses = list(value.uses())
+    if not uses or any(u.node.op_type != "DequantizeLinear" or u.idx != 0 for u in uses):
+        return tensor.nbytes
+    dq = uses[0].node
+    out = dq.outputs[0].dtype or (dq.inputs[1].dtype if len(dq.inputs) > 1 and dq.inputs[1] is not None else None)
+    return max(tensor.nbytes, int(tensor.size * (out.itemsize if out is not None else 4)))
 
 
 def _is_fed(value: ir.Value) -> bool:
@@ -79,17 +93,29 @@ def split(graph: ir.Graph, budget: int, wanted: Iterable[str], sequential=None) 
     segments: list[Segment] = []
     current: list[ir.Node] = []
     held: dict[int, int] = {}  # id(weight) -> bytes, for the current segment
+    pending: list[ir.Node] = []  # constant computations (a weight's DequantizeLinear), cut with their reader
     for node in _constants_at_first_use(graph, reads):
-        new = {id(v): v.const_value.nbytes for v in reads[id(node)] if v.is_initializer() and v.const_value is not None}
+        made = {id(out) for n in pending for out in n.outputs}
+        if all(v.is_initializer() or id(v) in made for v in reads[id(node)]) and node.outputs:
+            pending.append(node)
+            continue
+        unit, pending = [*pending, node], []
+        new = {
+            id(v): held_bytes(v)
+            for n in unit
+            for v in reads[id(n)]
+            if v.is_initializer() and v.const_value is not None
+        }
         extra = sum(b for k, b in new.items() if k not in held)
         reads_tainted = any(id(v) in tainted for v in reads[id(node)])
         if current and (sum(held.values()) + extra > budget or (id(node) in sensitive and reads_tainted)):
             segments.append(Segment(current))
             current, held, tainted, reads_tainted = [], {}, set(), False
-        current.append(node)
+        current += unit
         held.update(new)
         if id(node) in layers or reads_tainted:
             tainted.update(id(out) for out in node.outputs)
+    current += pending  # constants that only graph outputs read
     if current:
         segments.append(Segment(current))
 
