@@ -382,8 +382,9 @@ def _nll(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     where = np.flatnonzero(y >= 0)  # a negative label: a position not scored
     if where.size and y[where].max() >= x.shape[-1]:
         return np.full(len(y), np.nan)
-    for s in range(0, len(where), 1024):  # a bounded float32 copy at a time (LLM vocabularies are large)
-        rows = where[s : s + 1024]
+    step = max(1, ROW_CHUNK // max(1, x.shape[-1]))  # a bounded float32 copy at a time: 16 rows of a 262k vocabulary
+    for s in range(0, len(where), step):
+        rows = where[s : s + step]
         part = x[rows].astype(np.float32)
         peak = part.max(axis=-1, keepdims=True)
         logz = np.log(np.exp(part - peak).sum(axis=-1, dtype=np.float64)) + peak[:, 0]
