@@ -381,8 +381,9 @@ def test_a_softmax_written_out_is_class_scores():
 def test_outputs_too_big_for_the_disk_run_side_by_side_with_the_same_numbers(tmp_path, monkeypatch):
     """Where the reference's outputs over the data would not fit the free disk (a language model's logits
     over a whole benchmark: SmolLM2 on LAMBADA, about 100 GB), every model runs beside the reference batch by
-    batch: the same figures, per sample too, a note says so, and nothing was spilled; feeds given as a
-    one-shot iterator get one sentence instead of wrong figures."""
+    batch: the same figures, per sample too, a note says so, and nothing was spilled; where every session at
+    once would not fit half of the available memory, in pairs (the reference beside each model), the same
+    figures again; feeds given as a one-shot iterator get one sentence instead of wrong figures."""
     from fp8onnx.accuracy import evaluation
 
     fp8 = tmp_path / "q.onnx"
@@ -398,6 +399,14 @@ def test_outputs_too_big_for_the_disk_run_side_by_side_with_the_same_numbers(tmp
     assert any("The models ran side by side" in n for n in side.notes)
     assert [r.name for r in side.rows] == [r.name for r in spilled.rows] == ["FP32 (reference)", "FP16", "q.onnx"]
     for a, b in zip(spilled.rows, side.rows):
+        assert (a.accuracy, a.perplexity, a.outputs) == (b.accuracy, b.perplexity, b.outputs)
+        assert all(np.array_equal(a.columns[k], b.columns[k]) for k in a.columns)
+    monkeypatch.setattr(evaluation, "available_memory", lambda: 1 << 20)  # too little for every session at once
+    paired = fp8onnx.compare(*args, **kw)
+    assert saved == []
+    assert any("The models ran in pairs, the reference again beside each model" in n for n in paired.notes)
+    assert [r.name for r in paired.rows] == [r.name for r in spilled.rows]
+    for a, b in zip(spilled.rows, paired.rows):
         assert (a.accuracy, a.perplexity, a.outputs) == (b.accuracy, b.perplexity, b.outputs)
         assert all(np.array_equal(a.columns[k], b.columns[k]) for k in a.columns)
     feeds = iter([dict(np.load(SAMPLE / "eval.npz"))])

@@ -103,7 +103,8 @@ def compare(
 
     One model at a time: the reference's outputs (and the inputs) are kept on disk and read back
     batch by batch for each other model, so memory holds one session, whatever the models' size (where
-    they would not fit the free disk, every model runs beside the reference instead)."""
+    they would not fit the free disk, every model runs beside the reference instead: all at once where their
+    sessions fit the available memory, else in pairs, the reference again beside each)."""
     measure = take(CompareOptions, measure, options)
     refuse_unknown("compare", options, RunOptions)
     fp16, max_samples, generate, prompts = measure.fp16, measure.max_samples, measure.generate, measure.prompts

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import onnx
 
 from fp8onnx.accuracy.compare_results import _REFERENCE, _row
 from fp8onnx.accuracy.metrics import _label_output, _OutputStats, _Score, _score, labelled
@@ -64,6 +65,9 @@ class _Evaluation:
 # 5,153 items: about 100 GB) go batch by batch beside the other models instead (_evaluate_lockstep).
 SPILL_SHARE = 0.8
 SPILL_MARGIN = 1 << 30
+# A session beside the others holds about this many times the reference's file (Gemma 3 270M's five models
+# and reference side by side on HellaSwag: 13-16 GB for a 1.6 GB reference, ~1.6x a session)
+SESSION_SHARE = 1.6
 
 
 class _TooBigToSpill(Exception):
@@ -194,21 +198,39 @@ def _check_spill(spill: Spill, done: int, total: int | None, budget: int, nbytes
 
 
 def _evaluate_lockstep(job: _Evaluation, why: str):
-    """Every model beside the reference, batch by batch, all sessions open at once: nothing waits on disk,
-    at the memory of every session together (the sessions' own memory is not measured). For a reference
-    whose outputs over the data would not fit the free disk (``why``). The data is read again from the start:
-    feeds given as a one-shot iterator cannot be."""
+    """Every model beside the reference, batch by batch: nothing waits on disk. For a reference whose outputs
+    over the data would not fit the free disk (``why``). All sessions open at once where their memory (about
+    SESSION_SHARE times the reference's file each) fits half of the memory now available; else in pairs,
+    the reference run again beside each model: two sessions at a time, the reference's time once per model
+    (Gemma 3 270M's five models side by side on HellaSwag held 13-16 GB of a 24 GB machine, and were killed
+    when other jobs held the rest). The data is read again from the start: feeds given as a one-shot
+    iterator cannot be."""
     if getattr(job.source, "one_shot", False):
         raise Fp8OnnxError(
             f"{why[0].upper()}{why[1:]}, and the feeds, given as an iterator, cannot be read again beside the "
             "other models: give the data as a file or a list, or fewer samples (--max-samples)."
         )
-    logger.info("%s: the models run side by side, batch by batch, nothing kept on disk", why)
-    job.notes.append(f"The models ran side by side ({why}); their sessions' memory was not measured.")
+    names = list(job.models)
+    need, free = (len(names) + 1) * SESSION_SHARE * _weight_bytes(job.reference), available_memory()
+    pairs = len(names) > 1 and free is not None and need > free / 2
+    how = "in pairs, the reference again beside each model" if pairs else "side by side"
+    logger.info("%s: the models run %s, batch by batch, nothing kept on disk", why, how)
+    job.notes.append(f"The models ran {how} ({why}); their sessions' memory was not measured.")
+    groups = [[n] for n in names] if pairs else [names]
+    rows, samples, b = [], 0, 0
+    for i, group in enumerate(groups):
+        theirs, samples, b = _lockstep(job, group)
+        rows += theirs if i == 0 else theirs[1:]  # the reference's row once: every pass gives the same
+    return rows, samples, b
+
+
+def _lockstep(job: _Evaluation, names: list[str]):
+    """(rows: the reference's, then each of ``names``' that opened; samples; batches): the reference and
+    ``names``' sessions open at once, batch by batch."""
     sessions = {_REFERENCE: job.reference_session()}
-    for name, (_, build) in job.models.items():
+    for name in names:
         try:
-            sessions[name] = build()
+            sessions[name] = job.models[name][1]()
         except Fp8OnnxError as exc:
             if name != "FP16":
                 raise
@@ -217,7 +239,8 @@ def _evaluate_lockstep(job: _Evaluation, why: str):
     costs = {n: _Cost(False) for n in sessions}
     label_out, scored, samples, b = None, 0, 0, 0
     batches = job.source.batches(job.run.batch)
-    for batch in progress_bar(batches, total=job.total, desc="all models", unit="batch", enable=job.run.progress):
+    what = "all models" if len(names) > 1 else f"FP32 and {names[0]}"
+    for batch in progress_bar(batches, total=job.total, desc=what, unit="batch", enable=job.run.progress):
         (score, label_out), ref = reference_batch(
             sessions[_REFERENCE], b, batch.feed, batch.labels, job.out_names, job.classes, costs[_REFERENCE]
         )
@@ -232,6 +255,7 @@ def _evaluate_lockstep(job: _Evaluation, why: str):
         samples, b = samples + batch.size, b + 1
         if job.max_samples is not None and samples >= job.max_samples:
             break
+    sessions.clear()
     if b == 0:
         raise Fp8OnnxError("The evaluation data gave no batches.")
     rows = []
@@ -240,6 +264,26 @@ def _evaluate_lockstep(job: _Evaluation, why: str):
         rows.append(_row(name, path, score, scored))
         rows[-1].latency_ms = costs[name].result()[0]
     return rows, samples, b
+
+
+def _weight_bytes(path) -> int:
+    """Bytes of the model file's weights: the file and the external data files it names (read without them)."""
+    path = pathlib.Path(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    places = {entry.value for t in proto.graph.initializer for entry in t.external_data if entry.key == "location"}
+    return path.stat().st_size + sum((path.parent / p).stat().st_size for p in places if (path.parent / p).is_file())
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (/proc/meminfo's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        return None
+    return None  # pragma: no cover
 
 
 class _Cost:

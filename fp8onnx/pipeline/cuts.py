@@ -101,10 +101,7 @@ def split(graph: ir.Graph, budget: int, wanted: Iterable[str], sequential=None) 
             continue
         unit, pending = [*pending, node], []
         new = {
-            id(v): held_bytes(v)
-            for n in unit
-            for v in reads[id(n)]
-            if v.is_initializer() and v.const_value is not None
+            id(v): held_bytes(v) for n in unit for v in reads[id(n)] if v.is_initializer() and v.const_value is not None
         }
         extra = sum(b for k, b in new.items() if k not in held)
         reads_tainted = any(id(v) in tainted for v in reads[id(node)])
