@@ -28,7 +28,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.accuracy.metrics import class_outputs
+from fp8onnx.accuracy.metrics import ROW_CHUNK, class_outputs
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.progress import progress_bar
 from fp8onnx.data.feeds import Batch
@@ -281,14 +281,21 @@ class _Reference:
             self.unit = r / np.maximum(np.linalg.norm(r, axis=-1, keepdims=True), 1e-30)
 
     def loss(self, out: np.ndarray) -> float:
-        """Summed over samples (the first axis): the mean over rows of KL(ref || out), or of 1 - cosine.
-        KL(p || q) = sum p log p - (sum p c - logsumexp(c)) for q = softmax(c), as sum p = 1."""
-        c = out.astype(np.float32).reshape(self.shape)
-        if self.kl:
-            per_row = self.neg_entropy - ((self.p * c).sum(-1) - _logsumexp(c)[..., 0])
-        else:
-            norms = np.linalg.norm(c, axis=-1)
-            per_row = 1.0 - np.where(norms > 0, (self.unit * c).sum(-1) / np.maximum(norms, 1e-30), 1.0)
+        """Summed over samples (the first axis): the mean over rows of KL(ref || out), or of 1 - cosine, a
+        bounded slice of rows at a time (a vocabulary's logits: temporaries of the whole batch's size set
+        llm-w8a8's peak memory). KL(p || q) = sum p log p - (sum p c - logsumexp(c)) for q = softmax(c), as sum p = 1."""
+        c = out.reshape(self.shape)
+        per_row = np.empty(self.shape[:2])
+        step = max(1, ROW_CHUNK // max(1, self.shape[0] * self.shape[2]))
+        for s in range(0, self.shape[1], step):
+            part = c[:, s : s + step].astype(np.float32)
+            if self.kl:
+                dot = (self.p[:, s : s + step] * part).sum(-1)
+                per_row[:, s : s + step] = self.neg_entropy[:, s : s + step] - (dot - _logsumexp(part)[..., 0])
+            else:
+                norms = np.linalg.norm(part, axis=-1)
+                cos = (self.unit[:, s : s + step] * part).sum(-1) / np.maximum(norms, 1e-30)
+                per_row[:, s : s + step] = 1.0 - np.where(norms > 0, cos, 1.0)
         return float(per_row.mean(axis=1).sum())
 
 
