@@ -283,7 +283,8 @@ class _Reference:
     def loss(self, out: np.ndarray) -> float:
         """Summed over samples (the first axis): the mean over rows of KL(ref || out), or of 1 - cosine, a
         bounded slice of rows at a time (a vocabulary's logits: temporaries of the whole batch's size set
-        llm-w8a8's peak memory). KL(p || q) = sum p log p - (sum p c - logsumexp(c)) for q = softmax(c), as sum p = 1."""
+        llm-w8a8's peak memory).
+        KL(p || q) = sum p log p - (sum p c - logsumexp(c)) for q = softmax(c), as sum p = 1."""
         c = out.reshape(self.shape)
         per_row = np.empty(self.shape[:2])
         step = max(1, ROW_CHUNK // max(1, self.shape[0] * self.shape[2]))
