@@ -33,9 +33,10 @@ import os
 
 from fp8onnx.accuracy.budget import Budget, budget_rows
 from fp8onnx.base.errors import Fp8OnnxError
-from fp8onnx.data.datasource import as_data, check_calibration_source
+from fp8onnx.data.datasource import as_data
 from fp8onnx.data.feeds import FeedData, input_specs
 from fp8onnx.graph import known
+from fp8onnx.graph.guard import check_calibration_source
 from fp8onnx.graph.model_io import write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, plan, vocabulary_projections
 from fp8onnx.graph.prepare import prepare_model

@@ -14,13 +14,12 @@ from typing import Protocol, TypeAlias, Union
 import numpy as np
 import onnx_ir as ir
 
-from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.data.feeds import Batch, FeedData, InputSpec, NpzData, TextSource, is_text
 from fp8onnx.data.media import kind_of
 from fp8onnx.data.sources import MediaData, TextData, find_tokenizer
 from fp8onnx.data.tasks import TaskData, is_task_file
 
-__all__ = ["Data", "DataSource", "as_data", "check_calibration_source"]
+__all__ = ["Data", "DataSource", "as_data"]
 
 
 class DataSource(Protocol):
@@ -57,9 +56,3 @@ def as_data(data, specs: list[InputSpec], model: ir.Model | None = None):
                 return MediaData(data, specs, model, kind)
         return NpzData(data, specs)
     return FeedData(data, specs)
-
-
-def check_calibration_source(calib: object, stats: object) -> None:
-    """The one rule: statistics come from calibration data or from a statistics file, not both."""
-    if calib is not None and stats is not None:
-        raise Fp8OnnxError("Give either --calib or --stats, not both.")

@@ -19,6 +19,7 @@ from fp8onnx.base.errors import Fp8OnnxError
 
 __all__ = [
     "as_path",
+    "check_calibration_source",
     "check_output_path",
     "check_paths",
     "external_locations",
@@ -184,6 +185,13 @@ def check_output_path(out: str | os.PathLike, label: str = "Output path") -> pat
     if out.is_dir():
         raise Fp8OnnxError(f"{label} {str(out)!r} is a directory; give a file name.")
     return out
+
+
+def check_calibration_source(calib: object, stats: object) -> None:
+    """The one rule of a run's sources: statistics come from calibration data or from a statistics file,
+    not both (checked with the paths, before any work)."""
+    if calib is not None and stats is not None:
+        raise Fp8OnnxError("Give either --calib or --stats, not both.")
 
 
 def check_paths(reads: Iterable[Entry], writes: Iterable[Entry]) -> None:

@@ -36,10 +36,10 @@ from fp8onnx.accuracy.compare_results import CompareResult
 from fp8onnx.accuracy.sensitivity import SensitivityResult, measure_with
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.scratch import temporary_dir
-from fp8onnx.data.datasource import Data, as_data, check_calibration_source
+from fp8onnx.data.datasource import Data, as_data
 from fp8onnx.data.feeds import input_specs
 from fp8onnx.data.split import EVERY, Part, count_samples
-from fp8onnx.graph.guard import as_path, check_paths, model_reads, model_writes
+from fp8onnx.graph.guard import as_path, check_calibration_source, check_paths, model_reads, model_writes
 from fp8onnx.graph.model_io import load_model, model_file, write_text_atomic
 from fp8onnx.graph.prepare import prepare_model
 from fp8onnx.graph.run_settings import RunOptions, entry_settings

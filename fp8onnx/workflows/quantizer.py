@@ -20,8 +20,15 @@ from fp8onnx.accuracy.sensitivity import measure_with
 from fp8onnx.base.errors import Fp8OnnxError
 from fp8onnx.base.phases import current_phases, lap, recording
 from fp8onnx.base.scratch import scratch
-from fp8onnx.data.datasource import Data, check_calibration_source
-from fp8onnx.graph.guard import as_path, check_paths, external_locations, model_reads, model_writes
+from fp8onnx.data.datasource import Data
+from fp8onnx.graph.guard import (
+    as_path,
+    check_calibration_source,
+    check_paths,
+    external_locations,
+    model_reads,
+    model_writes,
+)
 from fp8onnx.graph.model_io import EXTERNAL_META, load_model, model_file, save_model, write_text_atomic
 from fp8onnx.graph.plan import activation_tensors, candidate_activations, in_main_graph, integer_quantized, plan
 from fp8onnx.graph.prepare import Float16Unsupported, prepare_model
