@@ -215,3 +215,65 @@ def test_a_dequantized_weight_counts_at_its_float_size():
     run_segmented(model, [prev], [feed], lambda b, values: got.update(values), budget=3 * 4096)
     ref = feed["x"] @ (w[0].astype(np.float32) * 0.5) @ (w[1].astype(np.float32) * 0.5)
     np.testing.assert_allclose(got[prev], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_whose_inputs_repeat_an_earlier_batchs_is_not_run_again(monkeypatch):
+    """The loss choice's gate settings: every setting is one batch, and a setting differs from the first only
+    from its gate's segment on.
+
+    requires: a chain x -> MatMul -> *g1 -> MatMul -> *g2 -> y cut into one MatMul (with its gate) a segment,
+    and feeds that repeat x with g1, g2 in {(1, 1), (2, 1), (1, 2)}, twice over (the second x another).
+    ensures: every batch's y is the whole graph's; the first segment runs once per distinct (x, g1), the second
+    once per distinct (x, g1, g2) (without the sharing: 6 and 6)."""
+    from fp8onnx.pipeline import segments
+
+    rng = np.random.default_rng(0)
+    w1, w2 = (numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), n) for n in ("w1", "w2"))
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h1"], name="mm1"),
+        helper.make_node("Mul", ["h1", "g1"], ["a1"], name="gate1"),
+        helper.make_node("MatMul", ["a1", "w2"], ["h2"], name="mm2"),
+        helper.make_node("Mul", ["h2", "g2"], ["y"], name="gate2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])]
+        + [helper.make_tensor_value_info(g, TensorProto.FLOAT, []) for g in ("g1", "g2")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+        [w1, w2],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model = ir.serde.deserialize_model(proto)
+    xs = [rng.standard_normal((2, 64)).astype(np.float32) for _ in range(2)]
+    settings = [(1.0, 1.0), (2.0, 1.0), (1.0, 2.0)]
+    feeds = [
+        {"x": x.copy(), "g1": np.asarray(g1, np.float32), "g2": np.asarray(g2, np.float32)}
+        for x in xs
+        for g1, g2 in settings
+    ]
+    runs: list[int] = []
+    real = segments.make_session
+
+    class Counted:
+        def __init__(self, session):
+            self.session = session
+            runs.append(0)
+
+        def run(self, names, feed):
+            runs[-1] += 1
+            return self.session.run(names, feed)
+
+    monkeypatch.setattr(segments, "make_session", lambda *a, **k: Counted(real(*a, **k)))
+    got: dict[int, np.ndarray] = {}
+    assert len(split(model.graph, 64 * 64 * 4, ["y"])) == 2
+    run_segmented(
+        model, ["y"], iter(feeds), lambda b, v: got.update({b: v["y"]}) if "y" in v else None, budget=64 * 64 * 4
+    )
+    assert runs == [4, 6]  # (x, g1): 2 x 2 distinct; (x, g1, g2): 2 x 3
+    whole = ir.serde.serialize_model(model).SerializeToString()
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(whole, providers=["CPUExecutionProvider"])
+    for b, feed in enumerate(feeds):
+        np.testing.assert_allclose(got[b], session.run(["y"], feed)[0], rtol=1e-6, atol=1e-6)

@@ -16,6 +16,7 @@ fusions across a cut are lost, which may change the last bits).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import pathlib
 from collections.abc import Callable, Iterable
@@ -73,17 +74,24 @@ def _segment_proto(model: ir.Model, seg: Segment, first_feed: dict[str, np.ndarr
 
 
 class Spill:
-    """Arrays kept on disk between passes, one .npy file per (name, batch) in a temporary folder."""
+    """Arrays kept on disk between passes, one .npy file per (name, batch) in a temporary folder. A batch
+    whose array equals an earlier batch's holds no file of its own: it names that batch (its owner)."""
 
     def __init__(self):
         self.root = pathlib.Path(make_dir("fp8onnx-segments-"))
         self.ids: dict[str, int] = {}
         self.nbytes = 0
+        self.owners: dict[tuple[str, int], int] = {}  # (name, batch) -> the batch whose file holds it
+        self._digests: dict[tuple[str, str], int] = {}  # (name, content digest) -> the first batch with it
 
     def _path(self, name: str, batch: int) -> pathlib.Path:
         return self.root / f"{self.ids.setdefault(name, len(self.ids))}-{batch}.npy"
 
+    def owner(self, name: str, batch: int) -> int:
+        return self.owners.get((name, batch), batch)
+
     def save(self, name: str, batch: int, array: np.ndarray) -> None:
+        self.owners.pop((name, batch), None)
         try:
             np.save(self._path(name, batch), array, allow_pickle=False)
         except OSError as exc:
@@ -93,11 +101,32 @@ class Spill:
             ) from exc
         self.nbytes += array.nbytes
 
+    def save_input(self, name: str, batch: int, array: np.ndarray) -> None:
+        """A graph input's array: shared with the earliest batch whose array is the same (dtype, shape
+        and bytes: a digest, then the arrays compared), else saved."""
+        array = np.ascontiguousarray(array)
+        digest = hashlib.blake2b(array.view(np.uint8).reshape(-1), digest_size=16)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        key = (name, digest.hexdigest())
+        first = self._digests.get(key)
+        if first is not None:
+            stored = self.load(name, first)
+            if stored.dtype == array.dtype and stored.shape == array.shape and np.array_equal(stored, array):
+                self.share(name, batch, first)
+                return
+        self._digests.setdefault(key, batch)
+        self.save(name, batch, array)
+
+    def share(self, name: str, batch: int, other: int) -> None:
+        """``batch``'s ``name`` is ``other``'s: no file of its own."""
+        self.owners[(name, batch)] = self.owner(name, other)
+
     def load(self, name: str, batch: int) -> np.ndarray:
-        return np.load(self._path(name, batch), allow_pickle=False)
+        return np.load(self._path(name, self.owner(name, batch)), allow_pickle=False)
 
     def drop(self, name: str, batches: int) -> None:
         for b in range(batches):
+            self.owners.pop((name, b), None)
             self._path(name, b).unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -137,7 +166,7 @@ def run_segmented(
         for feed in feeds:
             for name, array in feed.items():
                 if name in graph_inputs:
-                    spill.save(name, num_batches, array)
+                    spill.save_input(name, num_batches, array)
             num_batches += 1
         last_read = {known.name(v): i for i, seg in enumerate(segments) for v in seg.inputs}
         for i, seg in enumerate(segments):
@@ -159,15 +188,32 @@ def run_segmented(
 
 
 def _run_segment(model, seg, place: str, num_batches, spill, wanted, on_result, provider, progress, keep=True):
-    """Segment ``seg`` (``place``: "i/n") over every batch: ``wanted`` values to ``on_result``, later ones spilled."""
+    """Segment ``seg`` (``place``: "i/n") over every batch: ``wanted`` values to ``on_result``, later ones spilled.
+    A batch whose every input is an earlier batch's (``Spill.owner``: the loss choice's gate settings before
+    their gate's segment) is not run again: it gets that batch's values."""
     what = f"Calibration segment {place} (from node {seg.nodes[0].name!r})"
     names = [v.name for v in seg.outputs]
+    sources = [tuple(spill.owner(v.name, b) for v in seg.inputs) for b in range(num_batches)]
+    first_with: dict[tuple[int, ...], int] = {}
+    same = [first_with.setdefault(src, b) for b, src in enumerate(sources)]  # the batch each one repeats
+    last_use = {a: b for b, a in enumerate(same)}
+    shared: dict[int, dict[str, np.ndarray]] = {}  # a repeated batch's wanted values, until its last repeat
     batches = range(num_batches)
     if progress is not None:
         batches = progress(batches, num_batches, f"segment {place}")
     session = None
     weights = {}  # read once per segment: views of the memory-mapped file (or computed once, if lazy)
     for b in batches:
+        if same[b] != b:  # the values of an earlier batch, which had the same inputs
+            a = same[b]
+            on_result(b, dict(shared[a]))
+            if keep:
+                for name in names:
+                    if name in seg.later:
+                        spill.share(name, b, a)
+            if last_use[a] == b:
+                del shared[a]
+            continue
         feed = {v.name: spill.load(v.name, b) for v in seg.inputs}
         if session is None:
             with phase("segment sessions"):
@@ -183,7 +229,10 @@ def _run_segment(model, seg, place: str, num_batches, spill, wanted, on_result, 
         except Exception as exc:
             raise Fp8OnnxError(f"{what} failed on batch {b} in onnxruntime: {first_line(exc)}") from exc
         del feed
-        on_result(b, {name: array for name, array in zip(names, values) if name in wanted})
+        results = {name: array for name, array in zip(names, values) if name in wanted}
+        if last_use[b] != b:
+            shared[b] = results
+        on_result(b, results)
         for name, array in zip(names, values):
             if keep and name in seg.later:
                 spill.save(name, b, array)
