@@ -277,3 +277,26 @@ def test_a_batch_whose_inputs_repeat_an_earlier_batchs_is_not_run_again(monkeypa
     session = ort.InferenceSession(whole, providers=["CPUExecutionProvider"])
     for b, feed in enumerate(feeds):
         np.testing.assert_allclose(got[b], session.run(["y"], feed)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_the_spill_shares_a_graph_input_only_with_an_equal_array():
+    """requires: arrays saved as graph inputs, some equal to an earlier one. ensures: an equal array (dtype, shape,
+    values) names the earlier batch and has no file; one that differs in any of them has its own; every array
+    loads back with its own shape (a 0-d gate stays 0-d)."""
+    from fp8onnx.pipeline.segments import Spill
+
+    spill = Spill()
+    try:
+        x = np.arange(6, dtype=np.int64).reshape(2, 3)
+        arrays = [x, np.asfortranarray(x), x.reshape(3, 2), x.astype(np.int32), x + 1, np.asarray(1.0, np.float32)]
+        arrays.append(np.asarray(1.0, np.float32))
+        for b, array in enumerate(arrays):
+            spill.save_input("x" if b < 5 else "g", b, array)
+        assert [spill.owner("x", b) for b in range(5)] == [0, 0, 2, 3, 4]
+        assert (spill.owner("g", 5), spill.owner("g", 6)) == (5, 5)
+        assert len(list(spill.root.iterdir())) == 5
+        for b, array in enumerate(arrays):
+            got = spill.load("x" if b < 5 else "g", b)
+            assert got.shape == array.shape and got.dtype == array.dtype and np.array_equal(got, array)
+    finally:
+        spill.close()

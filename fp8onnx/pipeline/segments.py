@@ -104,8 +104,8 @@ class Spill:
     def save_input(self, name: str, batch: int, array: np.ndarray) -> None:
         """A graph input's array: shared with the earliest batch whose array is the same (dtype, shape
         and bytes: a digest, then the arrays compared), else saved."""
-        array = np.ascontiguousarray(array)
-        digest = hashlib.blake2b(array.view(np.uint8).reshape(-1), digest_size=16)
+        flat = np.ascontiguousarray(array).reshape(-1)  # a 0-d array as one element: the saved array keeps its shape
+        digest = hashlib.blake2b(flat.view(np.uint8), digest_size=16)
         digest.update(f"{array.dtype.str}{array.shape}".encode())
         key = (name, digest.hexdigest())
         first = self._digests.get(key)
