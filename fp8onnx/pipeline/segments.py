@@ -105,7 +105,7 @@ class Spill:
         """A graph input's array: shared with the earliest batch whose array is the same (dtype, shape
         and bytes: a digest, then the arrays compared), else saved."""
         flat = np.ascontiguousarray(array).reshape(-1)  # a 0-d array as one element: the saved array keeps its shape
-        digest = hashlib.blake2b(flat.view(np.uint8), digest_size=16)
+        digest = hashlib.blake2b(flat.view(np.uint8).data, digest_size=16)
         digest.update(f"{array.dtype.str}{array.shape}".encode())
         key = (name, digest.hexdigest())
         first = self._digests.get(key)
