@@ -45,7 +45,7 @@ from fp8onnx.graph import known
 from fp8onnx.graph.cpu_ep import cuda_only_ops
 from fp8onnx.graph.model_io import load_model, model_file
 from fp8onnx.graph.run_settings import RunOptions, resolve_provider
-from fp8onnx.graph.runtime import make_session, session_for_model
+from fp8onnx.graph.runtime import folds_at_load, make_session, session_for_model
 from fp8onnx.passes import BLOCK_FP8_OP
 from fp8onnx.settings.keywords import refuse_unknown, take
 from fp8onnx.techniques.family import detect_family
@@ -119,13 +119,13 @@ def compare(
     if metric not in METRICS:
         raise Fp8OnnxError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}.")
     classes = class_outputs(ref_model) | ({out_names[0]} if metric == "top1" else set())
-    models = _models(ref_model, reference, zip(candidates, named), provider, fp16)
+    models, unfolded = _models(ref_model, reference, zip(candidates, named), provider, fp16)
     source, total = _source(data, ref_model, run.batch, max_samples)
-    notes = _emulation_notes(models, provider)
+    notes = _emulation_notes(models, provider) + [f"{name}: {why}." for name, why in unfolded.items()]
     open_reference = None
     # a kept reference pass (reference_run) serves later calls whose candidates may not trim: runs as it is
     if getattr(source, "task", None) is not None and not run.distributed and reference_run is None:
-        trim = _trimmed_models(ref_model, reference, models, provider)
+        trim = _trimmed_models(ref_model, reference, models, provider, unfolded)
         if trim is not None:
             open_reference, models = trim
             source = ScoredPositions(source)
@@ -168,25 +168,33 @@ def _task_scores(rows, task) -> None:
         row.perplexity = float(np.exp(nll.mean())) if len(nll) and task.kind == "completion" else None
 
 
-def _models(ref_model, reference, candidates, provider: str, fp16: bool) -> dict:
-    """name -> (path or None, builder of its session): FP16 (unless ``fp16`` is False), then each
-    (candidate, name), a repeated name primed; every candidate loaded and its outputs checked here,
-    before the long runs."""
+def _models(ref_model, reference, candidates, provider: str, fp16: bool) -> tuple[dict, dict[str, str]]:
+    """(name -> (path or None, builder of its session), name -> why its float8 weights are dequantized at every
+    run): FP16 (unless ``fp16`` is False), then each (candidate, name), a repeated name primed; every candidate
+    loaded and its outputs checked here, before the long runs. A candidate's CPU session dequantizes its float8
+    weights once at load where they fit the memory available then, else at every run
+    (:func:`fp8onnx.graph.runtime.folds_at_load`)."""
     out_names = [v.name for v in ref_model.graph.outputs]
     models: dict[str, tuple[str | None, Callable[[], object]]] = {}
+    unfolded: dict[str, str] = {}
     if fp16:
         models["FP16"] = (None, lambda **kw: _fp16_session(ref_model, reference, provider, **kw))
     for cand, name in candidates:
-        theirs = [v.name for v in load_model(cand).graph.outputs]  # a clear error for a missing or bad file
+        model = load_model(cand)  # a clear error for a missing or bad file
+        theirs = [v.name for v in model.graph.outputs]
         while name in models or name == _REFERENCE:
             name += "'"
         if theirs != out_names:
             raise Fp8OnnxError(f"Model {name!r} has outputs {theirs}; the reference has {out_names}.")
-        models[name] = (str(cand), functools.partial(_session, cand, provider))
-    return models
+        fold, why = folds_at_load(model) if provider == "cpu" else (True, "")
+        if not fold:
+            unfolded[name] = why
+            logger.info("%s: %s", name, why)
+        models[name] = (str(cand), functools.partial(_session, cand, provider, fold))
+    return models, unfolded
 
 
-def _trimmed_models(ref_model, reference, models: dict, provider: str):
+def _trimmed_models(ref_model, reference, models: dict, provider: str, unfolded: dict):
     """(the reference's session builder, ``models`` with builders of sessions) for the models trimmed to a
     task's scored positions (:func:`fp8onnx.accuracy.scored_positions.trimmed`; the FP16 baseline is built
     from the trimmed reference), or None, nothing changed, where some model cannot be trimmed."""
@@ -202,14 +210,19 @@ def _trimmed_models(ref_model, reference, models: dict, provider: str):
     mine = ref_model.clone()  # the FP16 baseline converts ref_model itself
     what = f"Reference model {str(reference)!r}"
     trims = {
-        name: (path, build if path is None else functools.partial(_model_session, loaded[name], provider, path))
+        name: (
+            path,
+            build
+            if path is None
+            else functools.partial(_model_session, loaded[name], provider, path, fold=name not in unfolded),
+        )
         for name, (path, build) in models.items()
     }
     return functools.partial(session_for_model, mine, provider, what, arena=False), trims
 
 
-def _model_session(model, provider: str, path: str):
-    return session_for_model(model, provider, f"Candidate model {path!r}", arena=False)
+def _model_session(model, provider: str, path: str, fold: bool = True):
+    return session_for_model(model, provider, f"Candidate model {path!r}", arena=False, fold=fold)
 
 
 def _source(data, ref_model, batch_size: int, max_samples: int | None):

@@ -125,7 +125,8 @@ class CompareResult:
                 f"ms/batch: median onnxruntime time per batch after a warm-up one; MiB: heap the session holds "
                 f"({self.provider}). On the CPU EP FP8 buys file size, not speed or memory: it has no FP8 GEMM; "
                 "these sessions set session.disable_quant_qdq=1, which dequantizes each float8 weight once at load "
-                "(at onnxruntime's defaults, again at every run)."
+                "(at onnxruntime's defaults, again at every run; here too where once at load would not fit the memory "
+                "available: a note names the model)."
             )
         out.extend(self._generation_lines())
         return "\n".join(out)

@@ -24,7 +24,7 @@ from fp8onnx.base.errors import Fp8OnnxError, first_line
 from fp8onnx.base.progress import progress_bar
 from fp8onnx.data.datasource import DataSource
 from fp8onnx.graph.run_settings import RunOptions
-from fp8onnx.graph.runtime import make_session, portable_model, session_for_model
+from fp8onnx.graph.runtime import available_memory, make_session, portable_model, session_for_model
 from fp8onnx.passes import ConvertFloat16Pass
 from fp8onnx.pipeline.segments import Spill
 
@@ -274,18 +274,6 @@ def _weight_bytes(path) -> int:
     return path.stat().st_size + sum((path.parent / p).stat().st_size for p in places if (path.parent / p).is_file())
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available now (/proc/meminfo's MemAvailable); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        return None
-    return None  # pragma: no cover
-
-
 class _Cost:
     """A session's run time per batch, and the memory it holds: the C heap in use (glibc's mallinfo2)
     while it is alive, after its last run, less before it was built. Resident-set sizes cannot tell
@@ -320,8 +308,8 @@ class _Cost:
         return latency, None if self.held is None else self.held / 2**20
 
 
-def _session(path, provider: str):
-    return make_session(pathlib.Path(path), provider, f"Candidate model {str(path)!r}", arena=False)
+def _session(path, provider: str, fold: bool = True):
+    return make_session(pathlib.Path(path), provider, f"Candidate model {str(path)!r}", arena=False, fold=fold)
 
 
 def _fp16_session(ref_model, reference, provider: str, serialized: bool = False):
