@@ -4,6 +4,7 @@ re-rendered, fails here."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -64,3 +65,38 @@ def test_a_marker_that_names_no_result_file_is_one_sentence(tmp_path):
     page.write_text("<!-- table: docs/results/smollm2_lambada300_grid.json sets=hellaswag -->\n| a |\n")
     (problem,) = docs_tables.check(page)
     assert "has no set 'hellaswag'" in problem
+
+
+def test_a_cost_table_renders_floor_runs_in_order_and_fails_on_an_altered_figure(tmp_path):
+    """requires: ``tests/bench/floor.py --json`` documents. ensures: their rows, file by file, in one table; a
+    figure typed differently is a difference naming the files."""
+
+    def run(model, wall, rss, fp32):
+        floor = {"wall_s": 10.0, "peak_rss_mib": 1000.0, "runs_wall_s": [10.0]}
+        quantize = {"wall_s": wall, "peak_rss_mib": rss, "phases": ""}
+        return {
+            "model": model,
+            "options": [],
+            "fp32_mib": fp32,
+            "floor": floor,
+            "quantize": quantize,
+            "time_ratio": wall / 10.0,
+            "rss_ratio": rss / 1000.0,
+            "rss_over_model": rss / fp32,
+        }
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"machine": "m", "date": "2026-12-07", "results": [run("small", 12.0, 500.0, 600.0)]}))
+    b.write_text(json.dumps({"machine": "m", "results": [run("large", 25.0, 2000.0, 6000.0)]}))
+    table = docs_tables.render(f"{a},{b}", "")
+    rows = table.split("\n")[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["small", "large"]
+    assert "| 1.20x | 0.50x | 0.83x | 2026-12-07 |" in rows[0] and "| 2.50x | 2.00x | 0.33x | - |" in rows[1]
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- table: {a},{b} -->\n{table}\n")
+    assert docs_tables.check(page) == []
+    page.write_text(f"<!-- table: {a},{b} -->\n{table.replace('2.50x', '2.40x')}\n")
+    (problem,) = docs_tables.check(page)
+    assert "reads '2.40x' where" in problem and str(b) in problem
+    with pytest.raises(docs_tables.TableError, match="several result files make a cost table"):
+        docs_tables.render(f"{a},docs/results/qwen_full.json", "")

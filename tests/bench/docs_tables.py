@@ -9,6 +9,10 @@ optionally, which of its figures to show::
     |---|---|---|
     ...
 
+A marker may instead name one or more ``tests/bench/floor.py --json`` files (comma-separated, no spaces:
+``<!-- table: docs/results/cost_a.json,docs/results/cost_b.json -->``): their rows, in that order, render the
+cost table (each model's quantize time and peak memory against the floor measured in the same run).
+
 ``sets=`` and ``recipes=`` (comma-separated, in the order shown; quoted where a name has spaces:
 ``recipes="FP32 (reference),FP16"``) cut the records; a recipe may be renamed for
 the table as ``file=shown`` (``llm-w8a8.onnx=llm-w8a8``); ``gaps`` renders the table of every model's
@@ -46,17 +50,54 @@ class TableError(ValueError):
 
 
 def records(path: pathlib.Path) -> list[dict]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TableError(f"result file {path} cannot be read: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+    data = _load(path)
+    if not isinstance(data.get("records"), list):
         raise TableError(f"result file {path} has no 'records' list (yardstick_table.py --json writes one)")
     return data["records"]
 
 
-def render(path: pathlib.Path, options: str) -> str:
-    """The table a marker's result file and options render."""
+def _load(path: pathlib.Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TableError(f"result file {path} cannot be read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TableError(f"result file {path} holds no JSON object")
+    return data
+
+
+def cost_table(docs: list[tuple[str, dict]]) -> str:
+    """The cost table of ``floor.py --json`` documents ``(path, document)``: per model and run, the FP32 file,
+    the quantize options, the floor's and quantize's wall time and peak RSS (the median run's), and the ratios
+    floor.py computed."""
+    lines = [
+        "| model | FP32 file | quantize options | floor: time, peak RSS | quantize: time, peak RSS | time vs floor "
+        "| peak vs floor | peak vs file | date |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path, doc in docs:
+        if not isinstance(doc.get("results"), list):
+            raise TableError(f"result file {path} has no 'results' list (tests/bench/floor.py --json writes one)")
+        for r in doc["results"]:
+            floor, q = r["floor"], r["quantize"]
+            lines.append(
+                f"| {r['model']} | {r['fp32_mib']:,.0f} MiB | {' '.join(r.get('options') or []) or 'defaults'} "
+                f"| {floor['wall_s']:,.0f} s, {floor['peak_rss_mib']:,.0f} MiB "
+                f"| {q['wall_s']:,.0f} s, {q['peak_rss_mib']:,.0f} MiB | {r['time_ratio']:.2f}x "
+                f"| {r['rss_ratio']:.2f}x | {r['rss_over_model']:.2f}x | {doc.get('date', '-')} |"
+            )
+    return "\n".join(lines)
+
+
+def render(result: str, options: str) -> str:
+    """The table a marker's result file (or files, comma-separated) and options render."""
+    paths = [ROOT / part for part in result.split(",")]
+    docs = [(p, _load(p)) for p in paths]
+    if all("results" in doc for _, doc in docs):
+        return cost_table(docs)
+    if len(paths) > 1:
+        raise TableError(f"{result}: several result files make a cost table (tests/bench/floor.py --json) only")
+    path = paths[0]
     recs = records(path)
     opts = dict(o.partition("=")[::2] for o in shlex.split(options))
     sets = opts["sets"].split(",") if opts.get("sets") else list(dict.fromkeys(r["set"] for r in recs))
@@ -96,7 +137,7 @@ def check(path: pathlib.Path, write: bool = False) -> list[str]:
     problems = []
     for start, end, result, options in reversed(tables(text)):
         try:
-            rendered = render(ROOT / result, options).split("\n")
+            rendered = render(result, options).split("\n")
         except TableError as exc:
             problems.append(f"{path}:{start}: {exc}")
             continue
@@ -111,8 +152,11 @@ def check(path: pathlib.Path, write: bool = False) -> list[str]:
 
 
 def rendered_figures(path: pathlib.Path) -> set[str]:
-    """Every figure the records of ``path`` render: ratios, perplexity changes, their errors, gaps."""
-    out = set()
+    """Every figure the records of ``path`` render: ratios, perplexity changes, their errors, gaps (a cost
+    table's file renders no percentage)."""
+    out: set[str] = set()
+    if "results" in _load(path):
+        return out
     for r in records(path):
         for key in ("ratio_to_fp16", "ppl_change", "vs_anchor", "ppl_vs_anchor"):
             if r.get(key) is None:

@@ -18,6 +18,7 @@ folder, for the accuracy runs that follow: a large model is then quantized once,
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 import sys
@@ -95,6 +96,8 @@ def main() -> None:
             q = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
         row = {
             "model": name,
+            "options": extra,  # the quantize options after --
+            "calibration": str(calib),
             "fp32_mib": size_mib,
             "floor": {k: floor[k] for k in ("wall_s", "peak_rss_mib", "runs_wall_s")},  # the median run's
             "quantize": {"wall_s": q["wall_s"], "peak_rss_mib": q["peak_rss_mib"], "phases": q["phases"]},
@@ -112,7 +115,8 @@ def main() -> None:
         )
         print(q["phases"])
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=1) + "\n")
+        doc = {"machine": machine(), "date": datetime.date.today().isoformat(), "results": results}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
