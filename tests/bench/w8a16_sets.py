@@ -43,7 +43,7 @@ def build(out: pathlib.Path, n_calib: int) -> None:
     from build_smollm2 import find_gguf, load_model, wrapper
     from deploy import build as build_torch_and_genai
 
-    build_torch_and_genai(out, 128, n_calib, 4)
+    build_torch_and_genai(out, 128, n_calib, 4, "smollm2", ["torch", "genai"])
     model, _ = load_model(find_gguf())
     dynamo = out / "dynamo"
     error = export_dynamo(model, dynamo / "model.onnx", 128, wrap=wrapper)  # opset 18, external data
