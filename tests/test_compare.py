@@ -464,3 +464,33 @@ def test_an_fp8_model_whose_dequantized_weights_would_not_fit_memory_dequantizes
     assert a.session_mib - b.session_mib > 0.4 * runtime.dequantized_bytes(model) / 2**20
     assert abs(a.accuracy - b.accuracy) <= 0.01 and abs(a.perplexity / b.perplexity - 1) < 1e-3
     assert np.allclose(a.columns["nll"], b.columns["nll"], rtol=1e-3, atol=1e-4)
+
+
+def test_generation_holds_one_models_session_at_a_time(tmp_path, monkeypatch):
+    """requires: a language model and a candidate, generation asked for. ensures: greedy generation holds
+    one model's session at a time (FP32's, FP16's and each candidate's one after the other): when a model's
+    generator is made from its new session, no earlier model's generator (and session) is alive."""
+    import weakref
+
+    from fp8onnx.accuracy import compare as compare_module
+
+    from helpers import SAMPLE
+
+    real = compare_module.Generator
+    made: list = []
+    alive_when_made: list[int] = []
+
+    def counted(sessions, **kw):
+        alive_when_made.append(sum(r() is not None for r in made))
+        generator = real(sessions, **kw)
+        made.append(weakref.ref(generator))
+        return generator
+
+    monkeypatch.setattr(compare_module, "Generator", counted)
+    same = tmp_path / "same.onnx"
+    same.write_bytes((SAMPLE / "decoder.onnx").read_bytes())
+    result = fp8onnx.compare(
+        SAMPLE / "decoder.onnx", [same], SAMPLE / "eval.npz", generate=4, prompts=2, provider="cpu"
+    )
+    assert result.generation is not None
+    assert alive_when_made == [0, 0, 0]  # FP32, FP16, same.onnx
